@@ -1,0 +1,215 @@
+"""The two contiguous KV caches every inference engine starts from (notebook 01).
+
+Both keep, per layer, keys and values as ``[B, H_kv, T, D]`` tensors, exactly what attention
+consumes, and know nothing of transformers: :mod:`kvlab.hf` plugs them into an unmodified model.
+
+* :class:`ContiguousCache` grows by concatenation. Simple and tight, but every append copies the
+  whole layer cache into a new tensor: it counts the bytes it copies.
+* :class:`StaticCache` reserves ``[max_batch, H_kv, max_seq_len, D]`` up front, like early serving
+  systems and HF's ``StaticCache``. Nothing is ever copied, but every slot a sequence does not
+  use is reserved for nothing: it reports its utilization (tokens stored / slots reserved).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _check_kv(name: str, k: torch.Tensor, v: torch.Tensor) -> None:
+    if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+        raise TypeError(f"{name}: keys and values must be tensors, got {type(k).__name__}, {type(v).__name__}")
+    if k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"{name}: keys/values must both be [B, H_kv, T, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """The per-layer geometry a cache needs, read from an HF config (or given by hand)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_model(cls, model) -> "CacheShape":
+        from kvlab.sizing import kv_config
+
+        cfg = kv_config(model)
+        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+
+
+class ContiguousCache:
+    """Growing contiguous cache: ``torch.cat`` on every append (what HF's DynamicCache does)."""
+
+    kind = "dynamic"
+
+    def __init__(self, num_layers: int):
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
+        self.num_layers = num_layers
+        self.keys: list[torch.Tensor | None] = [None] * num_layers  # each (B, H_kv, T, D)
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.bytes_copied = 0  # bytes moved by torch.cat into new tensors, over all layers
+        self.appends = 0
+
+    @classmethod
+    def from_model(cls, model) -> "ContiguousCache":
+        return cls(CacheShape.from_model(model).num_layers)
+
+    def _check_layer(self, layer_idx: int) -> None:
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"layer_idx must be in [0, {self.num_layers}), got {layer_idx!r}")
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``k, v`` (B, H_kv, q_len, D) and return the layer's whole cache (B, H_kv, T, D)."""
+        self._check_layer(layer_idx)
+        _check_kv("ContiguousCache.update", k, v)
+        old_k, old_v = self.keys[layer_idx], self.values[layer_idx]
+        if old_k is None:
+            new_k, new_v = k.contiguous(), v.contiguous()
+        else:
+            if old_k.shape[0] != k.shape[0] or old_k.shape[1] != k.shape[1] or old_k.shape[3] != k.shape[3]:
+                raise ValueError(
+                    f"ContiguousCache.update: new keys {tuple(k.shape)} do not match the cached {tuple(old_k.shape)} "
+                    "in batch, heads or head_dim"
+                )
+            new_k = torch.cat([old_k, k], dim=2)  # (B, H_kv, T + q_len, D): a fresh tensor each time
+            new_v = torch.cat([old_v, v], dim=2)
+            self.bytes_copied += old_k.nbytes + old_v.nbytes
+        self.keys[layer_idx], self.values[layer_idx] = new_k, new_v
+        self.appends += 1
+        return new_k, new_v
+
+    def seq_len(self, layer_idx: int = 0) -> int:
+        k = self.keys[layer_idx]
+        return 0 if k is None else k.shape[2]
+
+    @property
+    def max_seq_len(self) -> int | None:
+        return None
+
+    def reset(self) -> None:
+        self.keys = [None] * self.num_layers
+        self.values = [None] * self.num_layers
+        self.bytes_copied = 0
+        self.appends = 0
+
+    def stats(self) -> dict:
+        allocated = sum(t.nbytes for t in self.keys + self.values if t is not None)
+        k0 = self.keys[0]
+        return {
+            "kind": self.kind,
+            "batch": 0 if k0 is None else k0.shape[0],
+            "seq_len": self.seq_len(0),
+            "bytes_allocated": allocated,
+            "bytes_copied": self.bytes_copied,
+            "appends": self.appends,
+        }
+
+
+class StaticCache:
+    """Pre-allocated contiguous cache of ``max_batch`` rows x ``max_seq_len`` slots per layer.
+
+    Rows are written left to right; the first ``seq_len`` slots hold tokens (padding included, for
+    left-padded batches) and the rest is reserved but empty. ``update`` returns views of only the
+    filled slots, so attention reads exactly what a growing cache would hold: the waste is memory,
+    not compute.
+    """
+
+    kind = "static"
+
+    def __init__(self, num_layers: int, max_batch: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        for name, value in (("num_layers", num_layers), ("max_batch", max_batch), ("num_kv_heads", num_kv_heads),
+                            ("max_seq_len", max_seq_len), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        self.num_layers, self.max_batch, self.num_kv_heads = num_layers, max_batch, num_kv_heads
+        self.max_seq_len, self.head_dim, self.dtype = max_seq_len, head_dim, dtype
+        shape = (max_batch, num_kv_heads, max_seq_len, head_dim)  # (B_max, H_kv, T_max, D)
+        self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._len = [0] * num_layers  # filled slots per layer (all rows advance together)
+        self.batch = 0  # rows in use
+        self.padding = [0] * max_batch  # left-padding slots per row (not real tokens)
+
+    @classmethod
+    def from_model(cls, model, max_batch: int, max_seq_len: int, dtype: torch.dtype | None = None,
+                   device=None) -> "StaticCache":
+        shape = CacheShape.from_model(model)
+        p = next(model.parameters())
+        return cls(shape.num_layers, max_batch, shape.num_kv_heads, max_seq_len, shape.head_dim,
+                   dtype=dtype or p.dtype, device=device or p.device)
+
+    def mark_padding(self, pad_per_row: list[int]) -> None:
+        """Tell the cache how many of each row's slots are left padding (for honest utilization)."""
+        if len(pad_per_row) > self.max_batch or any(p < 0 for p in pad_per_row):
+            raise ValueError(f"pad_per_row must have <= {self.max_batch} non-negative entries, got {pad_per_row}")
+        self.padding = list(pad_per_row) + [0] * (self.max_batch - len(pad_per_row))
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``k, v`` (B, H_kv, q_len, D) at the next free slots; return views (B, H_kv, T, D)."""
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"layer_idx must be in [0, {self.num_layers}), got {layer_idx!r}")
+        _check_kv("StaticCache.update", k, v)
+        b, h, q_len, d = k.shape
+        start = self._len[layer_idx]
+        # every check happens before the first write, so a refused update leaves the cache as it was
+        if b > self.max_batch:
+            raise ValueError(f"batch {b} exceeds this static cache's max_batch={self.max_batch}")
+        if h != self.num_kv_heads or d != self.head_dim:
+            raise ValueError(f"keys have {h} heads x {d} dims, the cache holds {self.num_kv_heads} x {self.head_dim}")
+        if start > 0 and b != self.batch:
+            raise ValueError(f"batch changed from {self.batch} to {b} mid-sequence; reset() the cache first")
+        if start + q_len > self.max_seq_len:
+            raise ValueError(
+                f"static cache full: {start} + {q_len} tokens exceed max_seq_len={self.max_seq_len}"
+            )
+        self.k_cache[layer_idx][:b, :, start:start + q_len] = k
+        self.v_cache[layer_idx][:b, :, start:start + q_len] = v
+        self._len[layer_idx] = start + q_len
+        self.batch = b
+        end = start + q_len
+        return self.k_cache[layer_idx][:b, :, :end], self.v_cache[layer_idx][:b, :, :end]
+
+    def seq_len(self, layer_idx: int = 0) -> int:
+        return self._len[layer_idx]
+
+    def reset(self) -> None:
+        """Forget the contents (the memory stays reserved, as in a real static cache)."""
+        self._len = [0] * self.num_layers
+        self.batch = 0
+        self.padding = [0] * self.max_batch
+
+    @property
+    def bytes_reserved(self) -> int:
+        return sum(t.nbytes for t in self.k_cache + self.v_cache)
+
+    def stats(self) -> dict:
+        """Where the reserved slots went: real tokens, left padding, empty rows and empty tail."""
+        slots = self.max_batch * self.max_seq_len
+        filled = self._len[0] * self.batch
+        padding = sum(min(p, self._len[0]) for p in self.padding[: self.batch])
+        tokens = filled - padding
+        bytes_per_slot = self.bytes_reserved // slots
+        return {
+            "kind": self.kind,
+            "dtype": _DTYPE_NAMES.get(self.dtype, str(self.dtype)),
+            "max_batch": self.max_batch,
+            "max_seq_len": self.max_seq_len,
+            "batch": self.batch,
+            "seq_len": self._len[0],
+            "slots_reserved": slots,
+            "tokens_stored": tokens,
+            "padding_slots": padding,
+            "empty_slots": slots - filled,
+            "utilization": tokens / slots,
+            "bytes_reserved": self.bytes_reserved,
+            "bytes_holding_tokens": tokens * bytes_per_slot,
+        }

@@ -1,0 +1,159 @@
+"""The ``kvlab`` command: ``info``, ``size``, ``generate``, ``convert``. Every subcommand takes ``--json``.
+
+Errors go to stderr as one ``kvlab: error: ...`` line with exit status 2, so scripts (and the
+tests) can tell bad input from a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+class CLIError(Exception):
+    pass
+
+
+def _positive_int(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        return value
+
+    return parse
+
+
+def _emit(obj: dict, as_json: bool, lines: list[str]) -> None:
+    if as_json:
+        print(json.dumps(obj))
+    else:
+        print("\n".join(lines))
+
+
+def cmd_info(args) -> None:
+    from kvlab.env import lab_info
+    from kvlab.kernels import triton_mode
+    from kvlab.models import cache_dir, model_status
+
+    info = lab_info()
+    obj = {**info.__dict__, "triton_mode": triton_mode(), "cache_dir": str(cache_dir()), "models": model_status()}
+    lines = [info.line(), f"cache dir: {obj['cache_dir']}"]
+    for name, st in obj["models"].items():
+        lines.append(f"model {name}: {'converted' if st['converted'] else 'not converted yet'} ({st['folder']})")
+    _emit(obj, args.json, lines)
+
+
+def cmd_size(args) -> None:
+    from kvlab.sizing import PRESETS, fmt_bytes, kv_config, kv_size
+
+    model = args.model
+    if model.lower() not in PRESETS:
+        from kvlab.models import resolve_name
+
+        name = resolve_name(model)
+        try:
+            from transformers import AutoConfig
+
+            model = AutoConfig.from_pretrained(name)
+        except (OSError, ValueError):
+            raise CLIError(f"unknown model {args.model!r}: use a preset ({', '.join(sorted(PRESETS))}), "
+                           "a local model folder or a reachable HF id") from None
+    cfg = kv_config(model)
+    size = kv_size(cfg, args.dtype, tokens=args.tokens, batch=args.batch, scales=args.scales)
+    obj = {**size.as_dict(), "attention": cfg.attention, "num_layers": cfg.num_layers,
+           "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim}
+    lines = [
+        f"{cfg.name}: {cfg.num_layers} layers, {cfg.attention}, {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims",
+        f"{args.dtype} ({"no" if size.scales == "none" else size.scales} scales): {fmt_bytes(size.bytes_per_token)} per token",
+        f"{args.tokens} tokens x batch {args.batch}: {fmt_bytes(size.total_bytes)} ({size.total_bytes:,} bytes)",
+    ]
+    _emit(obj, args.json, lines)
+
+
+def cmd_generate(args) -> None:
+    from kvlab.hf import encode_prompts, greedy_generate
+    from kvlab.models import load_model
+
+    model, tokenizer = load_model(args.model)
+    prompts = encode_prompts(tokenizer, args.prompt)
+    result = greedy_generate(model, prompts, args.max_tokens, cache=args.cache,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id or 0,
+                             max_seq_len=args.max_seq_len)
+    ids = result.token_ids[0]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    obj = {"model": args.model, "cache": args.cache, "prompt": args.prompt, "prompt_ids": prompts[0],
+           "text": text, "token_ids": ids, "prefill_s": result.prefill_s,
+           "decode_tokens_per_s": result.decode_tokens_per_s, "cache_stats": result.cache_stats}
+    lines = [args.prompt + text, "",
+             f"[{len(ids)} tokens, cache={args.cache}, decode {result.decode_tokens_per_s:.1f} tok/s]"]
+    if result.cache_stats.get("utilization") is not None:
+        lines.append(f"[static cache utilization {result.cache_stats['utilization']:.1%}]")
+    _emit(obj, args.json, lines)
+
+
+def cmd_convert(args) -> None:
+    from kvlab.models import convert_smollm2
+
+    folder = convert_smollm2(force=args.force)
+    _emit({"folder": str(folder)}, args.json, [f"smollm2-135m ready in {folder}"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvlab.cache import CACHE_KINDS
+    from kvlab.sizing import DTYPE_BITS
+
+    p = argparse.ArgumentParser(prog="kvlab", description="The KV-cache lab's command line.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("info", help="versions, device, triton mode, model cache status")
+    s.set_defaults(func=cmd_info)
+
+    s = sub.add_parser("size", help="KV-cache size calculator")
+    s.add_argument("--model", default="smollm2-135m", help="preset name, local folder or HF id")
+    s.add_argument("--dtype", default="fp16", choices=sorted(DTYPE_BITS))
+    s.add_argument("--tokens", type=_positive_int("--tokens"), default=4096)
+    s.add_argument("--batch", type=_positive_int("--batch"), default=1)
+    s.add_argument("--scales", default=None, help="none, per-tensor, per-head, per-channel, per-token, "
+                                                   "per-token-head, group-<g> (default depends on dtype)")
+    s.set_defaults(func=cmd_size)
+
+    s = sub.add_parser("generate", help="greedy generation through a chosen KV cache")
+    s.add_argument("--model", default="smollm2-135m")
+    s.add_argument("--cache", default="dynamic", choices=CACHE_KINDS)
+    s.add_argument("--prompt", required=True)
+    s.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=32)
+    s.add_argument("--max-seq-len", type=_positive_int("--max-seq-len"), default=None,
+                   help="static cache slots per sequence (default: prompt + max tokens)")
+    s.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("convert", help="convert the bundled SmolLM2 GGUF to safetensors (once)")
+    s.add_argument("--force", action="store_true")
+    s.set_defaults(func=cmd_convert)
+
+    for s in sub.choices.values():
+        s.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import kvlab  # noqa: F401  (sets the Triton mode before anything imports triton)
+    from kvlab.env import silence_known_warnings
+
+    silence_known_warnings()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except (CLIError, ValueError, TypeError, FileNotFoundError) as e:
+        print(f"kvlab: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
