@@ -175,8 +175,6 @@ def greedy_generate(model, prompts, max_new_tokens: int, cache="dynamic", eos_to
             store = make_store(kind, model, batch=batch, max_seq_len=max_seq_len)
     else:
         store, kind = cache, getattr(cache, "kind", type(cache).__name__)
-    if isinstance(store, StaticCache):
-        store.mark_padding([width - len(p) for p in prompts])
     hf_cache = KVLabCache(store) if store is not None else None
 
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -217,6 +215,10 @@ def greedy_generate(model, prompts, max_new_tokens: int, cache="dynamic", eos_to
         mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=device)], dim=1)
         if store is None:
             seq = torch.cat([seq, next_ids[:, None]], dim=1)
+    if isinstance(store, StaticCache):
+        # real tokens per row: its prompt plus the generated tokens fed back before the loop ended
+        fed = step  # tokens fed back = steps run - 1
+        store.set_real_tokens([len(p) + min(len(g), fed) for p, g in zip(prompts, generated)])
     return Generation(token_ids=generated, cache=kind, prefill_s=prefill_s, step_s=step_s,
                       cache_stats=store.stats() if store is not None else {})
 

@@ -185,6 +185,9 @@ def load_model(name: str = "smollm2-135m", dtype: torch.dtype | None = None, dev
         raise ValueError(
             f"unknown model {name!r}: use one of {KNOWN_MODELS}, an HF model id (org/name) or a local folder"
         )
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a 1-second load needs no progress bar
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, use_safetensors=True)
         tokenizer = AutoTokenizer.from_pretrained(source)

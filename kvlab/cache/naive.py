@@ -137,7 +137,7 @@ class StaticCache:
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._len = [0] * num_layers  # filled slots per layer (all rows advance together)
         self.batch = 0  # rows in use
-        self.padding = [0] * max_batch  # left-padding slots per row (not real tokens)
+        self.real_tokens: list[int] | None = None  # per row, when the caller knows (see set_real_tokens)
 
     @classmethod
     def from_model(cls, model, max_batch: int, max_seq_len: int, dtype: torch.dtype | None = None,
@@ -147,11 +147,17 @@ class StaticCache:
         return cls(shape.num_layers, max_batch, shape.num_kv_heads, max_seq_len, shape.head_dim,
                    dtype=dtype or p.dtype, device=device or p.device)
 
-    def mark_padding(self, pad_per_row: list[int]) -> None:
-        """Tell the cache how many of each row's slots are left padding (for honest utilization)."""
-        if len(pad_per_row) > self.max_batch or any(p < 0 for p in pad_per_row):
-            raise ValueError(f"pad_per_row must have <= {self.max_batch} non-negative entries, got {pad_per_row}")
-        self.padding = list(pad_per_row) + [0] * (self.max_batch - len(pad_per_row))
+    def set_real_tokens(self, tokens_per_row: list[int]) -> None:
+        """Tell the cache how many of each row's filled slots hold real tokens.
+
+        The cache itself only sees tensors: it cannot tell a left pad, or a pad written after a row
+        has finished, from a token. Without this call every filled slot counts as a token.
+        """
+        if len(tokens_per_row) > self.max_batch or any(t < 0 for t in tokens_per_row):
+            raise ValueError(
+                f"tokens_per_row must have <= {self.max_batch} non-negative entries, got {tokens_per_row}"
+            )
+        self.real_tokens = list(tokens_per_row)
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k, v`` (B, H_kv, q_len, D) at the next free slots; return views (B, H_kv, T, D)."""
@@ -185,18 +191,21 @@ class StaticCache:
         """Forget the contents (the memory stays reserved, as in a real static cache)."""
         self._len = [0] * self.num_layers
         self.batch = 0
-        self.padding = [0] * self.max_batch
+        self.real_tokens = None
 
     @property
     def bytes_reserved(self) -> int:
         return sum(t.nbytes for t in self.k_cache + self.v_cache)
 
     def stats(self) -> dict:
-        """Where the reserved slots went: real tokens, left padding, empty rows and empty tail."""
+        """Where the reserved slots went: real tokens, padding, and slots never written."""
         slots = self.max_batch * self.max_seq_len
         filled = self._len[0] * self.batch
-        padding = sum(min(p, self._len[0]) for p in self.padding[: self.batch])
-        tokens = filled - padding
+        if self.real_tokens is None:
+            tokens = filled
+        else:
+            tokens = sum(min(t, self._len[0]) for t in self.real_tokens[: self.batch])
+        padding = filled - tokens
         bytes_per_slot = self.bytes_reserved // slots
         return {
             "kind": self.kind,

