@@ -69,7 +69,7 @@ def cmd_size(args) -> None:
            "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim}
     lines = [
         f"{cfg.name}: {cfg.num_layers} layers, {cfg.attention}, {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims",
-        f"{args.dtype} ({"no" if size.scales == "none" else size.scales} scales): {fmt_bytes(size.bytes_per_token)} per token",
+        f"{args.dtype} ({'no' if size.scales == 'none' else size.scales} scales): {fmt_bytes(size.bytes_per_token)} per token",
         f"{args.tokens} tokens x batch {args.batch}: {fmt_bytes(size.total_bytes)} ({size.total_bytes:,} bytes)",
     ]
     _emit(obj, args.json, lines)

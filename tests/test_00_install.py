@@ -1,0 +1,84 @@
+"""The lab installs as one package, with the pins users get, and notebooks are committed clean."""
+
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _pins(lines):
+    pins = {}
+    for line in lines:
+        line = line.strip().strip('"').strip(",").strip('"')
+        m = re.match(r"^([A-Za-z0-9_.\-]+)\s*(==|>=)\s*([^\s;]+)$", line)
+        if m:
+            pins[m.group(1).lower()] = m.group(2) + m.group(3)
+    return pins
+
+
+def test_environment_yml_pins_match_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = _pins(project["dependencies"] + project["optional-dependencies"]["test"])
+    env_lines = [l.split("- ", 1)[1] for l in (ROOT / "environment.yml").read_text().splitlines()
+                 if l.strip().startswith("- ") and ("==" in l or ">=" in l) and "python=" not in l]
+    assert _pins(env_lines) == declared
+
+
+def test_torch_and_triton_pins_are_the_pair_pypi_ships():
+    deps = _pins(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"])
+    # PyPI's torch 2.13.0 for Linux requires exactly triton 3.7.1: any other pin breaks GPU installs
+    assert deps["torch"] == "==2.13.0"
+    assert deps["triton"] == "==3.7.1"
+    assert deps["transformers"].startswith("==5.24.")
+
+
+def test_kernels_ship_as_kvlab_kernels_beside_transformers():
+    code = (
+        "import transformers, kvlab, kvlab.kernels, importlib.util, pathlib;"
+        "assert pathlib.Path(kvlab.kernels.__file__).parent.name == 'kernels';"
+        "spec = importlib.util.find_spec('kernels');"
+        "assert spec is None or 'site-packages' in (spec.origin or ''), spec;"
+        "from transformers import LlamaForCausalLM;"
+        "print(kvlab.kernels.triton_mode())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() in ("interpreter", "compiled")
+
+
+def test_import_kvlab_turns_the_triton_interpreter_on_without_a_gpu():
+    code = "import os, torch, kvlab; print(torch.cuda.is_available(), os.environ.get('TRITON_INTERPRET'))"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    cuda, mode = out.stdout.split()
+    assert mode == ("None" if cuda == "True" else "1")
+
+
+def test_notebooks_are_committed_stripped_with_a_python3_kernel():
+    books = sorted((ROOT / "notebooks").glob("*.ipynb"))
+    assert books, "no notebooks found"
+    for path in books:
+        nb = json.loads(path.read_text())
+        assert nb["metadata"].get("kernelspec", {}).get("name") == "python3", path.name
+        for cell in nb["cells"]:
+            if cell["cell_type"] == "code":
+                assert not cell.get("outputs") and cell.get("execution_count") is None, (
+                    f"{path.name}: strip outputs before committing")
+
+
+def test_notebooks_open_with_the_shared_setup_cell():
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        code = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+        first = "".join(code[0]["source"])
+        assert "NBVAL_IGNORE_OUTPUT" in first and "import kvlab" in first and "kvlab.setup(" in first, path.name
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text().splitlines()
+    top = "\n".join(readme[:8])
+    assert "make lab" in top and "make test" in top
+    assert "make test" in (ROOT / ".ci" / "run").read_text()

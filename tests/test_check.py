@@ -1,0 +1,52 @@
+"""The exercise checkers pass kvlab's own answers, fail wrong ones, and show the target for stubs."""
+
+import pytest
+
+from kvlab import check, sizing
+
+
+def stub(*args):
+    raise NotImplementedError
+
+
+def test_kv_bytes_per_token(capsys):
+    assert check.kv_bytes_per_token(lambda L, H, D, b: 2 * L * H * D * b)
+    assert "[ok]" in capsys.readouterr().out
+    assert not check.kv_bytes_per_token(lambda L, H, D, b: L * H * D * b)  # forgot V
+    out = capsys.readouterr().out
+    assert "[fail]" in out and "yours 262144, expected 524288" in out
+    assert not check.kv_bytes_per_token(stub)
+    assert "[todo]" in capsys.readouterr().out
+
+
+def test_token_forwards(capsys):
+    ref = lambda p, n, cached: p + n - 1 if cached else sum(p + i for i in range(n))  # noqa: E731
+    assert check.token_forwards(ref)
+    assert not check.token_forwards(lambda p, n, cached: p + n)
+    assert not check.token_forwards(stub)
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out] == ["[ok]", "[fail]", "[todo]"]
+
+
+def test_static_utilization_agrees_with_the_cache(tiny):
+    from kvlab.cache import StaticCache
+    from kvlab.hf import greedy_generate
+
+    model, _ = tiny
+    prompts = [[5] * 3, [6] * 9]
+    cache = StaticCache.from_model(model, max_batch=4, max_seq_len=30)
+    greedy_generate(model, prompts, 6, cache=cache)
+    ours = lambda lens, b, t: sum(lens) / (b * t)  # noqa: E731
+    assert check.static_utilization(ours)
+    assert ours([3 + 5, 9 + 5], 4, 30) == pytest.approx(cache.stats()["utilization"])
+    assert not check.static_utilization(lambda lens, b, t: sum(lens) / (len(lens) * t))
+
+
+def test_checker_rejects_non_callables():
+    with pytest.raises(TypeError, match="pass your function"):
+        check.kv_bytes_per_token(sizing.PRESETS)
+
+
+def test_learner_exceptions_are_reported_not_raised(capsys):
+    assert not check.kv_bytes_per_token(lambda *a: 1 / 0)
+    assert "ZeroDivisionError" in capsys.readouterr().out

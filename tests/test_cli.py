@@ -1,0 +1,73 @@
+"""The kvlab command: JSON on stdout, clear errors with exit status 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvlab.cli import main
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "kvlab", *args], capture_output=True, text=True)
+
+
+def test_size_acceptance_figures(capsys):
+    assert main(["size", "--model", "llama-2-7b", "--dtype", "fp16", "--tokens", "4096", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["total_bytes"] == 2 * 2**30 and out["bytes_per_token"] == 512 * 1024
+    assert main(["size", "--model", "llama-2-70b", "--dtype", "fp16", "--tokens", "4096", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["total_bytes"] == 1.25 * 2**30
+
+
+def test_info_json(capsys):
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert {"device", "triton_interpret", "torch", "transformers", "models"} <= info.keys()
+
+
+def test_generate_tiny_json_matches_hf(capsys, tiny):
+    from kvlab.hf import hf_generate
+
+    assert main(["generate", "--model", "tiny", "--cache", "static", "--prompt", "hello", "--max-tokens", "7",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    model, tok = tiny
+    assert out["token_ids"] == hf_generate(model, [tok.encode("hello")], 7, eos_token_id=tok.eos_token_id)[0]
+    assert out["cache_stats"]["kind"] == "static" and "text" in out
+
+
+@pytest.mark.slow
+def test_generate_acceptance_command_matches_hf_default_cache(smollm2):
+    from kvlab.hf import hf_generate
+
+    r = run("generate", "--model", "smollm2-135m", "--cache", "static", "--prompt", "Once upon a time",
+            "--max-tokens", "24", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    model, tok = smollm2
+    ids = tok.encode("Once upon a time")
+    ref = model.generate(__import__("torch").tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):]
+    assert out["token_ids"] == ref.tolist()
+    assert out["token_ids"] == hf_generate(model, [ids], 24, eos_token_id=tok.eos_token_id)[0]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", "--model", "no-such-model", "--prompt", "hi"], "unknown model"),
+    (["generate", "--model", "tiny", "--cache", "ring", "--prompt", "hi"], "invalid choice"),
+    (["generate", "--model", "tiny", "--max-tokens", "0", "--prompt", "hi"], "must be >= 1"),
+    (["generate", "--model", "tiny", "--max-tokens", "-4", "--prompt", "hi"], "must be >= 1"),
+    (["generate", "--model", "tiny", "--prompt", ""], "non-empty"),
+    (["generate", "--model", "tiny", "--prompt", "   "], "non-empty"),
+    (["generate", "--model", "tiny", "--cache", "static", "--max-seq-len", "3", "--prompt", "a long prompt"],
+     "longer than the static cache's max_seq_len=3"),
+    (["size", "--model", "gpt-9000"], "unknown model"),
+    (["size", "--model", "llama-2-7b", "--dtype", "int8", "--scales", "per-row"], "scales must be one of"),
+    (["size", "--tokens", "0"], "must be >= 1"),
+])
+def test_bad_input_exits_2_with_a_clear_message(args, message):
+    r = run(*args)
+    assert r.returncode == 2
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
