@@ -46,6 +46,18 @@ def decode_step_time(model, tokenizer, context: int, steps: int = 8) -> float:
     return statistics.median(g.step_s)
 
 
+def token_forwards(prompt_len: int, new_tokens: int, cached: bool) -> int:
+    """Token positions pushed through the model to generate ``new_tokens`` after a prompt.
+
+    Without a cache step i re-runs the whole prefix (prompt_len + i positions): quadratic in
+    length. With one, the prompt goes through once and each later step feeds one token. The last
+    token is sampled, never fed back.
+    """
+    if cached:
+        return prompt_len + new_tokens - 1
+    return sum(prompt_len + i for i in range(new_tokens))
+
+
 def recompute_vs_cache(model, tokenizer, prompt_lens=(16, 128, 512), new_tokens: int = 16) -> list[dict]:
     """Generate ``new_tokens`` greedily after prompts of several lengths, without and with a cache.
 
@@ -61,13 +73,11 @@ def recompute_vs_cache(model, tokenizer, prompt_lens=(16, 128, 512), new_tokens:
         t0 = time.perf_counter()
         recomputed = greedy_generate(model, [prompt], new_tokens, cache="none")
         t_none = time.perf_counter() - t0
-        # positions the model pushed through its layers: n + (new-1) with a cache, a growing prefix without
-        forwards_cache = n + new_tokens - 1
-        forwards_none = sum(n + i for i in range(new_tokens))
         rows.append({
             "prompt_tokens": n, "new_tokens": new_tokens,
             "no_cache_s": t_none, "cache_s": t_cache, "speedup": t_none / t_cache,
-            "token_forwards_no_cache": forwards_none, "token_forwards_cache": forwards_cache,
+            "token_forwards_no_cache": token_forwards(n, new_tokens, False),
+            "token_forwards_cache": token_forwards(n, new_tokens, True),
             "same_tokens": cached.token_ids == recomputed.token_ids,
         })
     return rows

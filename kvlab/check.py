@@ -60,19 +60,18 @@ def token_forwards(fn: Callable[[int, int, bool], int]) -> bool:
     prompt goes through once and each later step feeds one token. The last token is sampled,
     never fed back.
     """
-    cases = []
-    for p, n in ((1, 1), (4, 3), (16, 16), (128, 16), (512, 64)):
-        cases.append(((p, n, False), sum(p + i for i in range(n))))
-        cases.append(((p, n, True), p + n - 1))
+    from kvlab.bench import token_forwards as ref
+
+    cases = [((p, n, c), ref(p, n, c)) for p, n in ((1, 1), (4, 3), (16, 16), (128, 16), (512, 64))
+             for c in (False, True)]
     return _run("token_forwards", fn, cases)
 
 
 def static_utilization(fn: Callable[[Sequence[int], int, int], float]) -> bool:
     """``fn(tokens_per_sequence, max_batch, max_seq_len) -> tokens stored / slots reserved``."""
-    cases = []
-    for lens, b, t in (([10], 1, 10), ([10, 20], 2, 40), ([5, 50, 500], 4, 2048), ([100] * 8, 8, 4096)):
-        if any(n > t for n in lens) or len(lens) > b:
-            continue
-        cases.append(((lens, b, t), sum(lens) / (b * t)))
+    from kvlab.cache.naive import static_utilization as ref
+
+    cases = [((lens, b, t), ref(lens, b, t))
+             for lens, b, t in (([10], 1, 10), ([10, 20], 2, 40), ([5, 50, 500], 4, 2048), ([100] * 8, 8, 4096))]
     return _run("static_utilization", fn, cases, same=lambda a, b: isinstance(a, (int, float))
                 and math.isclose(a, b, rel_tol=1e-9))

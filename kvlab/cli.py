@@ -53,9 +53,14 @@ def cmd_size(args) -> None:
 
     model = args.model
     if model.lower() not in PRESETS:
+        from pathlib import Path
+
         from kvlab.models import resolve_name
 
         name = resolve_name(model)
+        if not Path(name).is_dir() and "/" not in name:
+            raise CLIError(f"unknown model {args.model!r}: use a preset ({', '.join(sorted(PRESETS))}), "
+                           "a local model folder or an HF id (org/name)")
         try:
             from transformers import AutoConfig
 

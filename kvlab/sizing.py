@@ -83,10 +83,6 @@ class KVConfig:
         """Elements per token, per layer, per stored tensor and head."""
         return (self.kv_lora_rank + (self.rope_dim or 0)) if self.kv_lora_rank else self.head_dim
 
-    @property
-    def elements_per_token(self) -> int:
-        return self.num_layers * self.tensors_per_layer * self.scale_heads * self.width
-
 
 def _get(cfg: Any, key: str, default=None):
     if isinstance(cfg, Mapping):
@@ -163,11 +159,17 @@ def _scale_counts(cfg: KVConfig, scales: str) -> tuple[int, int]:
     )
 
 
+def kv_token_bytes(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: float,
+                   tensors: int = 2) -> float:
+    """The formula itself: ``tensors`` (K and V) x layers x kv_heads x head_dim x bytes per element."""
+    return tensors * num_layers * num_kv_heads * head_dim * bytes_per_element
+
+
 def kv_bytes_per_token(model: Any, dtype: str = "fp16") -> int:
     """Data bytes one token adds to the cache (no scales): 2 x layers x kv_heads x head_dim x bytes."""
     cfg = kv_config(model)
-    bits = cfg.elements_per_token * DTYPE_BITS[_check_dtype(dtype)]
-    return math.ceil(bits / 8)
+    nbytes = DTYPE_BITS[_check_dtype(dtype)] / 8
+    return math.ceil(kv_token_bytes(cfg.num_layers, cfg.scale_heads, cfg.width, nbytes, cfg.tensors_per_layer))
 
 
 @dataclass(frozen=True)
@@ -218,7 +220,7 @@ def kv_size(
         raise ValueError(f"{dtype} is stored as is: scales must be 'none', got {scales!r}")
     per_token_scales, fixed_scales = _scale_counts(cfg, scales)
     per_scale = SCALE_DTYPE_BYTES[scale_dtype] * (2 if zero_points else 1)
-    data = math.ceil(cfg.elements_per_token * DTYPE_BITS[dtype] * tokens / 8) * batch
+    data = math.ceil(kv_bytes_per_token(cfg, dtype) * tokens) * batch
     scale_bytes = per_token_scales * per_scale * tokens * batch + fixed_scales * per_scale
     return KVSize(
         model=cfg.name,

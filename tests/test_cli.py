@@ -66,8 +66,16 @@ def test_generate_acceptance_command_matches_hf_default_cache(smollm2):
     (["size", "--model", "llama-2-7b", "--dtype", "int8", "--scales", "per-row"], "scales must be one of"),
     (["size", "--tokens", "0"], "must be >= 1"),
 ])
-def test_bad_input_exits_2_with_a_clear_message(args, message):
-    r = run(*args)
+def test_bad_input_exits_2_with_a_clear_message(args, message, capsys):
+    try:
+        code = main(args)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_module_entry_point_reports_errors_without_a_traceback():
+    r = run("generate", "--model", "no-such-model", "--prompt", "hi")
     assert r.returncode == 2
-    assert message in r.stderr
-    assert "Traceback" not in r.stderr
+    assert r.stderr.startswith("kvlab: error: unknown model") and "Traceback" not in r.stderr

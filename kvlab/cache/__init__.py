@@ -1,7 +1,7 @@
 """KV-cache storage. Knows tensors and counters only: no models, no scheduling, no drawing."""
 
-from kvlab.cache.naive import CacheShape, ContiguousCache, StaticCache
+from kvlab.cache.naive import CacheShape, ContiguousCache, StaticCache, static_utilization
 
 CACHE_KINDS = ("none", "dynamic", "static")
 
-__all__ = ["CacheShape", "ContiguousCache", "StaticCache", "CACHE_KINDS"]
+__all__ = ["CacheShape", "ContiguousCache", "StaticCache", "CACHE_KINDS", "static_utilization"]

@@ -19,6 +19,11 @@ import torch
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
+def static_utilization(tokens_per_sequence, max_batch: int, max_seq_len: int) -> float:
+    """Share of a static cache's reserved slots that hold real tokens: sum(tokens) / (rows x slots)."""
+    return sum(tokens_per_sequence) / (max_batch * max_seq_len)
+
+
 def _check_kv(name: str, k: torch.Tensor, v: torch.Tensor) -> None:
     if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
         raise TypeError(f"{name}: keys and values must be tensors, got {type(k).__name__}, {type(v).__name__}")
@@ -202,9 +207,10 @@ class StaticCache:
         slots = self.max_batch * self.max_seq_len
         filled = self._len[0] * self.batch
         if self.real_tokens is None:
-            tokens = filled
+            per_row = [self._len[0]] * self.batch
         else:
-            tokens = sum(min(t, self._len[0]) for t in self.real_tokens[: self.batch])
+            per_row = [min(t, self._len[0]) for t in self.real_tokens[: self.batch]]
+        tokens = sum(per_row)
         padding = filled - tokens
         bytes_per_slot = self.bytes_reserved // slots
         return {
@@ -218,7 +224,7 @@ class StaticCache:
             "tokens_stored": tokens,
             "padding_slots": padding,
             "empty_slots": slots - filled,
-            "utilization": tokens / slots,
+            "utilization": static_utilization(per_row, self.max_batch, self.max_seq_len),
             "bytes_reserved": self.bytes_reserved,
             "bytes_holding_tokens": tokens * bytes_per_slot,
         }
