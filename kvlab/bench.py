@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from kvlab.hf import greedy_generate
+from kvlab.generate import greedy_generate
 
 
 def memory_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:

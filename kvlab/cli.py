@@ -81,7 +81,7 @@ def cmd_size(args) -> None:
 
 
 def cmd_generate(args) -> None:
-    from kvlab.hf import encode_prompts, greedy_generate
+    from kvlab.generate import encode_prompts, greedy_generate
     from kvlab.models import load_model
 
     model, tokenizer = load_model(args.model)

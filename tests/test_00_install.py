@@ -7,6 +7,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -36,16 +38,21 @@ def test_torch_and_triton_pins_are_the_pair_pypi_ships():
     assert deps["transformers"].startswith("==5.24.")
 
 
-def test_kernels_ship_as_kvlab_kernels_beside_transformers():
+@pytest.mark.parametrize("cwd", ["/", str(ROOT)])
+def test_kernels_ship_as_kvlab_kernels_beside_transformers(cwd):
+    """From anywhere, even the repo root where ./kernels/ is on sys.path, transformers must not
+    take our folder for Hugging Face's `kernels` package, and both imports must work."""
     code = (
-        "import transformers, kvlab, kvlab.kernels, importlib.util, pathlib;"
+        "import transformers, kvlab, kvlab.kernels, pathlib;"
+        "from transformers.utils.import_utils import is_kernels_available;"
+        "from importlib import metadata;"
+        "hf_kernels = any(d.metadata['Name'] == 'kernels' for d in metadata.distributions());"
+        "assert is_kernels_available() == hf_kernels;"
         "assert pathlib.Path(kvlab.kernels.__file__).parent.name == 'kernels';"
-        "spec = importlib.util.find_spec('kernels');"
-        "assert spec is None or 'site-packages' in (spec.origin or ''), spec;"
         "from transformers import LlamaForCausalLM;"
         "print(kvlab.kernels.triton_mode())"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() in ("interpreter", "compiled")
 

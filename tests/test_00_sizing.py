@@ -5,7 +5,7 @@ import torch
 
 from kvlab import sizing
 from kvlab.cache import ContiguousCache, StaticCache
-from kvlab.hf import greedy_generate
+from kvlab.generate import greedy_generate
 
 GiB, KiB = 2**30, 2**10
 

@@ -5,7 +5,8 @@ import torch
 from transformers import DynamicCache
 
 from kvlab.cache import ContiguousCache, StaticCache
-from kvlab.hf import KVLabCache, _query_length, greedy_generate, hf_generate, left_pad
+from kvlab.generate import greedy_generate, hf_generate, left_pad
+from kvlab.hf import KVLabCache, _query_length
 
 PROMPTS = [
     [[5, 6, 7, 8, 9, 10, 11]],

@@ -3,7 +3,7 @@
 import pytest
 
 from kvlab.data import text_tokens
-from kvlab.hf import encode_prompts, greedy_generate, hf_generate
+from kvlab.generate import encode_prompts, greedy_generate, hf_generate
 
 pytestmark = pytest.mark.slow
 

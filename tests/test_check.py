@@ -30,7 +30,7 @@ def test_token_forwards(capsys):
 
 def test_static_utilization_agrees_with_the_cache(tiny):
     from kvlab.cache import StaticCache
-    from kvlab.hf import greedy_generate
+    from kvlab.generate import greedy_generate
 
     model, _ = tiny
     prompts = [[5] * 3, [6] * 9]

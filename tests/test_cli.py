@@ -28,7 +28,7 @@ def test_info_json(capsys):
 
 
 def test_generate_tiny_json_matches_hf(capsys, tiny):
-    from kvlab.hf import hf_generate
+    from kvlab.generate import hf_generate
 
     assert main(["generate", "--model", "tiny", "--cache", "static", "--prompt", "hello", "--max-tokens", "7",
                  "--json"]) == 0
@@ -40,7 +40,7 @@ def test_generate_tiny_json_matches_hf(capsys, tiny):
 
 @pytest.mark.slow
 def test_generate_acceptance_command_matches_hf_default_cache(smollm2):
-    from kvlab.hf import hf_generate
+    from kvlab.generate import hf_generate
 
     r = run("generate", "--model", "smollm2-135m", "--cache", "static", "--prompt", "Once upon a time",
             "--max-tokens", "24", "--json")

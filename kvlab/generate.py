@@ -1,0 +1,186 @@
+"""Greedy decode loops, one explicit step at a time, through any kvlab cache (notebooks 01, 02).
+
+Every loop here must reproduce HF's own ``generate()`` token for token in fp32: that is the test
+that anchors each new cache to the previous one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.cache import CACHE_KINDS, StaticCache
+from kvlab.hf import CACHE_KWARG, KVLabCache, make_store
+
+
+def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists into ``input_ids`` and ``attention_mask``, both (B, T_max).
+
+    Left padding keeps every row's last prompt token in the last column, so one decode step can
+    append a token to all rows at the same cache position.
+    """
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if p:
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    # each row counts from 0 at its first real token; pads get 1 (as HF generate does), they are masked anyway
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+
+
+@dataclass
+class Generation:
+    """What :func:`greedy_generate` returns: the new tokens per row and what it cost."""
+
+    token_ids: list[list[int]]  # generated ids per row (after EOS: nothing)
+    cache: str
+    prefill_s: float
+    step_s: list[float] = field(default_factory=list)  # wall time of each decode step
+    cache_stats: dict = field(default_factory=dict)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = sum(self.step_s)
+        return sum(len(t) for t in self.token_ids) / steps if steps else float("nan")
+
+
+def _validate(prompts, max_new_tokens: int) -> list[list[int]]:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    if isinstance(prompts[0], int):
+        prompts = [prompts]
+    out = []
+    for i, p in enumerate(prompts):
+        p = [int(t) for t in p]
+        if not p:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        out.append(p)
+    return out
+
+
+@torch.inference_mode()
+def greedy_generate(model, prompts, max_new_tokens: int, cache="dynamic", eos_token_id: int | None = None,
+                    pad_token_id: int = 0, max_seq_len: int | None = None) -> Generation:
+    """Greedy decoding, one explicit step at a time, through a chosen cache.
+
+    ``cache`` is "none" (recompute the whole prefix every step), "dynamic" (a growing
+    :class:`ContiguousCache`), "static" (a :class:`StaticCache` of ``max_seq_len`` slots, default
+    longest prompt + ``max_new_tokens``), or a store object. With greedy fp32 decoding every cache
+    must give the tokens of HF's own ``generate()``: the tests hold us to that.
+    """
+    prompts = _validate(prompts, max_new_tokens)
+    device = next(model.parameters()).device
+    ids, mask = left_pad(prompts, pad_token_id)
+    ids, mask = ids.to(device), mask.to(device)
+    batch, width = ids.shape
+
+    store = None
+    if isinstance(cache, str):
+        if cache not in CACHE_KINDS:
+            raise ValueError(f"cache must be one of {', '.join(CACHE_KINDS)}, got {cache!r}")
+        kind = cache
+        if kind == "static":
+            max_seq_len = width + max_new_tokens if max_seq_len is None else max_seq_len
+            if width > max_seq_len:
+                raise ValueError(
+                    f"prompt of {width} tokens is longer than the static cache's max_seq_len={max_seq_len}"
+                )
+        if kind != "none":
+            store = make_store(kind, model, batch=batch, max_seq_len=max_seq_len)
+    else:
+        store, kind = cache, getattr(cache, "kind", type(cache).__name__)
+    hf_cache = KVLabCache(store) if store is not None else None
+
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    generated: list[list[int]] = [[] for _ in range(batch)]
+    step_s: list[float] = []
+    seq = ids  # only grows for the no-cache path
+    cap = max_new_tokens
+    if isinstance(store, StaticCache):
+        cap = min(cap, store.max_seq_len - width + 1)  # the last token is sampled, never stored
+
+    t0 = time.perf_counter()
+    for step in range(cap):
+        if step == 0 or store is None:
+            model_in = dict(input_ids=seq, attention_mask=mask, position_ids=_positions(mask))
+        else:
+            model_in = dict(input_ids=next_ids[:, None], attention_mask=mask,
+                            position_ids=_positions(mask)[:, -1:])
+        if store is None:
+            out = model(**model_in, use_cache=False)
+        else:
+            out = model(**model_in, use_cache=True, **{CACHE_KWARG: hf_cache})
+        next_ids = out.logits[:, -1, :].argmax(dim=-1)  # (B,)
+        if eos_token_id is not None:
+            next_ids = torch.where(finished, torch.full_like(next_ids, pad_token_id), next_ids)
+        t1 = time.perf_counter()
+        if step == 0:
+            prefill_s = t1 - t0
+        else:
+            step_s.append(t1 - t0)
+        t0 = t1
+        for i, t in enumerate(next_ids.tolist()):
+            if not finished[i]:
+                generated[i].append(t)
+        if eos_token_id is not None:
+            finished |= next_ids == eos_token_id
+            if bool(finished.all()):
+                break
+        mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=device)], dim=1)
+        if store is None:
+            seq = torch.cat([seq, next_ids[:, None]], dim=1)
+    if isinstance(store, StaticCache):
+        # real tokens per row: its prompt plus the generated tokens fed back before the loop ended
+        fed = step  # tokens fed back = steps run - 1
+        store.set_real_tokens([len(p) + min(len(g), fed) for p, g in zip(prompts, generated)])
+    return Generation(token_ids=generated, cache=kind, prefill_s=prefill_s, step_s=step_s,
+                      cache_stats=store.stats() if store is not None else {})
+
+
+@torch.inference_mode()
+def hf_generate(model, prompts, max_new_tokens: int, eos_token_id: int | None = None, pad_token_id: int = 0,
+                cache=None) -> list[list[int]]:
+    """The reference: HF's own ``model.generate`` (greedy, its DynamicCache unless ``cache`` is given).
+
+    Returns the generated ids per row, cut after EOS like :func:`greedy_generate`.
+    """
+    prompts = _validate(prompts, max_new_tokens)
+    device = next(model.parameters()).device
+    ids, mask = left_pad(prompts, pad_token_id)
+    kwargs = {} if cache is None else {CACHE_KWARG: cache}
+    out = model.generate(
+        input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+        min_new_tokens=0 if eos_token_id is not None else max_new_tokens,
+        do_sample=False, num_beams=1, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        temperature=None, top_p=None, top_k=None, **kwargs,
+    )
+    rows = []
+    for row in out[:, ids.shape[1]:].tolist():
+        if eos_token_id is not None and eos_token_id in row:
+            row = row[: row.index(eos_token_id) + 1]
+        rows.append(row)
+    return rows
+
+
+def encode_prompts(tokenizer, prompts) -> list[list[int]]:
+    """Text prompt(s) -> token-id lists; rejects empty prompts with a clear error."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not prompts:
+        raise ValueError("prompt must not be empty")
+    out = []
+    for p in prompts:
+        if not isinstance(p, str) or not p.strip():
+            raise ValueError(f"prompt must be a non-empty string, got {p!r}")
+        out.append(list(tokenizer.encode(p)))
+    return out
