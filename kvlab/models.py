@@ -36,7 +36,7 @@ KNOWN_MODELS = ("smollm2-135m", "tiny")
 
 def cache_dir() -> Path:
     """Where converted models live: ``$KVLAB_CACHE`` or ``~/.cache/kvlab``."""
-    return Path(os.environ.get("KVLAB_CACHE", Path.home() / ".cache" / "kvlab"))
+    return Path(os.environ.get("KVLAB_CACHE") or Path.home() / ".cache" / "kvlab")
 
 
 def smollm2_folder() -> Path:
