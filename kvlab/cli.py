@@ -88,7 +88,7 @@ def cmd_generate(args) -> None:
     prompts = encode_prompts(tokenizer, args.prompt)
     result = greedy_generate(model, prompts, args.max_tokens, cache=args.cache,
                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id or 0,
-                             max_seq_len=args.max_seq_len)
+                             max_seq_len=args.max_seq_len, block_size=args.block_size, num_blocks=args.num_blocks)
     ids = result.token_ids[0]
     text = tokenizer.decode(ids, skip_special_tokens=True)
     obj = {"model": args.model, "cache": args.cache, "prompt": args.prompt, "prompt_ids": prompts[0],
@@ -96,8 +96,14 @@ def cmd_generate(args) -> None:
            "decode_tokens_per_s": result.decode_tokens_per_s, "cache_stats": result.cache_stats}
     lines = [args.prompt + text, "",
              f"[{len(ids)} tokens, cache={args.cache}, decode {result.decode_tokens_per_s:.1f} tok/s]"]
-    if result.cache_stats.get("utilization") is not None:
-        lines.append(f"[static cache utilization {result.cache_stats['utilization']:.1%}]")
+    st = result.cache_stats
+    if args.cache == "static":
+        lines.append(f"[static cache utilization {st['utilization']:.1%}]")
+    if args.cache == "paged":
+        for key in ("blocks_used", "internal_fragmentation", "prefix_hits"):
+            obj[key] = st[key]
+        lines.append(f"[paged: {st['blocks_used']} blocks of {st['block_size']} at peak, internal fragmentation "
+                     f"{st['internal_fragmentation']:.1%}, prefix hits {st['prefix_hits']}]")
     _emit(obj, args.json, lines)
 
 
@@ -134,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=32)
     s.add_argument("--max-seq-len", type=_positive_int("--max-seq-len"), default=None,
                    help="static cache slots per sequence (default: prompt + max tokens)")
+    s.add_argument("--block-size", type=_positive_int("--block-size"), default=16,
+                   help="paged cache: tokens per block, a power of two 1..256")
+    s.add_argument("--num-blocks", type=_positive_int("--num-blocks"), default=None,
+                   help="paged cache: blocks in the pool (default: enough for prompt + max tokens)")
     s.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("convert", help="convert the bundled SmolLM2 GGUF to safetensors (once)")
@@ -152,9 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     silence_known_warnings()
     parser = build_parser()
     args = parser.parse_args(argv)
+    from kvlab.cache import OutOfBlocksError
+
     try:
         args.func(args)
-    except (CLIError, ValueError, TypeError, FileNotFoundError) as e:
+    except (CLIError, ValueError, TypeError, FileNotFoundError, OutOfBlocksError) as e:
         print(f"kvlab: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -15,10 +15,13 @@ tensor in older 5.x). Introduced in notebook 01; the decode loops that drive the
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
+from dataclasses import dataclass
 
+import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvlab.cache import CACHE_KINDS, ContiguousCache, StaticCache
+from kvlab.cache import ContiguousCache, StaticCache
 
 
 def _cache_kwarg() -> str:
@@ -86,7 +89,73 @@ def make_store(kind: str, model, batch: int = 1, max_seq_len: int | None = None)
         if max_seq_len is None:
             raise ValueError("a static cache needs max_seq_len")
         return StaticCache.from_model(model, max_batch=batch, max_seq_len=max_seq_len)
-    raise ValueError(f"cache kind must be one of {', '.join(k for k in CACHE_KINDS if k != 'none')}, got {kind!r}")
+    raise ValueError(f"cache kind must be 'dynamic' or 'static', got {kind!r}")
 
 
-__all__ = ["CACHE_KWARG", "KVLabCache", "make_store"]
+
+
+# ---- paged attention (notebook 02) ---------------------------------------------------------------
+# A paged batch is PACKED: all sequences' new tokens side by side in one row (1, T), positions given
+# per token. There is no padding and no HF Cache object: like vLLM's attention backends, the
+# attention function itself writes the new K/V to their slots and attends through block tables.
+
+PAGED_ATTENTION = "kvlab_paged"
+
+
+@dataclass
+class PagedBatch:
+    """What one packed forward needs; travels to the attention function as ``kvlab_paged=``."""
+
+    cache: object  # a kvlab.cache.PagedKVCache
+    block_tables: list[list[int]]
+    context_lens: list[int]  # tokens each sequence has in the cache after this forward
+    query_lens: list[int]  # new tokens per sequence in this forward
+    slot_mapping: torch.Tensor  # (T,) where the new tokens' K/V go
+
+
+def _paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    from kvlab.attention import paged_attention
+
+    batch: PagedBatch | None = kwargs.get("kvlab_paged")
+    if batch is None:
+        raise RuntimeError(f"attention '{PAGED_ATTENTION}' needs a kvlab_paged=PagedBatch(...) argument; "
+                           "use kvlab.generate.paged_generate")
+    layer = module.layer_idx
+    # query (1, H_q, T, D); key/value (1, H_kv, T, D), post-RoPE, new tokens only
+    batch.cache.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1), batch.slot_mapping)
+    out = paged_attention(query[0].transpose(0, 1), batch.cache.k_cache[layer], batch.cache.v_cache[layer],
+                          batch.block_tables, batch.context_lens, batch.query_lens,
+                          scale=scaling if scaling is not None else query.shape[-1] ** -0.5)
+    return out.unsqueeze(0), None  # (1, T, H_q, D), as HF's attention functions return
+
+
+def _no_mask(*args, **kwargs):
+    return None  # the paged attention function builds each sequence's causal mask itself
+
+
+def register_paged_attention() -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(PAGED_ATTENTION, _paged_attention_forward)
+    AttentionMaskInterface.register(PAGED_ATTENTION, _no_mask)
+    return PAGED_ATTENTION
+
+
+@contextmanager
+def attention_implementation(model, name: str):
+    """Run ``model`` with another registered attention function, then put the old one back."""
+    configs = [c for c in {id(model.config): model.config,
+                           **{id(m.config): m.config for m in model.modules() if hasattr(m, "config")}}.values()]
+    old = [c._attn_implementation for c in configs]
+    for c in configs:
+        c._attn_implementation = name
+    try:
+        yield model
+    finally:
+        for c, o in zip(configs, old):
+            c._attn_implementation = o
+
+
+__all__ = ["CACHE_KWARG", "KVLabCache", "make_store", "PAGED_ATTENTION", "PagedBatch", "register_paged_attention",
+           "attention_implementation"]

@@ -1,0 +1,64 @@
+"""PyTorch reference attention over a paged KV cache (notebook 02).
+
+This is the specification the Triton kernels (notebook 05) are tested against: plain tensor ops,
+one sequence at a time, K/V read through the block table. Queries of several sequences arrive
+packed along one token axis; sequence i owns ``query_lens[i]`` of them, which are the LAST
+``query_lens[i]`` positions of its ``context_lens[i]`` cached tokens (prefill: all of a prompt
+not found in the prefix cache; decode: one).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table, num_tokens: int):
+    """One sequence's K and V, (num_tokens, H_kv, D), from ``[num_blocks, block_size, H_kv, D]`` pages."""
+    block_size = k_cache.shape[1]
+    n_blocks = -(-num_tokens // block_size)
+    table = torch.as_tensor(block_table[:n_blocks], device=k_cache.device, dtype=torch.long)
+    k = k_cache[table].flatten(0, 1)[:num_tokens]  # (n_blocks * block_size, H_kv, D) -> (T, H_kv, D)
+    v = v_cache[table].flatten(0, 1)[:num_tokens]
+    return k, v
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the last ``q_len`` positions over ``ctx`` keys, GQA aware.
+
+    q: (q_len, H_q, D); k, v: (ctx, H_kv, D) -> (q_len, H_q, D). Query j sits at position
+    ``ctx - q_len + j`` and sees keys 0..that position.
+    """
+    q_len, h_q, d = q.shape
+    ctx, h_kv, _ = k.shape
+    if h_q % h_kv:
+        raise ValueError(f"query heads ({h_q}) must be a multiple of KV heads ({h_kv})")
+    group = h_q // h_kv  # query heads sharing one KV head
+    qh = q.reshape(q_len, h_kv, group, d).permute(1, 2, 0, 3)  # (H_kv, G, q_len, D)
+    kh = k.permute(1, 0, 2).unsqueeze(1)  # (H_kv, 1, ctx, D)
+    vh = v.permute(1, 0, 2).unsqueeze(1)
+    pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]  # (q_len, 1) absolute query positions
+    mask = torch.arange(ctx, device=q.device)[None, :] <= pos  # (q_len, ctx)
+    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return out.permute(2, 0, 1, 3).reshape(q_len, h_q, d)  # (q_len, H_q, D)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables,
+                    context_lens, query_lens, scale: float) -> torch.Tensor:
+    """Packed queries (T, H_q, D) of several sequences -> outputs (T, H_q, D).
+
+    Each sequence's K/V are gathered through its own block table; nothing outside its blocks
+    is read, and no padding exists anywhere.
+    """
+    if len(block_tables) != len(context_lens) or len(context_lens) != len(query_lens):
+        raise ValueError("block_tables, context_lens and query_lens need one entry per sequence")
+    if sum(query_lens) != q.shape[0]:
+        raise ValueError(f"query_lens sum to {sum(query_lens)} but q holds {q.shape[0]} tokens")
+    out = torch.empty_like(q)
+    start = 0
+    for table, ctx, q_len in zip(block_tables, context_lens, query_lens):
+        if not 0 < q_len <= ctx:
+            raise ValueError(f"need 0 < query_len <= context_len, got {q_len} and {ctx}")
+        k, v = gather_kv(k_cache, v_cache, table, ctx)
+        out[start:start + q_len] = attend(q[start:start + q_len], k, v, scale)
+        start += q_len
+    return out

@@ -1,0 +1,343 @@
+"""Paged KV cache: PagedAttention's memory manager, made inspectable (notebook 02).
+
+Instead of one contiguous reservation per sequence, the cache is a pool of ``num_blocks`` physical
+blocks of ``block_size`` token slots. Each sequence owns a *block table*: logical block i of the
+sequence lives in physical block ``block_table[i]``. Token t of a sequence is stored at
+
+    slot = block_table[t // block_size] * block_size + t % block_size
+
+(the *slot mapping*), the same layout the PyTorch reference and the Triton kernels read.
+
+:class:`BlockManager` is pure bookkeeping (vLLM's names): allocate on demand, free tail first,
+share full blocks between sequences with the same prefix (hash chain + token check + refcounts,
+LRU eviction of freed-but-cached blocks), fork with copy-on-write. :class:`PagedKVCache` holds the
+tensors, ``[num_blocks, block_size, H_kv, D]`` per layer, and applies what the manager decides.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import torch
+
+
+class OutOfBlocksError(RuntimeError):
+    """The pool cannot supply the blocks a request needs. Nothing was changed: the caller may
+    preempt another sequence (notebook 04) and retry."""
+
+    def __init__(self, needed: int, available: int, what: str):
+        self.needed, self.available = needed, available
+        super().__init__(f"out of KV blocks: {what} needs {needed} block(s), {available} available")
+
+
+def block_hash(parent: bytes | None, token_ids) -> bytes:
+    """Hash of a full block, chained to its parent's hash so equal blocks at different prefixes
+    differ. hashlib, not hash(): Python's hash() is salted per process."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"\0" * 16)
+    h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in token_ids))
+    return h.digest()
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    num_tokens: int = 0  # filled slots
+    hash: bytes | None = None  # set while the block is registered in the prefix cache
+    token_ids: tuple[int, ...] = ()  # a registered block's tokens: a hash hit is confirmed against them
+
+
+@dataclass
+class SeqBlocks:
+    """One sequence's view of the pool."""
+
+    block_table: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # tokens whose K/V are (or will be) in the cache
+    hashes: list[bytes] = field(default_factory=list)  # chain hash of each full block
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at allocate()
+
+
+def _check_block_size(block_size) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 or block_size > 256 \
+            or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two from 1 to 256, got {block_size!r}")
+    return block_size
+
+
+class BlockManager:
+    """Free pool, block tables, refcounts and the prefix cache. Knows token ids, never tensors."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        self.block_size = _check_block_size(block_size)
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: deque[int] = deque(range(num_blocks))  # never used, or freed without a hash
+        self.cached_ids: OrderedDict[int, None] = OrderedDict()  # freed but reusable, oldest first (LRU)
+        self.hash_to_block: dict[bytes, int] = {}
+        self.seqs: dict[int, SeqBlocks] = {}
+        self.finished: set[int] = set()
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the storage
+        self.counters = dict(prefix_queries=0, prefix_hits=0, evictions=0, cow_copies=0)
+
+    # ---- queries ---------------------------------------------------------------------------------
+
+    def _seq(self, seq_id: int) -> SeqBlocks:
+        if seq_id in self.seqs:
+            return self.seqs[seq_id]
+        if seq_id in self.finished:
+            raise ValueError(f"sequence {seq_id!r} is finished: its blocks were freed")
+        raise ValueError(f"sequence {seq_id!r} is not allocated")
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now: never-used/unhashed ones plus evictable cached ones."""
+        return len(self.free_ids) + len(self.cached_ids)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return list(self._seq(seq_id).block_table)
+
+    def num_tokens(self, seq_id: int) -> int:
+        return len(self._seq(seq_id).token_ids)
+
+    def slot_mapping(self, seq_id: int, start: int = 0, end: int | None = None) -> list[int]:
+        """Slots of the sequence's tokens ``start..end-1``: where the storage writes their K/V."""
+        seq = self._seq(seq_id)
+        end = len(seq.token_ids) if end is None else end
+        if not 0 <= start <= end <= len(seq.token_ids):
+            raise ValueError(f"token range [{start}, {end}) is outside sequence {seq_id}'s {len(seq.token_ids)} tokens")
+        bs = self.block_size
+        return [seq.block_table[t // bs] * bs + t % bs for t in range(start, end)]
+
+    def _match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Physical blocks already holding this prompt's leading full blocks (no state change).
+
+        The last prompt token is never taken from the cache: its logits are needed to sample the
+        first new token, so at least that token must go through the model.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits, parent, bs = [], None, self.block_size
+        for i in range((len(token_ids) - 1) // bs):
+            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = block_hash(parent, chunk)
+            bid = self.hash_to_block.get(h)
+            if bid is None or self.blocks[bid].token_ids != chunk:  # a hash collision is not a hit
+                break
+            hits.append(bid)
+            parent = h
+        return hits
+
+    # ---- allocation ------------------------------------------------------------------------------
+
+    def _take_block(self) -> int:
+        if self.free_ids:
+            bid = self.free_ids.popleft()
+        else:  # evict the least recently freed cached block
+            bid, _ = self.cached_ids.popitem(last=False)
+            b = self.blocks[bid]
+            del self.hash_to_block[b.hash]
+            b.hash, b.token_ids = None, ()
+            self.counters["evictions"] += 1
+        b = self.blocks[bid]
+        b.ref_count, b.num_tokens = 1, 0
+        return bid
+
+    def _ref(self, bid: int) -> None:
+        b = self.blocks[bid]
+        if b.ref_count == 0:
+            del self.cached_ids[bid]  # a cached block comes back into use
+        b.ref_count += 1
+
+    def _register_full(self, seq: SeqBlocks, logical: int) -> None:
+        """A block just became full: extend the hash chain, and offer it to the prefix cache."""
+        bs = self.block_size
+        chunk = tuple(seq.token_ids[logical * bs:(logical + 1) * bs])
+        h = block_hash(seq.hashes[-1] if seq.hashes else None, chunk)
+        seq.hashes.append(h)
+        b = self.blocks[seq.block_table[logical]]
+        if self.enable_prefix_caching and h not in self.hash_to_block and b.hash is None:
+            self.hash_to_block[h] = b.block_id
+            b.hash, b.token_ids = h, chunk
+
+    def can_allocate(self, token_ids) -> bool:
+        hits = self._match_prefix(list(token_ids))
+        cached_hits = sum(1 for bid in hits if self.blocks[bid].ref_count == 0)
+        return self.blocks_needed(len(token_ids)) - len(hits) <= self.num_free_blocks - cached_hits
+
+    def allocate(self, seq_id: int, token_ids) -> int:
+        """Give a new sequence blocks for its prompt; return how many prompt tokens were already cached.
+
+        Raises :class:`OutOfBlocksError` (changing nothing) when the pool cannot hold the prompt.
+        """
+        token_ids = [int(t) for t in token_ids]
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id!r} is already allocated")
+        if not token_ids:
+            raise ValueError("token_ids must not be empty")
+        hits = self._match_prefix(token_ids)
+        needed = self.blocks_needed(len(token_ids)) - len(hits)
+        cached_hits = sum(1 for bid in hits if self.blocks[bid].ref_count == 0)
+        available = self.num_free_blocks - cached_hits  # hit blocks taken from the LRU are not free for us
+        if needed > available:
+            raise OutOfBlocksError(needed, available, f"a prompt of {len(token_ids)} tokens")
+        # commit: nothing below can fail
+        self.finished.discard(seq_id)
+        seq = SeqBlocks(token_ids=token_ids, cached_tokens=len(hits) * self.block_size)
+        self.seqs[seq_id] = seq
+        for bid in hits:
+            self._ref(bid)
+            seq.block_table.append(bid)
+            seq.hashes.append(self.blocks[bid].hash)
+        for _ in range(needed):
+            seq.block_table.append(self._take_block())
+        bs = self.block_size
+        for i in range(len(hits), len(seq.block_table)):
+            self.blocks[seq.block_table[i]].num_tokens = min(bs, len(token_ids) - i * bs)
+            if (i + 1) * bs <= len(token_ids):
+                self._register_full(seq, i)
+        if self.enable_prefix_caching:
+            self.counters["prefix_queries"] += (len(token_ids) - 1) // bs
+            self.counters["prefix_hits"] += len(hits)
+        return seq.cached_tokens
+
+    def can_append(self, seq_id: int) -> bool:
+        seq = self._seq(seq_id)
+        last = self.blocks[seq.block_table[-1]]
+        needs_block = len(seq.token_ids) % self.block_size == 0 or last.ref_count > 1
+        return not needs_block or self.num_free_blocks > 0
+
+    def append_slot(self, seq_id: int, token_id: int) -> int:
+        """Reserve the slot for one more token of a sequence and return it.
+
+        A new block is taken only when the last one is full. If the last block is shared (after a
+        fork) it is copied first (copy-on-write): the copy is queued in ``pending_copies`` for the
+        storage, which must apply it before writing the new token.
+        """
+        seq = self._seq(seq_id)
+        bs = self.block_size
+        n = len(seq.token_ids)
+        if n % bs == 0:  # last block full (or no block yet): a fresh block
+            if self.num_free_blocks == 0:
+                raise OutOfBlocksError(1, 0, f"sequence {seq_id} growing to {n + 1} tokens")
+            seq.block_table.append(self._take_block())
+        else:
+            last = self.blocks[seq.block_table[-1]]
+            if last.ref_count > 1:  # shared partial block: copy on write
+                if self.num_free_blocks == 0:
+                    raise OutOfBlocksError(1, 0, f"copy-on-write for sequence {seq_id}")
+                new = self._take_block()
+                self.blocks[new].num_tokens = last.num_tokens
+                last.ref_count -= 1
+                seq.block_table[-1] = new
+                self.pending_copies.append((last.block_id, new))
+                self.counters["cow_copies"] += 1
+        seq.token_ids.append(int(token_id))
+        block = self.blocks[seq.block_table[-1]]
+        block.num_tokens += 1
+        if block.num_tokens == bs:
+            self._register_full(seq, len(seq.block_table) - 1)
+        return seq.block_table[-1] * bs + n % bs
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares every block of the parent (parallel sampling); the first write to the
+        shared partial last block copies it."""
+        parent = self._seq(parent_id)
+        if child_id in self.seqs:
+            raise ValueError(f"sequence {child_id!r} is already allocated")
+        for bid in parent.block_table:
+            self._ref(bid)
+        self.finished.discard(child_id)
+        self.seqs[child_id] = SeqBlocks(list(parent.block_table), list(parent.token_ids), list(parent.hashes),
+                                        parent.cached_tokens)
+
+    def free(self, seq_id: int) -> None:
+        """Release all of a sequence's blocks, tail first. Registered blocks stay cached (reusable
+        by a later prefix hit) until evicted; the tail goes into the LRU first, so it is evicted
+        before the prefix that other requests are likelier to share."""
+        seq = self._seq(seq_id)
+        for bid in reversed(seq.block_table):
+            b = self.blocks[bid]
+            b.ref_count -= 1
+            if b.ref_count == 0:
+                if b.hash is not None:
+                    self.cached_ids[bid] = None
+                else:
+                    b.num_tokens = 0
+                    self.free_ids.append(bid)
+        del self.seqs[seq_id]
+        self.finished.add(seq_id)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    # ---- accounting ------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        used = [b for b in self.blocks if b.ref_count > 0]
+        tokens = sum(b.num_tokens for b in used)  # physical: a shared block counts once
+        logical = sum(len(s.token_ids) for s in self.seqs.values())
+        slots = len(used) * self.block_size
+        q, h = self.counters["prefix_queries"], self.counters["prefix_hits"]
+        return {
+            "kind": "paged",
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "blocks_used": len(used),
+            "blocks_free": len(self.free_ids),
+            "blocks_cached": len(self.cached_ids),
+            "blocks_shared": sum(1 for b in used if b.ref_count > 1),
+            "sequences": len(self.seqs),
+            "tokens_stored": tokens,
+            "logical_tokens": logical,  # tokens as the sequences see them (shared ones counted per sequence)
+            "slots_reserved": slots,
+            "internal_fragmentation": 1 - tokens / slots if slots else 0.0,
+            "prefix_queries": q,
+            "prefix_hits": h,
+            "prefix_hit_rate": h / q if q else 0.0,
+            "blocks_saved": self.blocks_needed_for_all() - len(used),  # by prefix sharing and forks
+            **{k: v for k, v in self.counters.items() if k not in ("prefix_queries", "prefix_hits")},
+        }
+
+    def blocks_needed_for_all(self) -> int:
+        """Blocks the live sequences would hold without any sharing."""
+        return sum(self.blocks_needed(len(s.token_ids)) for s in self.seqs.values())
+
+    def check_invariants(self) -> None:
+        """Every block is free xor cached xor owned; refcounts equal table references; registered
+        hashes match their tokens. Raises AssertionError with the first violation."""
+        refs = [0] * self.num_blocks
+        for s in self.seqs.values():
+            for bid in s.block_table:
+                refs[bid] += 1
+            assert len(s.block_table) == self.blocks_needed(len(s.token_ids)), "table size != tokens"
+        free, cached = set(self.free_ids), set(self.cached_ids)
+        assert len(free) == len(self.free_ids), "a block is twice in the free pool"
+        assert not free & cached, "a block is both free and cached"
+        for b in self.blocks:
+            assert b.ref_count == refs[b.block_id], f"block {b.block_id}: refcount {b.ref_count} != {refs[b.block_id]}"
+            owned = b.ref_count > 0
+            assert owned + (b.block_id in free) + (b.block_id in cached) == 1, f"block {b.block_id} state"
+            if b.block_id in cached:
+                assert b.hash is not None, f"cached block {b.block_id} has no hash"
+        for h, bid in self.hash_to_block.items():
+            b = self.blocks[bid]
+            assert b.hash == h and len(b.token_ids) == self.block_size, f"block {bid} hash entry"
+        for s in self.seqs.values():  # a registered block's hash matches the chain over its tokens
+            parent = None
+            for i, h in enumerate(s.hashes):
+                chunk = tuple(s.token_ids[i * self.block_size:(i + 1) * self.block_size])
+                assert h == block_hash(parent, chunk), "hash chain does not match tokens"
+                b = self.blocks[s.block_table[i]]
+                assert b.hash in (None, h), f"block {b.block_id} registered under another hash"
+                parent = h
