@@ -48,6 +48,7 @@ class Block:
     ref_count: int = 0
     num_tokens: int = 0  # filled slots
     hash: bytes | None = None  # set while the block is registered in the prefix cache
+    parent: bytes | None = None  # the previous block's hash in the chain (for checking)
     token_ids: tuple[int, ...] = ()  # a registered block's tokens: a hash hit is confirmed against them
 
 
@@ -146,7 +147,7 @@ class BlockManager:
             bid, _ = self.cached_ids.popitem(last=False)
             b = self.blocks[bid]
             del self.hash_to_block[b.hash]
-            b.hash, b.token_ids = None, ()
+            b.hash, b.parent, b.token_ids = None, None, ()
             self.counters["evictions"] += 1
         b = self.blocks[bid]
         b.ref_count, b.num_tokens = 1, 0
@@ -162,12 +163,13 @@ class BlockManager:
         """A block just became full: extend the hash chain, and offer it to the prefix cache."""
         bs = self.block_size
         chunk = tuple(seq.token_ids[logical * bs:(logical + 1) * bs])
-        h = block_hash(seq.hashes[-1] if seq.hashes else None, chunk)
+        parent = seq.hashes[-1] if seq.hashes else None
+        h = block_hash(parent, chunk)
         seq.hashes.append(h)
         b = self.blocks[seq.block_table[logical]]
         if self.enable_prefix_caching and h not in self.hash_to_block and b.hash is None:
             self.hash_to_block[h] = b.block_id
-            b.hash, b.token_ids = h, chunk
+            b.hash, b.parent, b.token_ids = h, parent, chunk
 
     def can_allocate(self, token_ids) -> bool:
         hits = self._match_prefix(list(token_ids))
@@ -330,9 +332,11 @@ class BlockManager:
             assert owned + (b.block_id in free) + (b.block_id in cached) == 1, f"block {b.block_id} state"
             if b.block_id in cached:
                 assert b.hash is not None, f"cached block {b.block_id} has no hash"
-        for h, bid in self.hash_to_block.items():
+        for h, bid in self.hash_to_block.items():  # every registered (in use or cached) block
             b = self.blocks[bid]
             assert b.hash == h and len(b.token_ids) == self.block_size, f"block {bid} hash entry"
+            assert h == block_hash(b.parent, b.token_ids), f"block {bid}: hash does not match its tokens"
+        assert sum(b.hash is not None for b in self.blocks) == len(self.hash_to_block), "unindexed hashed block"
         for s in self.seqs.values():  # a registered block's hash matches the chain over its tokens
             parent = None
             for i, h in enumerate(s.hashes):
