@@ -75,3 +75,20 @@ def static_utilization(fn: Callable[[Sequence[int], int, int], float]) -> bool:
              for lens, b, t in (([10], 1, 10), ([10, 20], 2, 40), ([5, 50, 500], 4, 2048), ([100] * 8, 8, 4096))]
     return _run("static_utilization", fn, cases, same=lambda a, b: isinstance(a, (int, float))
                 and math.isclose(a, b, rel_tol=1e-9))
+
+
+# ---- notebook 02 -------------------------------------------------------------------------------
+
+def slot_mapping(fn: Callable[[Sequence[int], int, int, int], list]) -> bool:
+    """``fn(block_table, block_size, start, end) -> slots of tokens start..end-1``."""
+    from kvlab.cache import BlockManager
+
+    cases = []
+    for bs, lengths in ((1, (3,)), (4, (10, 3)), (16, (40, 1, 16)), (8, (64,))):
+        bm = BlockManager(64, bs)
+        for i, n in enumerate(lengths):
+            bm.allocate(i, [7] * n)
+        for i, n in enumerate(lengths):
+            for start, end in ((0, n), (n - 1, n), (n // 2, n)):
+                cases.append(((bm.block_table(i), bs, start, end), bm.slot_mapping(i, start, end)))
+    return _run("slot_mapping", fn, cases, same=lambda a, b: list(a) == b)

@@ -33,3 +33,21 @@ def test_text_is_coherent(smollm2):
     g = greedy_generate(model, encode_prompts(tok, "Once upon a time"), 12, cache="static")
     assert "Once upon a time" not in tok.decode(g.token_ids[0])  # generated only
     assert tok.decode(g.token_ids[0]).startswith(", ")
+
+
+def test_paged_batch_and_prefix_hits_match_hf(smollm2):
+    """Notebook 02's anchor on the real model: paged (block 16), batch of different lengths, and a
+    second request served from the first's cached system-prompt blocks."""
+    from kvlab.cache import BlockManager, PagedKVCache
+    from kvlab.generate import paged_generate
+
+    model, tok = smollm2
+    prompts = encode_prompts(tok, ["Once upon a time", "Write a haiku about the sea."]) + [text_tokens(tok, 70)]
+    assert paged_generate(model, prompts, 12, block_size=16).token_ids == hf_generate(model, prompts, 12)
+    system = text_tokens(tok, 48, offset=500)
+    bm = BlockManager(32, 16)
+    cache = PagedKVCache.from_model(model, 32, 16)
+    for tail in (encode_prompts(tok, " Who is speaking?")[0], encode_prompts(tok, " Where are we?")[0]):
+        g = paged_generate(model, [system + tail], 10, manager=bm, cache=cache)
+        assert g.token_ids == hf_generate(model, [system + tail], 10)
+    assert g.cache_stats["cached_prompt_tokens"] == 48

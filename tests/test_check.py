@@ -50,3 +50,13 @@ def test_checker_rejects_non_callables():
 def test_learner_exceptions_are_reported_not_raised(capsys):
     assert not check.kv_bytes_per_token(lambda *a: 1 / 0)
     assert "ZeroDivisionError" in capsys.readouterr().out
+
+
+def test_slot_mapping(capsys):
+    from kvlab.cache import BlockManager
+
+    assert check.slot_mapping(BlockManager.slot_mapping_of)
+    assert not check.slot_mapping(lambda t, bs, s, e: [t[i // bs] + i % bs for i in range(s, e)])  # forgot * bs
+    assert not check.slot_mapping(stub)
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out] == ["[ok]", "[fail]", "[todo]"]

@@ -38,6 +38,18 @@ def test_generate_tiny_json_matches_hf(capsys, tiny):
     assert out["cache_stats"]["kind"] == "static" and "text" in out
 
 
+def test_generate_paged_json_reports_block_stats(capsys, tiny):
+    outs = {}
+    for cache in ("static", "paged"):
+        assert main(["generate", "--model", "tiny", "--cache", cache, "--block-size", "4", "--prompt", "hello world",
+                     "--max-tokens", "9", "--json"]) == 0
+        outs[cache] = json.loads(capsys.readouterr().out)
+    paged = outs["paged"]
+    assert paged["token_ids"] == outs["static"]["token_ids"]
+    assert {"blocks_used", "internal_fragmentation", "prefix_hits"} <= paged.keys()
+    assert paged["cache_stats"]["block_size"] == 4
+
+
 @pytest.mark.slow
 def test_generate_acceptance_command_matches_hf_default_cache(smollm2):
     from kvlab.generate import hf_generate
@@ -65,6 +77,10 @@ def test_generate_acceptance_command_matches_hf_default_cache(smollm2):
     (["size", "--model", "gpt-9000"], "unknown model"),
     (["size", "--model", "llama-2-7b", "--dtype", "int8", "--scales", "per-row"], "scales must be one of"),
     (["size", "--tokens", "0"], "must be >= 1"),
+    (["generate", "--model", "tiny", "--cache", "paged", "--block-size", "12", "--prompt", "hi"],
+     "block_size must be a power of two"),
+    (["generate", "--model", "tiny", "--cache", "paged", "--num-blocks", "1", "--prompt", "a prompt over 16 bytes"],
+     "out of KV blocks"),
 ])
 def test_bad_input_exits_2_with_a_clear_message(args, message, capsys):
     try:

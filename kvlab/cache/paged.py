@@ -110,14 +110,18 @@ class BlockManager:
     def num_tokens(self, seq_id: int) -> int:
         return len(self._seq(seq_id).token_ids)
 
+    @staticmethod
+    def slot_mapping_of(block_table, block_size: int, start: int, end: int) -> list[int]:
+        """``slot = block_table[t // block_size] * block_size + t % block_size`` for t in start..end-1."""
+        return [block_table[t // block_size] * block_size + t % block_size for t in range(start, end)]
+
     def slot_mapping(self, seq_id: int, start: int = 0, end: int | None = None) -> list[int]:
         """Slots of the sequence's tokens ``start..end-1``: where the storage writes their K/V."""
         seq = self._seq(seq_id)
         end = len(seq.token_ids) if end is None else end
         if not 0 <= start <= end <= len(seq.token_ids):
             raise ValueError(f"token range [{start}, {end}) is outside sequence {seq_id}'s {len(seq.token_ids)} tokens")
-        bs = self.block_size
-        return [seq.block_table[t // bs] * bs + t % bs for t in range(start, end)]
+        return self.slot_mapping_of(seq.block_table, self.block_size, start, end)
 
     def _match_prefix(self, token_ids: list[int]) -> list[int]:
         """Physical blocks already holding this prompt's leading full blocks (no state change).

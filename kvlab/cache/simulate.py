@@ -1,0 +1,182 @@
+"""Where KV memory goes, for a whole workload, without running a model (notebook 02).
+
+A request needs ``prompt + output`` token slots by the time it finishes, but a contiguous
+allocator must decide its reservation up front. Following the PagedAttention paper (SOSP 2023,
+Fig. 2), every reserved slot at every decode step is one of:
+
+* **token states**: it holds a token's K/V now;
+* **reservation**: empty now, a later token of the same request will fill it;
+* **internal fragmentation**: reserved, but no token of this request will ever fill it.
+
+(The paper adds *external* fragmentation, the gaps a buddy allocator leaves between reservations;
+our contiguous policies get one private tensor each, so it is 0 here and we do not invent it.)
+
+Contiguous policies follow the paper's Orca baselines: ``max`` reserves ``max_seq_len`` for every
+request, ``pow2`` the next power of two at or above its real length, ``oracle`` exactly its real
+length (what it will store: prompt + output - 1, as the last sampled token is never fed back). ``paged`` runs the real :class:`~kvlab.cache.paged.BlockManager`, so the paged figures are
+our block manager's own accounting.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from kvlab.cache.paged import BlockManager
+
+POLICIES = ("max", "pow2", "oracle", "paged")
+
+# mean prompt / output tokens of the paper's two traces (Fig. 11); lengths are drawn from
+# exponential-like distributions with these means, clipped to the model's context
+WORKLOADS = {"sharegpt": (161, 338), "alpaca": (19, 58)}
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_len: int
+    output_len: int
+
+    @property
+    def total(self) -> int:
+        return self.prompt_len + self.output_len
+
+    @property
+    def stored(self) -> int:
+        """Tokens whose K/V the cache ends up holding: the last sampled token is never fed back."""
+        return self.total - 1
+
+
+def workload(name: str = "sharegpt", n: int = 64, seed: int = 0, max_seq_len: int = 2048) -> list[Request]:
+    """``n`` seeded requests whose lengths follow one of :data:`WORKLOADS` (mean prompt / output)."""
+    if name not in WORKLOADS:
+        raise ValueError(f"workload must be one of {sorted(WORKLOADS)}, got {name!r}")
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    mean_p, mean_o = WORKLOADS[name]
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p = max(1, round(rng.expovariate(1 / mean_p)))
+        o = max(1, round(rng.expovariate(1 / mean_o)))
+        p = min(p, max_seq_len - 1)
+        out.append(Request(p, min(o, max_seq_len - p)))
+    return out
+
+
+def uniform(n: int, lo: int, hi: int, output_share: float = 0.5, seed: int = 0) -> list[Request]:
+    """``n`` seeded requests of ``lo..hi`` total tokens, ``output_share`` of them generated."""
+    if not 1 < lo <= hi:
+        raise ValueError(f"need 1 < lo <= hi, got lo={lo}, hi={hi}")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        total = rng.randint(lo, hi)
+        o = min(total - 1, max(1, round(total * output_share)))
+        out.append(Request(total - o, o))
+    return out
+
+
+def _reserved(policy: str, r: Request, max_seq_len: int) -> int:
+    if policy == "max":
+        return max_seq_len
+    if policy == "pow2":
+        return min(max_seq_len, 1 << (r.stored - 1).bit_length())
+    if policy == "oracle":
+        return r.stored
+    raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+
+
+def simulate(requests: list[Request], policy: str, block_size: int = 16, max_seq_len: int = 2048) -> dict:
+    """Run all requests as one batch (prefill together, decode one token per step each, free at the
+    end) and average the slot breakdown over the decode steps.
+
+    Returns fractions of the reserved slots (``token_states + reservation + internal_fragmentation
+    == 1``), plus the peak number of slots reserved.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if not requests:
+        raise ValueError("requests must not be empty")
+    if any(r.total > max_seq_len for r in requests):
+        raise ValueError(f"a request is longer than max_seq_len={max_seq_len}")
+    steps = max(r.output_len for r in requests)
+    sums = dict(token_states=0, reservation=0, internal_fragmentation=0)
+    peak = 0
+    bm = None
+    if policy == "paged":
+        bm = BlockManager(sum(-(-r.stored // block_size) for r in requests), block_size, enable_prefix_caching=False)
+        for i, r in enumerate(requests):
+            bm.allocate(i, [0] * r.prompt_len)
+    for step in range(steps):
+        # after this step's token, request i holds prompt + min(step + 1, output) - (finished? then freed)
+        live = [(i, r) for i, r in enumerate(requests) if step < r.output_len]
+        if bm is not None:
+            if step > 0:
+                for i, r in enumerate(requests):
+                    if step == r.output_len:
+                        bm.free(i)
+                    elif step < r.output_len:
+                        bm.append_slot(i, 0)
+            for i, r in live:
+                held = bm.num_tokens(i)
+                slots = len(bm.seqs[i].block_table) * block_size
+                sums["token_states"] += held
+                sums["reservation"] += min(slots, r.stored) - held
+                sums["internal_fragmentation"] += max(0, slots - r.stored)
+            peak = max(peak, bm.stats()["slots_reserved"])
+        else:
+            reserved_now = 0
+            for _, r in live:
+                held = r.prompt_len + step
+                reserved = _reserved(policy, r, max_seq_len)
+                sums["token_states"] += held
+                sums["reservation"] += r.stored - held
+                sums["internal_fragmentation"] += reserved - r.stored
+                reserved_now += reserved
+            peak = max(peak, reserved_now)
+    total = sum(sums.values())
+    return {"policy": policy, "block_size": block_size if policy == "paged" else None, "requests": len(requests),
+            **{k: v / total for k, v in sums.items()}, "peak_slots": peak}
+
+
+def block_size_sweep(requests: list[Request], sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256)) -> list[dict]:
+    """The block-size trade-off: bigger blocks mean fewer table entries but more slots wasted in
+    each sequence's last block. Measured at the end of prefill + decode (every request complete)."""
+    rows = []
+    for bs in sizes:
+        bm = BlockManager(sum(-(-r.stored // bs) for r in requests), bs, enable_prefix_caching=False)
+        for i, r in enumerate(requests):
+            bm.allocate(i, [0] * r.stored)
+        s = bm.stats()
+        rows.append({"block_size": bs, "internal_fragmentation": s["internal_fragmentation"],
+                     "blocks_used": s["blocks_used"],
+                     "table_entries_per_seq": s["blocks_used"] / len(requests),
+                     "table_bytes": 4 * s["blocks_used"]})  # int32 entries
+    return rows
+
+
+def parallel_sampling(requests: list[Request], n: int, block_size: int = 16) -> dict:
+    """Blocks held at the end when every request draws ``n`` samples of its output length.
+
+    With forking, the samples share the prompt's blocks and copy only the partial last block on
+    their first write; without it each sample is a separate sequence with its own prompt copy.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    need = sum(n * -(-r.stored // block_size) for r in requests)
+    shared = BlockManager(need, block_size, enable_prefix_caching=False)
+    sid = 0
+    for r in requests:
+        parent = sid
+        shared.allocate(parent, [0] * r.prompt_len)
+        children = [parent] + list(range(sid + 1, sid + n))
+        for c in children[1:]:
+            shared.fork(parent, c)
+        for c in children:
+            for t in range(r.output_len - 1):
+                shared.append_slot(c, t + 1)
+        sid += n
+    with_fork = shared.stats()["blocks_used"]
+    without = sum(n * -(-r.stored // block_size) for r in requests)
+    return {"n": n, "blocks_with_fork": with_fork, "blocks_without": without, "saved": 1 - with_fork / without,
+            "cow_copies": shared.counters["cow_copies"]}

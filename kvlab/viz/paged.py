@@ -1,0 +1,155 @@
+"""The block table, made visible (notebook 02): a grid of physical blocks coloured by owner,
+replayed step by step from snapshots of a real :class:`~kvlab.cache.paged.BlockManager`.
+
+Only reads the manager's public state; a :class:`Trace` records what the notebook did to it.
+"""
+
+from __future__ import annotations
+
+import html
+
+import plotly.graph_objects as go
+
+from kvlab.viz import COLORS
+
+PALETTE = ["#2e86c1", "#28b463", "#af7ac5", "#e67e22", "#16a085", "#d4ac0d", "#cb4335", "#5d6d7e"]
+FREE, CACHED, SHARED = "#ffffff", "#d5d8dc", "#1b2631"
+
+
+def snapshot(bm, note: str = "") -> dict:
+    """A plain-data picture of the pool: per block its state, owners, refcount and fill."""
+    owners: dict[int, list[int]] = {}
+    for sid, seq in bm.seqs.items():
+        for bid in seq.block_table:
+            owners.setdefault(bid, []).append(sid)
+    cached = set(bm.cached_ids)
+    blocks = []
+    for b in bm.blocks:
+        state = "used" if b.ref_count else ("cached" if b.block_id in cached else "free")
+        blocks.append(dict(id=b.block_id, state=state, owners=sorted(owners.get(b.block_id, [])),
+                           ref=b.ref_count, fill=b.num_tokens if state != "free" else 0))
+    return dict(note=note, block_size=bm.block_size, blocks=blocks,
+                tables={sid: list(s.block_table) for sid, s in bm.seqs.items()},
+                lengths={sid: len(s.token_ids) for sid, s in bm.seqs.items()}, stats=bm.stats())
+
+
+class Trace:
+    """Snapshots of a block manager after each operation, for :func:`block_table_widget`."""
+
+    def __init__(self, bm):
+        self.bm = bm
+        self.frames: list[dict] = []
+
+    def record(self, note: str) -> dict:
+        frame = snapshot(self.bm, note)
+        self.frames.append(frame)
+        return frame
+
+
+def _grid(frame: dict, columns: int):
+    rows = -(-len(frame["blocks"]) // columns)
+    z, text, colors = [], [], {}
+    seq_ids = sorted({o for b in frame["blocks"] for o in b["owners"]})
+    for r in range(rows):
+        zr, tr = [], []
+        for c in range(columns):
+            i = r * columns + c
+            if i >= len(frame["blocks"]):
+                zr.append(None)
+                tr.append("")
+                continue
+            b = frame["blocks"][i]
+            if b["state"] == "free":
+                key, label = FREE, f"#{b['id']}<br>free"
+            elif b["state"] == "cached":
+                key, label = CACHED, f"#{b['id']}<br>cached"
+            elif b["ref"] > 1:
+                key, label = SHARED, f"#{b['id']}<br>ref {b['ref']}"
+            else:
+                key = PALETTE[seq_ids.index(b["owners"][0]) % len(PALETTE)]
+                label = f"#{b['id']}<br>seq {b['owners'][0]}"
+            if b["state"] != "free":
+                label += f"<br>{b['fill']}/{frame['block_size']}"
+            colors.setdefault(key, len(colors))
+            zr.append(colors[key])
+            tr.append(label)
+        z.append(zr)
+        text.append(tr)
+    # a discrete colourscale: one flat band per colour actually present
+    n = max(len(colors), 1)
+    scale = []
+    for color, idx in sorted(colors.items(), key=lambda kv: kv[1]):
+        scale += [[idx / n, color], [(idx + 1) / n, color]]
+    return z, text, scale or [[0, FREE], [1, FREE]], n
+
+
+def _tables_html(frame: dict) -> str:
+    s = frame["stats"]
+    rows = "".join(
+        f"<tr><td>seq {sid}</td><td>{frame['lengths'][sid]} tokens</td><td>{table}</td></tr>"
+        for sid, table in sorted(frame["tables"].items()))
+    return (f"<b>{html.escape(frame['note'])}</b><br>"
+            f"blocks used {s['blocks_used']} · free {s['blocks_free']} · cached {s['blocks_cached']} · "
+            f"shared {s['blocks_shared']} · internal fragmentation {s['internal_fragmentation']:.0%} · "
+            f"prefix hits {s['prefix_hits']}/{s['prefix_queries']} · copy-on-write {s['cow_copies']}"
+            f"<table><tr><th>sequence</th><th>length</th><th>block table (logical → physical)</th></tr>{rows}</table>")
+
+
+def block_table_figure(frame: dict, columns: int = 8, widget: bool = False):
+    z, text, scale, n = _grid(frame, columns)
+    fig = (go.FigureWidget if widget else go.Figure)(go.Heatmap(
+        z=z, text=text, texttemplate="%{text}", colorscale=scale, zmin=0, zmax=n, showscale=False,
+        xgap=3, ygap=3, hoverinfo="text"))
+    fig.update_layout(height=70 + 62 * len(z), margin=dict(l=10, r=10, t=30, b=10),
+                      title="physical blocks (colour = owner, dark = shared, grey = cached, white = free)",
+                      xaxis=dict(visible=False), yaxis=dict(visible=False, autorange="reversed"))
+    return fig
+
+
+def block_table_widget(trace: Trace, columns: int = 8):
+    """Step (or play) through a trace: the block grid and the per-sequence tables update together."""
+    import ipywidgets as W
+
+    fig = block_table_figure(trace.frames[0], columns, widget=True)
+    info = W.HTML(_tables_html(trace.frames[0]))
+    play = W.Play(min=0, max=len(trace.frames) - 1, interval=1200, description="play")
+    step = W.IntSlider(min=0, max=len(trace.frames) - 1, description="step")
+    W.jslink((play, "value"), (step, "value"))
+
+    def show(change):
+        frame = trace.frames[change["new"]]
+        z, text, scale, n = _grid(frame, columns)
+        with fig.batch_update():
+            fig.data[0].z, fig.data[0].text = z, text
+            fig.data[0].colorscale, fig.data[0].zmax = scale, n
+        info.value = _tables_html(frame)
+
+    step.observe(show, names="value")
+    return W.VBox([W.HBox([play, step]), info, fig])
+
+
+def fragmentation_figure(results: list[dict], title: str = ""):
+    """Stacked bars: where reserved KV slots go under each allocation policy (paper Fig. 2 style)."""
+    names = [r["policy"] if r["policy"] != "paged" else f"paged ({r['block_size']})" for r in results]
+    fig = go.Figure()
+    for key, label, color in (("token_states", "token states", COLORS["tokens"]),
+                              ("reservation", "reserved for later tokens", COLORS["padding"]),
+                              ("internal_fragmentation", "internal fragmentation", COLORS["kv"])):
+        fig.add_bar(x=names, y=[100 * r[key] for r in results], name=label, marker_color=color,
+                    text=[f"{100 * r[key]:.1f}%" for r in results], textposition="inside")
+    fig.update_layout(barmode="stack", yaxis_title="% of reserved KV slots", height=400, title=title)
+    return fig
+
+
+def block_size_figure(rows: list[dict]):
+    """Internal fragmentation vs block-table entries per sequence across block sizes."""
+    x = [str(r["block_size"]) for r in rows]
+    fig = go.Figure()
+    fig.add_bar(x=x, y=[100 * r["internal_fragmentation"] for r in rows], name="internal fragmentation (%)",
+                marker_color=COLORS["kv"])
+    fig.add_scatter(x=x, y=[r["table_entries_per_seq"] for r in rows], name="block-table entries per sequence",
+                    yaxis="y2", mode="lines+markers", line_color=COLORS["weights"])
+    fig.update_layout(height=380, xaxis_title="block size (tokens)", yaxis=dict(title="% of slots wasted"),
+                      yaxis2=dict(title="entries per sequence", overlaying="y", side="right", type="log"),
+                      legend=dict(x=0.3, y=1.15, orientation="h"))
+    return fig
