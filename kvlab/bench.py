@@ -81,3 +81,36 @@ def recompute_vs_cache(model, tokenizer, prompt_lens=(16, 128, 512), new_tokens:
             "same_tokens": cached.token_ids == recomputed.token_ids,
         })
     return rows
+
+
+def static_vs_paged(model, tokenizer, max_new_tokens: int = 64, block_size: int = 16,
+                    loose_max_seq_len: int = 2048) -> dict:
+    """The chat workload of notebooks 01/02 through a loose static cache, a tight one and a paged one.
+
+    Returns each cache's stats; all three must produce the same tokens (checked).
+    """
+    from kvlab.cache import StaticCache
+    from kvlab.data import chat_prompts
+    from kvlab.generate import greedy_generate
+
+    prompts = chat_prompts(tokenizer)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id or 0
+    out, tokens = {}, None
+    for name, max_seq_len in (("static, reserve %d" % loose_max_seq_len, loose_max_seq_len),
+                              ("static, reserve prompt + budget", max(map(len, prompts)) + max_new_tokens)):
+        cache = StaticCache.from_model(model, max_batch=len(prompts), max_seq_len=max_seq_len)
+        g = greedy_generate(model, prompts, max_new_tokens, cache=cache, eos_token_id=eos, pad_token_id=pad)
+        tokens = tokens or g.token_ids
+        if g.token_ids != tokens:
+            raise AssertionError(f"{name}: tokens differ")
+        s = cache.stats()
+        out[name] = {"utilization": s["utilization"], "bytes_in_use": s["bytes_reserved"],
+                     "tokens_stored": s["tokens_stored"], "slots": s["slots_reserved"]}
+    g = greedy_generate(model, prompts, max_new_tokens, cache="paged", block_size=block_size, eos_token_id=eos)
+    if g.token_ids != tokens:
+        raise AssertionError("paged: tokens differ")
+    s = g.cache_stats
+    out[f"paged, {block_size}-token blocks (peak)"] = {
+        "utilization": 1 - s["internal_fragmentation"], "bytes_in_use": s["slots_reserved"] * s["bytes_reserved"]
+        // (s["num_blocks"] * s["block_size"]), "tokens_stored": s["tokens_stored"], "slots": s["slots_reserved"]}
+    return out

@@ -107,6 +107,42 @@ def cmd_generate(args) -> None:
     _emit(obj, args.json, lines)
 
 
+def cmd_bench(args) -> None:
+    from kvlab import bench
+    from kvlab.sizing import fmt_bytes
+
+    if args.what == "recompute":
+        from kvlab.models import load_model
+
+        model, tokenizer = load_model(args.model)
+        rows = bench.recompute_vs_cache(model, tokenizer, tuple(args.prompt_lens), args.new_tokens)
+        lines = [f"{'prompt':>7}{'no cache (s)':>14}{'cache (s)':>11}{'speed-up':>10}{'same tokens':>13}"]
+        lines += [f"{r['prompt_tokens']:>7}{r['no_cache_s']:>14.2f}{r['cache_s']:>11.2f}{r['speedup']:>9.1f}x"
+                  f"{str(r['same_tokens']):>13}" for r in rows]
+        _emit({"rows": rows}, args.json, lines)
+    elif args.what == "static":
+        from kvlab.models import load_model
+
+        model, tokenizer = load_model(args.model)
+        res = bench.static_vs_paged(model, tokenizer, args.new_tokens, args.block_size)
+        lines = [f"{'cache':<36}{'slots':>8}{'tokens':>8}{'in use':>12}{'holding tokens':>16}"]
+        lines += [f"{k:<36}{v['slots']:>8,}{v['tokens_stored']:>8,}{fmt_bytes(v['bytes_in_use']):>12}"
+                  f"{v['utilization']:>16.1%}" for k, v in res.items()]
+        _emit(res, args.json, lines)
+    else:  # memory: the PagedAttention Fig. 2 breakdown on a synthetic workload, no model
+        from kvlab.cache import simulate
+
+        reqs = simulate.workload(args.workload, args.requests, seed=args.seed)
+        rows = [simulate.simulate(reqs, p, block_size=args.block_size) for p in simulate.POLICIES]
+        sweep = simulate.block_size_sweep(reqs)
+        lines = [f"{args.workload}, {args.requests} requests: {'policy':<8}{'token states':>14}{'reservation':>13}"
+                 f"{'internal frag':>15}"]
+        lines += [f"{'':<{len(lines[0]) - 49}}{r['policy']:<8}{r['token_states']:>14.1%}{r['reservation']:>13.1%}"
+                  f"{r['internal_fragmentation']:>15.1%}" for r in rows]
+        lines += ["block size sweep: " + ", ".join(f"{r['block_size']}: {r['internal_fragmentation']:.1%}" for r in sweep)]
+        _emit({"policies": rows, "block_size_sweep": sweep}, args.json, lines)
+
+
 def cmd_convert(args) -> None:
     from kvlab.models import convert_smollm2
 
@@ -146,6 +182,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="paged cache: blocks in the pool (default: enough for prompt + max tokens)")
     s.set_defaults(func=cmd_generate)
 
+    s = sub.add_parser("bench", help="measurements: recompute vs cache, static vs paged, memory breakdown")
+    s.add_argument("what", choices=["recompute", "static", "memory"])
+    s.add_argument("--model", default="smollm2-135m")
+    s.add_argument("--prompt-lens", type=_positive_int("--prompt-lens"), nargs="+", default=[16, 128, 512])
+    s.add_argument("--new-tokens", type=_positive_int("--new-tokens"), default=None)
+    s.add_argument("--block-size", type=_positive_int("--block-size"), default=16)
+    s.add_argument("--workload", default="sharegpt", choices=["sharegpt", "alpaca"])
+    s.add_argument("--requests", type=_positive_int("--requests"), default=64)
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(func=cmd_bench)
+
     s = sub.add_parser("convert", help="convert the bundled SmolLM2 GGUF to safetensors (once)")
     s.add_argument("--force", action="store_true")
     s.set_defaults(func=cmd_convert)
@@ -162,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     silence_known_warnings()
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "func", None) is cmd_bench and args.new_tokens is None:
+        args.new_tokens = 16 if args.what == "recompute" else 64
     from kvlab.cache import OutOfBlocksError
 
     try:

@@ -42,3 +42,22 @@ def text_tokens(tokenizer, n: int, play: str = "hamlet", offset: int = 0) -> lis
     if offset + n > len(ids):
         raise ValueError(f"{play} has {len(ids)} tokens; cannot take {n} from offset {offset}")
     return ids[offset:offset + n]
+
+
+# Four chat requests of different lengths: the mixed-length workload of notebooks 01 and 02.
+CHAT_REQUESTS = (
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "List three tips for writing clear documentation, with a short reason for each one.",
+)
+
+
+def chat_prompts(tokenizer, requests=CHAT_REQUESTS, system: str | None = None) -> list[list[int]]:
+    """Token ids of user requests wrapped in the model's chat template (generation prompt added)."""
+    out = []
+    for r in requests:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": r}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        out.append(list(tokenizer.encode(text)))
+    return out

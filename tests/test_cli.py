@@ -95,3 +95,22 @@ def test_module_entry_point_reports_errors_without_a_traceback():
     r = run("generate", "--model", "no-such-model", "--prompt", "hi")
     assert r.returncode == 2
     assert r.stderr.startswith("kvlab: error: unknown model") and "Traceback" not in r.stderr
+
+
+def test_bench_memory_and_recompute(capsys):
+    assert main(["bench", "memory", "--workload", "alpaca", "--requests", "16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["policy"] for r in out["policies"]] == ["max", "pow2", "oracle", "paged"]
+    assert out["block_size_sweep"][0]["block_size"] == 1
+    assert main(["bench", "recompute", "--model", "tiny", "--prompt-lens", "4", "32", "--new-tokens", "3",
+                 "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["prompt_tokens"] for r in rows] == [4, 32] and all(r["same_tokens"] for r in rows)
+
+
+@pytest.mark.slow
+def test_bench_static_vs_paged(capsys, smollm2):
+    assert main(["bench", "static", "--new-tokens", "8", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    loose, tight, paged = res.values()
+    assert loose["utilization"] < tight["utilization"] <= 1 and paged["utilization"] <= 1
