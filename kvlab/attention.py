@@ -62,3 +62,60 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out[start:start + q_len] = attend(q[start:start + q_len], k, v, scale)
         start += q_len
     return out
+
+
+# ---- over a quantized pool (notebook 03) ------------------------------------------------------------
+
+def _online_update(state, q, k, v, scale, mask=None):
+    """One step of online softmax (FlashAttention's recurrence) over a chunk of keys.
+
+    q (q_len, H_kv, G, D); k, v (n, H_kv, D); state = (running max m, running sum l, accumulator acc).
+    """
+    m, l, acc = state
+    s = torch.einsum("qhgd,nhd->hgqn", q, k) * scale  # (H_kv, G, q_len, n)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    m_new = torch.maximum(m, s.amax(-1))
+    p = torch.exp(s - m_new[..., None])
+    corr = torch.exp(m - m_new)
+    return m_new, l * corr + p.sum(-1), acc * corr[..., None] + torch.einsum("hgqn,nhd->hgqd", p, v)
+
+
+def quantized_paged_attention(q, k_new, v_new, cache, layer: int, block_tables, context_lens, query_lens,
+                              scale: float, tile_blocks: int = 8) -> torch.Tensor:
+    """Attention where everything cached BEFORE this forward is read from a quantized pool.
+
+    q (T, H_q, D) packed queries; k_new, v_new (T, H_kv, D) the same tokens' own keys/values, used in
+    full precision (prefill never attends to its own quantization error; only what is stored is
+    quantized). Cached blocks are dequantized ``tile_blocks`` at a time and folded in with online
+    softmax, so no full-precision copy of a sequence's cache ever exists: the PyTorch picture of
+    what a fused kernel does in registers.
+    """
+    from kvlab.quant.rotation import rotate
+
+    out = torch.empty_like(q, dtype=torch.float32)
+    bs = cache.block_size
+    start = 0
+    for table, ctx, q_len in zip(block_tables, context_lens, query_lens):
+        qi = q[start:start + q_len].float()
+        h_q, d = qi.shape[1:]
+        h_kv = k_new.shape[1]
+        qg = qi.reshape(q_len, h_kv, h_q // h_kv, d)  # (q_len, H_kv, G, D)
+        q_cached = rotate(qg) if cache.config.rotate_k else qg  # cached keys are stored rotated
+        state = (torch.full((h_kv, h_q // h_kv, q_len), float("-inf")), torch.zeros(h_kv, h_q // h_kv, q_len),
+                 torch.zeros(h_kv, h_q // h_kv, q_len, d))
+        cached = ctx - q_len
+        n_blocks = -(-cached // bs)
+        for t0 in range(0, n_blocks, tile_blocks):
+            ids = torch.as_tensor(table[t0:t0 + tile_blocks], dtype=torch.long)
+            k, v = cache.read(layer, ids)  # (n, bs, H_kv, D) each, float32
+            valid = min(cached - t0 * bs, len(ids) * bs)
+            state = _online_update(state, q_cached, k.flatten(0, 1)[:valid], v.flatten(0, 1)[:valid], scale)
+        own = torch.arange(q_len)
+        causal = own[None, :] <= own[:, None]  # (q_len, q_len)
+        state = _online_update(state, qg, k_new[start:start + q_len].float(), v_new[start:start + q_len].float(),
+                               scale, causal)
+        m, l, acc = state
+        out[start:start + q_len] = (acc / l[..., None]).permute(2, 0, 1, 3).reshape(q_len, h_q, d)
+        start += q_len
+    return out.to(q.dtype)

@@ -122,10 +122,17 @@ def _paged_attention_forward(module, query, key, value, attention_mask, scaling=
                            "use kvlab.generate.paged_generate")
     layer = module.layer_idx
     # query (1, H_q, T, D); key/value (1, H_kv, T, D), post-RoPE, new tokens only
-    batch.cache.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1), batch.slot_mapping)
+    k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (T, H_kv, D)
+    batch.cache.write(layer, k_new, v_new, batch.slot_mapping)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if hasattr(batch.cache, "config"):  # a quantized pool (notebook 03)
+        from kvlab.attention import quantized_paged_attention
+
+        out = quantized_paged_attention(query[0].transpose(0, 1), k_new, v_new, batch.cache, layer,
+                                        batch.block_tables, batch.context_lens, batch.query_lens, scale)
+        return out.unsqueeze(0), None
     out = paged_attention(query[0].transpose(0, 1), batch.cache.k_cache[layer], batch.cache.v_cache[layer],
-                          batch.block_tables, batch.context_lens, batch.query_lens,
-                          scale=scaling if scaling is not None else query.shape[-1] ** -0.5)
+                          batch.block_tables, batch.context_lens, batch.query_lens, scale=scale)
     return out.unsqueeze(0), None  # (1, T, H_q, D), as HF's attention functions return
 
 

@@ -1,0 +1,155 @@
+"""How much does a KV format cost in quality? Perplexity, KL, top-1 and greedy agreement (notebook 03).
+
+Every configuration is run in lockstep with a full-precision reference through the SAME paged
+attention path, over the same text: the text is cut into sliding windows, each window is fed in
+chunks of ``chunk`` tokens, and every chunk attends to its own K/V in full precision and to
+everything before it through the (quantized) cache, exactly as generation would read it.
+Smaller chunks put more of the context through the quantized cache (``chunk=1`` is pure decode).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from kvlab.quant.formats import FP32, KVQuantConfig
+
+
+class _Runner:
+    """One sequence through one paged pool (quantized or not), chunk by chunk."""
+
+    def __init__(self, model, config: KVQuantConfig, calibration, num_tokens: int, block_size: int):
+        from kvlab.cache import BlockManager
+        from kvlab.quant.cache import QuantizedPagedKVCache
+
+        blocks = -(-num_tokens // block_size)
+        self.bm = BlockManager(blocks, block_size, enable_prefix_caching=False)
+        self.cache = QuantizedPagedKVCache.from_model(model, blocks, block_size, config, calibration)
+        self.model = model
+        self.started = False
+
+    def forward(self, ids: list[int]) -> torch.Tensor:
+        """Logits (len(ids), V) of the next chunk."""
+        from kvlab.hf import PagedBatch
+
+        if not self.started:
+            self.bm.allocate(0, ids)
+            start, slots = 0, self.bm.slot_mapping(0)
+            self.started = True
+        else:
+            start = self.bm.num_tokens(0)
+            slots = [self.bm.append_slot(0, t) for t in ids]
+        device = next(self.model.parameters()).device
+        batch = PagedBatch(cache=self.cache, block_tables=[self.bm.block_table(0)],
+                           context_lens=[self.bm.num_tokens(0)], query_lens=[len(ids)],
+                           slot_mapping=torch.tensor(slots, device=device))
+        out = self.model(input_ids=torch.tensor([ids], device=device),
+                         position_ids=torch.arange(start, start + len(ids), device=device)[None],
+                         use_cache=False, kvlab_paged=batch)
+        return out.logits[0].float()
+
+
+def _windows(n: int, window: int, stride: int):
+    """(start, end, first scored position) of sliding windows covering n tokens."""
+    if window < 2 or not 1 <= stride <= window:
+        raise ValueError(f"need window >= 2 and 1 <= stride <= window, got window={window}, stride={stride}")
+    start = 0
+    while True:
+        end = min(start + window, n)
+        yield start, end, 0 if start == 0 else end - min(stride, end - start)
+        if end == n:
+            return
+        start += stride
+
+
+@torch.inference_mode()
+def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: int = 512, stride: int = 256,
+             chunk: int = 32, block_size: int = 16) -> dict:
+    """Perplexity of FP and each config on ``tokens``, plus mean next-token KL(FP || config) and
+    top-1 agreement, scored on the same positions. ``configs``: name -> KVQuantConfig."""
+    from kvlab.hf import attention_implementation, register_paged_attention
+
+    if len(tokens) < 2:
+        raise ValueError("need at least 2 tokens to score")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    names = ["fp"] + list(configs)
+    nll = {n: 0.0 for n in names}
+    kl = {n: 0.0 for n in configs}
+    top1 = {n: 0 for n in configs}
+    scored = 0
+    seconds = {n: 0.0 for n in names}
+    stats = {}
+    name = register_paged_attention()
+    with attention_implementation(model, name):
+        for w_start, w_end, first in _windows(len(tokens), window, stride):
+            ids = tokens[w_start:w_end]
+            runners = {n: _Runner(model, FP32 if n == "fp" else configs[n], calibration, len(ids), block_size)
+                       for n in names}
+            for c0 in range(0, len(ids) - 1, chunk):
+                piece = ids[c0:min(c0 + chunk, len(ids) - 1)]  # the last token is only a target
+                targets = torch.tensor(ids[c0 + 1:c0 + 1 + len(piece)])
+                keep = torch.arange(c0, c0 + len(piece)) >= max(first - 1, 0)
+                if not keep.any():
+                    for n in names:  # context only: still feed it through every cache
+                        runners[n].forward(piece)
+                    continue
+                logp = {}
+                for n in names:
+                    t0 = time.perf_counter()
+                    logp[n] = torch.log_softmax(runners[n].forward(piece), -1)[keep]
+                    seconds[n] += time.perf_counter() - t0
+                tg = targets[keep]
+                ref = logp["fp"]
+                for n in names:
+                    nll[n] -= logp[n].gather(1, tg[:, None]).sum().item()
+                for n in configs:
+                    kl[n] += (ref.exp() * (ref - logp[n])).sum().item()
+                    top1[n] += (logp[n].argmax(-1) == ref.argmax(-1)).sum().item()
+                scored += int(keep.sum())
+            for n in configs:
+                stats[n] = runners[n].cache.stats() | {"saturation": runners[n].cache.saturation()}
+    out = {"tokens": len(tokens), "scored": scored, "window": window, "stride": stride, "chunk": chunk,
+           "ppl_fp": math.exp(nll["fp"] / scored), "configs": {}}
+    for n in configs:
+        ppl = math.exp(nll[n] / scored)
+        out["configs"][n] = {"label": configs[n].label(), "ppl": ppl,
+                             "delta_ppl_pct": 100 * (ppl / out["ppl_fp"] - 1), "kl": kl[n] / scored,
+                             "top1": top1[n] / scored, "seconds": seconds[n], **stats[n]}
+    return out
+
+
+def kv_bytes_per_token(model, config: KVQuantConfig) -> float:
+    """Bytes one token adds to the cache under ``config`` (data + per-token scales; static scale
+    tables are amortised away), from :mod:`kvlab.sizing` layer by layer."""
+    from kvlab.sizing import kv_config, kv_size
+
+    cfg = kv_config(model)
+    one = dict(num_hidden_layers=1, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+               head_dim=cfg.head_dim)
+    total = 0.0
+    for layer in range(cfg.num_layers):
+        for fmt in config.formats(layer):
+            total += kv_size(one, fmt.dtype, tokens=1, scales=fmt.sizing_scales,
+                             zero_points=fmt.dtype == "int4" and not fmt.symmetric).bytes_per_token / 2
+    return total
+
+
+@torch.inference_mode()
+def greedy_agreement(model, prompts: list[list[int]], config: KVQuantConfig, calibration=None,
+                     max_new_tokens: int = 32, block_size: int = 16) -> float:
+    """Share of greedily generated tokens identical to the full-precision cache's, position by position."""
+    from kvlab.cache import BlockManager
+    from kvlab.generate import paged_generate
+    from kvlab.quant.cache import QuantizedPagedKVCache
+
+    blocks = sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts)
+    runs = []
+    for cfg in (FP32, config):
+        bm = BlockManager(blocks, block_size, enable_prefix_caching=False)
+        cache = QuantizedPagedKVCache.from_model(model, blocks, block_size, cfg, calibration)
+        runs.append(paged_generate(model, prompts, max_new_tokens, manager=bm, cache=cache).token_ids)
+    same = sum(a == b for ra, rb in zip(*runs) for a, b in zip(ra, rb))
+    return same / sum(len(r) for r in runs[0])

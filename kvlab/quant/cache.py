@@ -1,0 +1,203 @@
+"""A paged KV cache that stores INT8 / INT4 / FP8 (or float) blocks with SEPARATE scale tensors.
+
+Same pool layout as :class:`~kvlab.cache.PagedKVCache`, one :class:`BlockManager` drives both.
+Per layer, K and V each have a data tensor (int8 ``[N, bs, H, D]``, fp8 the same, int4 packed
+``[N, bs, H, D/2]``) and scales beside it, never inside the pages: static scales are one small
+tensor per layer (``[1,1,1]``, ``[1,H,1]`` or ``[1,H,D]``), per-token scales live in their own
+``[N, bs, H or 1, 1]`` pages indexed by the same slots. Writes count saturation per layer x head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlab.cache.paged import _check_block_size
+from kvlab.quant import core
+from kvlab.quant.formats import CORRECTION_FACTOR, KVQuantConfig, TensorFormat
+from kvlab.quant.rotation import rotate
+
+_FLOAT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+COUNTERS = ("values", "clipped", "at_qmax", "corrections")
+
+
+class _Store:
+    """Data + scales for one of K or V in one layer."""
+
+    def __init__(self, fmt: TensorFormat, num_blocks: int, block_size: int, h: int, d: int, device,
+                 static_scale: torch.Tensor | None):
+        self.fmt, self.h, self.d = fmt, h, d
+        shape = (num_blocks, block_size, h, d)
+        self.scale = None  # static scale (broadcasts over (T, H, D)) or None
+        self.token_scale = self.token_zero = None  # per-slot scales, own pages
+        if fmt.dtype in _FLOAT:
+            self.data = torch.zeros(shape, dtype=_FLOAT[fmt.dtype], device=device)
+        elif fmt.dtype == "int4":
+            if d % fmt.group_size:
+                raise ValueError(f"int4 group_size {fmt.group_size} must divide head_dim {d}")
+            self.data = torch.zeros((num_blocks, block_size, h, d // 2), dtype=torch.uint8, device=device)
+            gshape = (num_blocks, block_size, h, d // fmt.group_size, 1)
+            self.token_scale = torch.ones(gshape, dtype=torch.float32, device=device)
+            if not fmt.symmetric:
+                self.token_zero = torch.zeros(gshape, dtype=torch.float32, device=device)
+        else:
+            self.data = torch.zeros(shape, dtype=torch.int8 if fmt.dtype == "int8" else torch.float8_e4m3fn,
+                                    device=device)
+            if fmt.static_scales:
+                self.scale = None if static_scale is None else static_scale.to(device).float().clone()
+            else:
+                width = h if fmt.granularity == "per-token-head" else 1
+                self.token_scale = torch.ones((num_blocks, block_size, width, 1), dtype=torch.float32, device=device)
+        self.counts = {c: torch.zeros(h, dtype=torch.long) for c in COUNTERS}
+
+    @property
+    def qmax(self) -> float:
+        return core.FP8_MAX if self.fmt.dtype == "fp8" else 127.0
+
+    def _q(self, x, scale):
+        return core.quantize_fp8(x, scale) if self.fmt.dtype == "fp8" else core.quantize_int8(x, scale)
+
+    def _dq(self, q, scale):
+        return core.dequantize_fp8(q, scale) if self.fmt.dtype == "fp8" else core.dequantize_int8(q, scale)
+
+    def _count(self, x: torch.Tensor, scale: torch.Tensor, q: torch.Tensor) -> None:
+        r = (x.float() / scale).abs()  # (T, H, D) in units of one quantization step
+        limit = self.qmax + (0.5 if self.fmt.dtype == "int8" else 0.0)
+        self.counts["values"] += torch.full((self.h,), x.shape[0] * self.d, dtype=torch.long)
+        self.counts["clipped"] += (r > limit).sum(dim=(0, 2)).cpu()
+        self.counts["at_qmax"] += (q.float().abs() >= self.qmax).sum(dim=(0, 2)).cpu()
+
+    def write(self, x: torch.Tensor, slots: torch.Tensor, policy: str) -> None:
+        """x: (T, H, D) new values for ``slots``."""
+        flat = self.data.view(-1, *self.data.shape[2:])
+        if self.fmt.dtype in _FLOAT:
+            flat[slots] = x.to(self.data.dtype)
+            return
+        if self.fmt.dtype == "int4":
+            t = core.quantize_int4(x, self.fmt.group_size, self.fmt.symmetric)
+            flat[slots] = t.packed
+            self.token_scale.view(-1, *self.token_scale.shape[2:])[slots] = t.scale
+            if t.zero is not None:
+                self.token_zero.view(-1, *self.token_zero.shape[2:])[slots] = t.zero
+            self.counts["values"] += torch.full((self.h,), x.shape[0] * self.d, dtype=torch.long)
+            return
+        if not self.fmt.static_scales:  # per-token(-head): exact absmax of each token on write
+            scale = core.scale_from_absmax(core.absmax(x, self.fmt.granularity), self.qmax)
+            q = self._q(x, scale)
+            self.token_scale.view(-1, *self.token_scale.shape[2:])[slots] = scale
+        else:
+            amax = core.absmax(x, self.fmt.granularity)
+            if self.scale is None:  # dynamic policy: the first write sets the scale for good
+                self.scale = core.scale_from_absmax(amax, self.qmax)
+            elif policy == "corrected":
+                self._correct(amax)
+            q = self._q(x, self.scale)
+            scale = self.scale
+        self._count(x, scale, q)
+        flat[slots] = q
+
+    def _correct(self, amax: torch.Tensor) -> None:
+        """Widen every scale whose group just saw a value beyond 1.2x its range; re-quantize only
+        the stored data under those scales (all slots of that head / channel / tensor)."""
+        limit = CORRECTION_FACTOR * self.qmax * self.scale
+        grow = amax > limit  # same shape as the scale
+        if not grow.any():
+            return
+        new = torch.where(grow, amax.float() / self.qmax, self.scale)
+        n = self.data.shape[0] * self.data.shape[1]
+        flat = self.data.view(n, self.h, self.d)
+        mask = grow.expand(1, self.h, self.d)[0]  # (H, D): which stored values sit under a widened scale
+        old_vals = self._dq(flat[:, mask], self.scale.expand(1, self.h, self.d)[0][mask])
+        flat[:, mask] = self._q(old_vals, new.expand(1, self.h, self.d)[0][mask])
+        per_head = grow.expand(1, self.h, self.d)[0].any(dim=1)
+        self.counts["corrections"] += per_head.long().cpu()
+        self.scale = new
+
+    def read(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized values of some blocks: (n_blocks, block_size, H, D) float32."""
+        data = self.data[block_ids]
+        if self.fmt.dtype in _FLOAT:
+            return data.float()
+        if self.fmt.dtype == "int4":
+            t = core.Int4Tensor(data, self.token_scale[block_ids],
+                                None if self.token_zero is None else self.token_zero[block_ids], self.fmt.group_size)
+            return core.dequantize_int4(t)
+        scale = self.scale if self.fmt.static_scales else self.token_scale[block_ids]
+        return self._dq(data, scale)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.data, self.scale, self.token_scale, self.token_zero) if t is not None)
+
+
+class QuantizedPagedKVCache:
+    """The block pool in quantized formats; pair it with a BlockManager of the same geometry."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 config: KVQuantConfig, calibration=None, device="cpu"):
+        self.block_size = _check_block_size(block_size)
+        self.num_layers, self.num_blocks = num_layers, num_blocks
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.config = config
+        if config.needs_calibration(num_layers) and calibration is None:
+            raise ValueError(f"policy {config.policy!r} with static scales needs a calibration "
+                             "(kvlab.quant.calibrate), or use policy='dynamic'")
+        self.k, self.v = [], []
+        for layer in range(num_layers):
+            kf, vf = config.formats(layer)
+            ks = vs = None
+            if calibration is not None and config.policy != "dynamic":
+                if kf.static_scales:
+                    ks = calibration.scales("k_rot" if config.rotate_k else "k", config.stat, kf.granularity,
+                                            core.FP8_MAX if kf.dtype == "fp8" else 127.0)[layer]
+                if vf.static_scales:
+                    vs = calibration.scales("v", config.stat, vf.granularity,
+                                            core.FP8_MAX if vf.dtype == "fp8" else 127.0)[layer]
+            self.k.append(_Store(kf, num_blocks, block_size, num_kv_heads, head_dim, device, ks))
+            self.v.append(_Store(vf, num_blocks, block_size, num_kv_heads, head_dim, device, vs))
+
+    @classmethod
+    def from_model(cls, model, num_blocks: int, block_size: int, config: KVQuantConfig, calibration=None):
+        from kvlab.sizing import kv_config
+
+        c = kv_config(model)
+        return cls(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, config, calibration,
+                   device=next(model.parameters()).device)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """k, v: (T, H, D) post-RoPE values of new tokens. Rejects NaN/Inf before touching anything."""
+        core.check_finite(k, f"keys (layer {layer})")
+        core.check_finite(v, f"values (layer {layer})")
+        if self.config.rotate_k:
+            k = rotate(k)
+        self.k[layer].write(k, slot_mapping, self.config.policy)
+        self.v[layer].write(v, slot_mapping, self.config.policy)
+
+    def copy_blocks(self, pairs) -> None:
+        for src, dst in pairs:
+            for st in self.k + self.v:
+                for t in (st.data, st.token_scale, st.token_zero):
+                    if t is not None:
+                        t[dst] = t[src]
+
+    def read(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K (still rotated if ``rotate_k``) and V of some blocks, (n, bs, H, D) each."""
+        return self.k[layer].read(block_ids), self.v[layer].read(block_ids)
+
+    @property
+    def bytes_reserved(self) -> int:
+        return sum(s.nbytes for s in self.k + self.v)
+
+    def saturation(self) -> dict:
+        """Counters as (L, H) tensors for K and V: values written, clipped, at +-qmax, corrections."""
+        return {which: {c: torch.stack([s.counts[c] for s in stores]) for c in COUNTERS}
+                for which, stores in (("k", self.k), ("v", self.v))}
+
+    def stats(self) -> dict:
+        sat = self.saturation()
+        out = {"bytes_reserved": self.bytes_reserved, "config": self.config.label()}
+        for which in ("k", "v"):
+            n = max(int(sat[which]["values"].sum()), 1)
+            out[f"{which}_clip_rate"] = int(sat[which]["clipped"].sum()) / n
+            out[f"{which}_at_qmax_rate"] = int(sat[which]["at_qmax"].sum()) / n
+            out[f"{which}_corrections"] = int(sat[which]["corrections"].sum())
+        return out

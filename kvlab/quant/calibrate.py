@@ -1,0 +1,147 @@
+"""Calibration: what ranges do K and V actually take, per layer and head? (notebook 03)
+
+Run the model over calibration text, keep the post-RoPE K and V of every layer, and summarise
+|x| per layer x KV head (and per channel, and per layer) as abs-max and percentiles. Static INT8
+scales are one of those statistics divided by 127. A percentile below 100 clips the rarest
+outliers on purpose, trading a few saturated values for finer steps everywhere else.
+
+Saved as one safetensors file whose metadata holds JSON (model, text, tokens, percentiles).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvlab.quant.core import scale_from_absmax
+
+PERCENTILES = (99.0, 99.9, 99.99)
+STATS = ("absmax",) + tuple(f"p{p:g}" for p in PERCENTILES)
+TENSORS = ("k", "v", "k_rot")  # k_rot: keys after the Hadamard rotation (see kvlab.quant.rotation)
+
+
+def _quantile(x: torch.Tensor, q: torch.Tensor, dim=None) -> torch.Tensor:
+    # torch.quantile refuses inputs over 2**24 elements; subsample evenly if needed (stats only)
+    if dim is None:
+        x = x.flatten()
+        if x.numel() > 2**24:
+            x = x[:: -(-x.numel() // 2**24)]
+    return torch.quantile(x.float(), q, dim=dim)
+
+
+@dataclass
+class Calibration:
+    """Per-layer statistics of |K|, |V| (and |K rotated|). Shapes: L layers, H KV heads, D channels.
+
+    ``stats[tensor][granularity][stat]``: per-tensor (L,), per-head (L, H), per-channel (L, H, D).
+    """
+
+    stats: dict
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return self.stats["k"]["per-head"]["absmax"].shape[0]
+
+    def scales(self, tensor: str = "k", stat: str = "absmax", granularity: str = "per-head",
+               qmax: float = 127.0) -> list[torch.Tensor]:
+        """One static scale tensor per layer, shaped to broadcast over (T, H, D)."""
+        if tensor not in TENSORS:
+            raise ValueError(f"tensor must be one of {TENSORS}, got {tensor!r}")
+        if granularity not in ("per-tensor", "per-head", "per-channel"):
+            raise ValueError(f"static scales exist per-tensor, per-head or per-channel, got {granularity!r}")
+        if stat not in STATS:
+            raise ValueError(f"stat must be one of {STATS}, got {stat!r}")
+        table = self.stats[tensor][granularity][stat]
+        out = []
+        for layer in range(self.num_layers):
+            t = table[layer]
+            shape = {"per-tensor": (1, 1, 1), "per-head": (1, -1, 1), "per-channel": (1, *t.shape)}[granularity]
+            out.append(scale_from_absmax(t.reshape(shape), qmax))
+        return out
+
+    def save(self, path: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        flat = {f"{t}.{g}.{s}": v.contiguous() for t, gs in self.stats.items() for g, ss in gs.items()
+                for s, v in ss.items()}
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(flat, str(path), metadata={"kvlab": json.dumps(self.meta)})
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Calibration":
+        from safetensors import safe_open
+
+        stats: dict = {}
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("kvlab", "{}"))
+            for key in f.keys():
+                t, g, s = key.split(".", 2)
+                stats.setdefault(t, {}).setdefault(g, {})[s] = f.get_tensor(key)
+        missing = [t for t in TENSORS if t not in stats]
+        if missing:
+            raise ValueError(f"{path} is not a kvlab calibration file (missing {missing})")
+        return cls(stats, meta)
+
+
+def summarize(samples: list[torch.Tensor], percentiles=PERCENTILES) -> dict:
+    """Stats of |x| from per-layer samples, each (T, H, D)."""
+    q = torch.tensor([p / 100 for p in percentiles])
+    names = [f"p{p:g}" for p in percentiles]
+    out = {"per-tensor": {}, "per-head": {}, "per-channel": {}}
+    per_tensor, per_head, per_channel = [], [], []
+    for x in samples:
+        a = x.abs().float()  # (T, H, D)
+        t, h, d = a.shape
+        per_tensor.append(torch.cat([a.max().reshape(1), _quantile(a, q)]))  # (1 + P,)
+        heads = a.permute(1, 0, 2).reshape(h, t * d)  # (H, T*D)
+        per_head.append(torch.cat([heads.max(1).values[:, None], _quantile(heads, q, dim=1).T], dim=1))  # (H, 1+P)
+        per_channel.append(torch.cat([a.max(0).values[..., None], _quantile(a, q, dim=0).permute(1, 2, 0)], -1))
+    for gran, rows in (("per-tensor", per_tensor), ("per-head", per_head), ("per-channel", per_channel)):
+        stacked = torch.stack(rows)  # (L, ..., 1 + P)
+        out[gran]["absmax"] = stacked[..., 0].contiguous()
+        for i, name in enumerate(names):
+            out[gran][name] = stacked[..., i + 1].contiguous()
+    return out
+
+
+@torch.inference_mode()
+def collect_kv(model, chunks: list[list[int]], progress: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Post-RoPE K and V of every layer over all chunks, concatenated: lists of (T_total, H, D)."""
+    from kvlab.cache import ContiguousCache
+    from kvlab.hf import CACHE_KWARG, KVLabCache
+
+    keys, values = None, None
+    device = next(model.parameters()).device
+    it = chunks
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(chunks, desc="calibrating", unit="chunk")
+    for ids in it:
+        store = ContiguousCache.from_model(model)
+        model(input_ids=torch.tensor([ids], device=device), use_cache=True, **{CACHE_KWARG: KVLabCache(store)})
+        ks = [k[0].transpose(0, 1).float().cpu() for k in store.keys]  # (T, H, D) per layer
+        vs = [v[0].transpose(0, 1).float().cpu() for v in store.values]
+        keys = ks if keys is None else [torch.cat([a, b]) for a, b in zip(keys, ks)]
+        values = vs if values is None else [torch.cat([a, b]) for a, b in zip(values, vs)]
+    return keys, values
+
+
+def calibrate(model, chunks: list[list[int]], percentiles=PERCENTILES, progress: bool = True,
+              meta: dict | None = None) -> Calibration:
+    """Calibrate on token chunks (each run as its own sequence from position 0)."""
+    from kvlab.quant.rotation import rotate
+
+    if not chunks or any(not c for c in chunks):
+        raise ValueError("chunks must be a non-empty list of non-empty token lists")
+    keys, values = collect_kv(model, chunks, progress)
+    stats = {"k": summarize(keys, percentiles), "v": summarize(values, percentiles),
+             "k_rot": summarize([rotate(k) for k in keys], percentiles)}
+    info = {"tokens": sum(len(c) for c in chunks), "chunks": len(chunks), "percentiles": list(percentiles)}
+    return Calibration(stats, {**info, **(meta or {})})

@@ -1,0 +1,160 @@
+"""Reference quantizers for K/V tensors: INT8 at five granularities, INT4 groups, FP8 (notebook 03).
+
+Tensors are laid out as the paged cache stores them, ``(T, H, D)``: tokens, KV heads, channels.
+A granularity says which axes share one scale:
+
+| granularity      | scale shape | one scale per                        |
+|------------------|-------------|--------------------------------------|
+| per-tensor       | (1, 1, 1)   | the whole tensor                     |
+| per-head         | (1, H, 1)   | KV head (the seeds' "TurboQuant")    |
+| per-channel      | (1, H, D)   | channel of a head                    |
+| per-token        | (T, 1, 1)   | token                                |
+| per-token-head   | (T, H, 1)   | token and head                       |
+
+Symmetric INT8: ``q = clamp(round_half_even(x / scale), -127, 127)``, ``scale = absmax / 127``,
+and a zero guard (scale 1.0 where absmax < 1e-6, so an all-zero head never divides by zero).
+Scales are always separate tensors, never stored inside the data pages.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+GRANULARITIES = ("per-tensor", "per-head", "per-channel", "per-token", "per-token-head")
+QMAX = {"int8": 127, "int4": 7}
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+ZERO_GUARD = 1e-6
+
+
+def check_finite(x: torch.Tensor, name: str = "tensor") -> None:
+    """K/V must be finite: a NaN or Inf would silently poison a whole scale group."""
+    if not torch.isfinite(x).all():
+        bad = (~torch.isfinite(x)).sum().item()
+        raise ValueError(f"{name} contains {bad} NaN/Inf value(s); refusing to quantize them into the cache")
+
+
+def _reduce_dims(granularity: str) -> tuple[int, ...]:
+    dims = {"per-tensor": (0, 1, 2), "per-head": (0, 2), "per-channel": (0,), "per-token": (1, 2),
+            "per-token-head": (2,)}
+    if granularity not in dims:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    return dims[granularity]
+
+
+def absmax(x: torch.Tensor, granularity: str) -> torch.Tensor:
+    """Max |x| over the axes that share a scale, keeping dims so it broadcasts against ``x`` (T, H, D)."""
+    if x.dim() != 3:
+        raise ValueError(f"expected a (T, H, D) tensor, got shape {tuple(x.shape)}")
+    return x.abs().amax(dim=_reduce_dims(granularity), keepdim=True)
+
+
+def scale_from_absmax(amax: torch.Tensor, qmax: float = 127.0) -> torch.Tensor:
+    """``absmax / qmax``, with the zero guard: 1.0 where absmax < 1e-6."""
+    amax = amax.float()
+    return torch.where(amax < ZERO_GUARD, torch.ones_like(amax), amax / qmax)
+
+
+def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Round half to even (``torch.round``), then clamp to +-127. Never truncate: truncation biases
+    every value towards zero (and Triton's ``.to(int8)`` truncates and wraps, see notebook 05)."""
+    return torch.clamp(torch.round(x.float() / scale), -127, 127).to(torch.int8)
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q.float() * scale).to(dtype)
+
+
+def int8_roundtrip(x: torch.Tensor, granularity: str = "per-head") -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic (absmax) INT8 quantization at a granularity: returns (q, scale)."""
+    check_finite(x, "x")
+    scale = scale_from_absmax(absmax(x, granularity))
+    return quantize_int8(x, scale), scale
+
+
+# ---- INT4: groups of g channels, two values per byte --------------------------------------------
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Values 0..15 (uint8), last dim even -> bytes holding two values (low nibble first)."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"the last dimension must be even to pack two 4-bit values per byte, got {q.shape[-1]}")
+    q = q.to(torch.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    lo, hi = packed & 0x0F, packed >> 4
+    return torch.stack([lo, hi], dim=-1).flatten(-2)
+
+
+def _groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    d = x.shape[-1]
+    if group_size < 1 or d % group_size:
+        raise ValueError(f"group_size must be a positive divisor of head_dim={d}, got {group_size}")
+    return x.reshape(*x.shape[:-1], d // group_size, group_size)  # (..., G, g)
+
+
+@dataclass
+class Int4Tensor:
+    """Packed INT4 data with its separate scales (and zero points when asymmetric)."""
+
+    packed: torch.Tensor  # (T, H, D/2) uint8
+    scale: torch.Tensor  # (T, H, D/g, 1)
+    zero: torch.Tensor | None  # (T, H, D/g, 1) or None (symmetric)
+    group_size: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scale.nbytes + (self.zero.nbytes if self.zero is not None else 0)
+
+
+def quantize_int4(x: torch.Tensor, group_size: int = 32, symmetric: bool = True) -> Int4Tensor:
+    """Per token, per head, per group of ``group_size`` channels.
+
+    Symmetric: q in -7..7 stored as q + 8; asymmetric: q in 0..15 with a zero point, which helps
+    skewed groups (V) but costs one more number per group.
+    """
+    check_finite(x, "x")
+    g = _groups(x.float(), group_size)  # (T, H, G, g)
+    if symmetric:
+        scale = scale_from_absmax(g.abs().amax(-1, keepdim=True), 7.0)
+        q = torch.clamp(torch.round(g / scale), -7, 7) + 8
+        zero = None
+    else:
+        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+        scale = scale_from_absmax(hi - lo, 15.0)
+        zero = torch.clamp(torch.round(-lo / scale), 0, 15)
+        q = torch.clamp(torch.round(g / scale) + zero, 0, 15)
+    return Int4Tensor(pack_int4(q.flatten(-2).to(torch.uint8)), scale, zero, group_size)
+
+
+def dequantize_int4(t: Int4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    q = _groups(unpack_int4(t.packed).float(), t.group_size)
+    x = (q - 8) * t.scale if t.zero is None else (q - t.zero) * t.scale
+    return x.flatten(-2).to(dtype)
+
+
+# ---- FP8 e4m3: the production baseline ----------------------------------------------------------
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Scaled cast to float8_e4m3fn (torch rounds to nearest even); values beyond +-448 saturate."""
+    return torch.clamp(x.float() / scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q.float() * scale).to(dtype)
+
+
+# ---- error metrics ------------------------------------------------------------------------------
+
+def error_metrics(x: torch.Tensor, x_hat: torch.Tensor) -> dict:
+    """How far a reconstruction is from the original: MSE, max error, SNR (dB), cosine similarity."""
+    x, x_hat = x.double().flatten(), x_hat.double().flatten()
+    err = x - x_hat
+    mse = err.pow(2).mean().item()
+    signal = x.pow(2).mean().item()
+    cos = torch.nn.functional.cosine_similarity(x, x_hat, dim=0).item()
+    return {"mse": mse, "max_abs": err.abs().max().item(),
+            "snr_db": 10 * math.log10(signal / mse) if mse > 0 else float("inf"), "cosine": cos}
