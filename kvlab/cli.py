@@ -143,6 +143,73 @@ def cmd_bench(args) -> None:
         _emit({"policies": rows, "block_size_sweep": sweep}, args.json, lines)
 
 
+def _quant_config(args):
+    from kvlab.quant.formats import named_config
+
+    gran = args.scales if args.kv_dtype in ("int8", "fp8", "k8v4") else None
+    if args.kv_dtype == "fp8" and args.scales == "per-head":
+        gran = "per-tensor"  # fp8's default: one scale per tensor
+    policy = args.policy or ("dynamic" if gran in ("per-token", "per-token-head") else "static")
+    return named_config(args.kv_dtype, granularity=gran, policy=policy, stat=args.calib, rotate_k=args.rotate)
+
+
+def _calibration(args, model, tokenizer):
+    from kvlab.quant.calibrate import Calibration, default_calibration
+
+    if args.scales_file:
+        return Calibration.load(args.scales_file)
+    return default_calibration(model, tokenizer, args.model, progress=not args.json)
+
+
+def cmd_calibrate(args) -> None:
+    from kvlab.data import calibration_chunks
+    from kvlab.models import load_model
+    from kvlab.quant.calibrate import calibrate
+
+    model, tokenizer = load_model(args.model)
+    if args.file:
+        from kvlab.data import text_tokens_from_file
+
+        ids = text_tokens_from_file(tokenizer, args.file, args.tokens)
+        chunks = [ids[i:i + args.chunk] for i in range(0, len(ids), args.chunk)]
+    else:
+        chunks = calibration_chunks(tokenizer, args.tokens, args.chunk)
+    cal = calibrate(model, chunks, progress=not args.json, meta={"model": args.model, "text": args.file or "default"})
+    path = cal.save(args.out)
+    k = cal.stats["k"]["per-head"]
+    obj = {"out": str(path), **cal.meta, "k_absmax_max": float(k["absmax"].max()),
+           "v_absmax_max": float(cal.stats["v"]["per-head"]["absmax"].max())}
+    _emit(obj, args.json, [f"calibration of {cal.meta['tokens']} tokens saved to {path}",
+                           f"largest |K| {obj['k_absmax_max']:.2f}, largest |V| {obj['v_absmax_max']:.2f}"])
+
+
+def _eval_tokens(args, tokenizer):
+    from kvlab.data import EVAL_PLAY, text_tokens, text_tokens_from_file
+
+    if args.file:
+        return text_tokens_from_file(tokenizer, args.file, args.tokens)
+    return text_tokens(tokenizer, args.tokens, play=EVAL_PLAY)
+
+
+def cmd_ppl(args) -> None:
+    from kvlab.eval import evaluate, kv_bytes_per_token
+    from kvlab.models import load_model
+
+    model, tokenizer = load_model(args.model)
+    config = _quant_config(args)
+    cal = _calibration(args, model, tokenizer) if config.needs_calibration(model.config.num_hidden_layers) else None
+    tokens = _eval_tokens(args, tokenizer)
+    res = evaluate(model, tokens, {"q": config}, cal, window=args.window, stride=args.stride, chunk=args.chunk)
+    c = res["configs"]["q"]
+    obj = {"ppl": c["ppl"], "ppl_fp": res["ppl_fp"], "delta_ppl_pct": c["delta_ppl_pct"], "kl": c["kl"],
+           "top1": c["top1"], "config": c["label"], "bytes_per_token": kv_bytes_per_token(model, config),
+           "k_clip_rate": c["k_clip_rate"], "v_clip_rate": c["v_clip_rate"], "corrections":
+           c["k_corrections"] + c["v_corrections"], "tokens": res["tokens"], "scored": res["scored"],
+           "window": args.window, "stride": args.stride, "chunk": args.chunk}
+    _emit(obj, args.json, [f"{c['label']}: ppl {c['ppl']:.3f} vs FP {res['ppl_fp']:.3f} ({c['delta_ppl_pct']:+.2f} %), "
+                           f"KL {c['kl']:.4f}, top-1 {c['top1']:.1%}, {obj['bytes_per_token']:.0f} B/token"])
+
+
 def cmd_convert(args) -> None:
     from kvlab.models import convert_smollm2
 
@@ -192,6 +259,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--requests", type=_positive_int("--requests"), default=64)
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("calibrate", help="collect K/V abs-max and percentiles per layer x head; save scales")
+    s.add_argument("--model", default="smollm2-135m")
+    s.add_argument("--out", required=True, help="output .safetensors file")
+    s.add_argument("--file", default=None, help="calibration text file (default: the lab's calibration play)")
+    s.add_argument("--tokens", type=_positive_int("--tokens"), default=2048)
+    s.add_argument("--chunk", type=_positive_int("--chunk"), default=512)
+    s.set_defaults(func=cmd_calibrate)
+
+    s = sub.add_parser("ppl", help="perplexity, KL and top-1 of a KV format vs the full-precision cache")
+    s.add_argument("--model", default="smollm2-135m")
+    s.add_argument("--kv-dtype", default="int8", choices=["fp32", "fp16", "int8", "fp8", "int4", "k8v4"])
+    s.add_argument("--scales", default="per-head",
+                   choices=["per-tensor", "per-head", "per-channel", "per-token", "per-token-head"])
+    s.add_argument("--calib", default="absmax", choices=["absmax", "p99", "p99.9", "p99.99"],
+                   help="calibration statistic for static scales")
+    s.add_argument("--policy", default=None, choices=["static", "dynamic", "corrected"])
+    s.add_argument("--rotate", action="store_true", help="Hadamard-rotate K (and Q) before quantizing")
+    s.add_argument("--scales-file", default=None, help="a kvlab calibrate file (default: calibrate once, cached)")
+    s.add_argument("--file", default=None, help="text to score (default: held-out Hamlet)")
+    s.add_argument("--tokens", type=_positive_int("--tokens"), default=1024)
+    s.add_argument("--window", type=_positive_int("--window"), default=512)
+    s.add_argument("--stride", type=_positive_int("--stride"), default=256)
+    s.add_argument("--chunk", type=_positive_int("--chunk"), default=32)
+    s.set_defaults(func=cmd_ppl)
 
     s = sub.add_parser("convert", help="convert the bundled SmolLM2 GGUF to safetensors (once)")
     s.add_argument("--force", action="store_true")

@@ -61,3 +61,27 @@ def chat_prompts(tokenizer, requests=CHAT_REQUESTS, system: str | None = None) -
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         out.append(list(tokenizer.encode(text)))
     return out
+
+
+# Calibration and evaluation use different plays, so quality is always measured on held-out text.
+CALIBRATION_PLAY = "twelfth-night"
+EVAL_PLAY = "hamlet"
+
+
+def calibration_chunks(tokenizer, tokens: int = 2048, chunk: int = 512, play: str = CALIBRATION_PLAY) -> list[list[int]]:
+    """The lab's default calibration set: ``tokens`` tokens of a comedy, in ``chunk``-token sequences."""
+    ids = text_tokens(tokenizer, tokens, play=play)
+    return [ids[i:i + chunk] for i in range(0, tokens, chunk)]
+
+
+def text_tokens_from_file(tokenizer, path: str, max_tokens: int | None = None) -> list[int]:
+    """Token ids of a UTF-8 text file (the first ``max_tokens``)."""
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--file {path!r} is not a readable file")
+    ids = tokenizer.encode(p.read_text(encoding="utf-8"))
+    if len(ids) < 2:
+        raise ValueError(f"{path} has fewer than 2 tokens")
+    return ids[:max_tokens] if max_tokens else ids

@@ -52,13 +52,16 @@ class _Runner:
 
 
 def _windows(n: int, window: int, stride: int):
-    """(start, end, first scored position) of sliding windows covering n tokens."""
+    """(start, end, first target scored, relative to start) of sliding windows covering n tokens:
+    every target token after the first is scored exactly once, with up to window - stride tokens of
+    context before it."""
     if window < 2 or not 1 <= stride <= window:
         raise ValueError(f"need window >= 2 and 1 <= stride <= window, got window={window}, stride={stride}")
-    start = 0
+    start, done = 0, 0  # targets 1..done are scored
     while True:
         end = min(start + window, n)
-        yield start, end, 0 if start == 0 else end - min(stride, end - start)
+        yield start, end, done + 1 - start
+        done = end - 1
         if end == n:
             return
         start += stride
@@ -91,7 +94,7 @@ def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: 
             for c0 in range(0, len(ids) - 1, chunk):
                 piece = ids[c0:min(c0 + chunk, len(ids) - 1)]  # the last token is only a target
                 targets = torch.tensor(ids[c0 + 1:c0 + 1 + len(piece)])
-                keep = torch.arange(c0, c0 + len(piece)) >= max(first - 1, 0)
+                keep = torch.arange(c0, c0 + len(piece)) >= first - 1  # position p predicts target p + 1
                 if not keep.any():
                     for n in names:  # context only: still feed it through every cache
                         runners[n].forward(piece)

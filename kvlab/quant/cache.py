@@ -187,6 +187,10 @@ class QuantizedPagedKVCache:
     def bytes_reserved(self) -> int:
         return sum(s.nbytes for s in self.k + self.v)
 
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_reserved // self.num_blocks
+
     def saturation(self) -> dict:
         """Counters as (L, H) tensors for K and V: values written, clipped, at +-qmax, corrections."""
         return {which: {c: torch.stack([s.counts[c] for s in stores]) for c in COUNTERS}

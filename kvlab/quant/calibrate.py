@@ -145,3 +145,17 @@ def calibrate(model, chunks: list[list[int]], percentiles=PERCENTILES, progress:
              "k_rot": summarize([rotate(k) for k in keys], percentiles)}
     info = {"tokens": sum(len(c) for c in chunks), "chunks": len(chunks), "percentiles": list(percentiles)}
     return Calibration(stats, {**info, **(meta or {})})
+
+
+def default_calibration(model, tokenizer, model_name: str, tokens: int = 2048, progress: bool = True) -> Calibration:
+    """Calibrate on the lab's default set once per model and size; later calls load the cached file."""
+    from kvlab.data import CALIBRATION_PLAY, calibration_chunks
+    from kvlab.models import cache_dir
+
+    path = cache_dir() / "calibration" / f"{model_name}-{CALIBRATION_PLAY}-{tokens}.safetensors"
+    if path.exists():
+        return Calibration.load(path)
+    cal = calibrate(model, calibration_chunks(tokenizer, tokens), progress=progress,
+                    meta={"model": model_name, "text": CALIBRATION_PLAY})
+    cal.save(path)
+    return cal

@@ -102,13 +102,21 @@ class KVQuantConfig:
     def label(self) -> str:
         k, v = self.k.label(), self.v.label()
         base = k if k == v else f"K {k} / V {v}"
+        if self.layers:
+            from collections import Counter
+
+            mix = Counter(kf.label() if kf == vf else f"K {kf.label()} / V {vf.label()}"
+                          for kf, vf in self.layers.values())
+            if sum(mix.values()) > 1:
+                base = "mixed: " + " + ".join(f"{n}x {name}" for name, n in mix.most_common())
         extras = []
         if any(f.static_scales for f in (self.k, self.v)):
             extras.append(f"{self.policy} {self.stat}" if self.policy != "dynamic" else "dynamic")
         if self.rotate_k:
             extras.append("Hadamard K")
-        if self.layers:
-            extras.append(f"{len(self.layers)} layer override(s)")
+        if len(self.layers) == 1:
+            layer, (kf, vf) = next(iter(self.layers.items()))
+            extras.append(f"layer {layer}: {kf.label() if kf == vf else f'K {kf.label()} / V {vf.label()}'}")
         return base + (f" ({', '.join(extras)})" if extras else "")
 
 
