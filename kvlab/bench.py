@@ -114,3 +114,49 @@ def static_vs_paged(model, tokenizer, max_new_tokens: int = 64, block_size: int 
         "utilization": 1 - s["internal_fragmentation"], "bytes_in_use": s["slots_reserved"] * s["bytes_reserved"]
         // (s["num_blocks"] * s["block_size"]), "tokens_stored": s["tokens_stored"], "slots": s["slots_reserved"]}
     return out
+
+
+def quant_configs(mixed=None) -> dict:
+    """The format table of notebook 03 and the quantization issue: name -> KVQuantConfig."""
+    from kvlab.quant.formats import KVQuantConfig, TensorFormat, named_config
+
+    out = {"fp16": named_config("fp16")}
+    for gran in ("per-tensor", "per-channel", "per-head"):
+        for stat in ("absmax", "p99.9"):
+            out[f"int8 {gran} {stat}"] = named_config("int8", granularity=gran, stat=stat)
+    out["int8 per-head absmax + correction"] = named_config("int8", policy="corrected")
+    out["int8 per-token-head (dynamic)"] = named_config("int8", granularity="per-token-head", policy="dynamic")
+    out["fp8 per-tensor absmax"] = named_config("fp8")
+    out["K8V4 (K int8 per-head, V int4)"] = named_config("k8v4")
+    out["K4V8 (K int4, V int8 per-head)"] = KVQuantConfig(TensorFormat("int4"), TensorFormat("int8"))
+    out["int4 g32"] = named_config("int4")
+    out["int4 g32, Hadamard K"] = named_config("int4", rotate_k=True)
+    if mixed is not None:
+        out["mixed (auto, 75% of int8 bytes)"] = mixed
+    return out
+
+
+def quant_table(model, tokenizer, tokens: int = 1024, calib_tokens: int = 2048, mixed: bool = True,
+                chunk: int = 32, model_name: str = "smollm2-135m", progress: bool = False) -> dict:
+    """Every format of :func:`quant_configs` on held-out text, in lockstep with the FP cache."""
+    from kvlab.data import EVAL_PLAY, text_tokens
+    from kvlab.eval import evaluate, kv_bytes_per_token
+    from kvlab.quant.calibrate import default_calibration
+    from kvlab.quant.formats import named_config
+    from kvlab.quant.mixed import auto_config, layer_sensitivity
+
+    cal = default_calibration(model, tokenizer, model_name, calib_tokens, progress=progress)
+    mix = None
+    if mixed:  # sensitivity on the END of the calibration play: still not the evaluation text
+        from kvlab.data import CALIBRATION_PLAY
+
+        sens_tokens = text_tokens(tokenizer, 256, play=CALIBRATION_PLAY, offset=calib_tokens)
+        sens = layer_sensitivity(model, sens_tokens, cal)
+        hi, lo = named_config("int8"), named_config("int4")
+        mix = auto_config(model, sens, 0.75 * kv_bytes_per_token(model, hi), hi, lo)
+    configs = quant_configs(mix)
+    res = evaluate(model, text_tokens(tokenizer, tokens, play=EVAL_PLAY), configs, cal, chunk=chunk)
+    for name, cfg in configs.items():
+        res["configs"][name]["bytes_per_token"] = kv_bytes_per_token(model, cfg)
+    res["fp16_bytes_per_token"] = kv_bytes_per_token(model, configs["fp16"])
+    return res

@@ -13,6 +13,38 @@ import math
 from typing import Any, Callable, Sequence
 
 
+def _short(obj) -> str:
+    """A one-line picture of an argument or result: tensors as shape, dtype and first values."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        torch = None
+    if torch is not None and isinstance(obj, torch.Tensor):
+        head = obj.flatten()[:6].tolist()
+        head = [round(v, 4) if isinstance(v, float) else v for v in head]
+        return f"tensor{tuple(obj.shape)} {str(obj.dtype).replace('torch.', '')} {head}{'...' if obj.numel() > 6 else ''}"
+    if isinstance(obj, tuple):
+        return "(" + ", ".join(_short(o) for o in obj) + ")"
+    text = repr(obj)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _first_difference(got, expected) -> str:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return ""
+    pairs = list(zip(got, expected)) if isinstance(expected, tuple) and isinstance(got, tuple) else [(got, expected)]
+    for i, (a, b) in enumerate(pairs):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape:
+            diff = (a.float() - b.float()).abs() > 1e-6 * (1 + b.float().abs())
+            if diff.any():
+                idx = tuple(int(j) for j in diff.nonzero()[0])
+                where = f"item {i}, " if len(pairs) > 1 else ""
+                return f" (first difference at {where}index {idx}: yours {a[idx].item()}, expected {b[idx].item()})"
+    return ""
+
+
 def _run(name: str, fn: Callable, cases: Sequence[tuple[tuple, Any]], same=None) -> bool:
     if not callable(fn):
         raise TypeError(f"{name}: pass your function itself, got {type(fn).__name__}")
@@ -21,13 +53,14 @@ def _run(name: str, fn: Callable, cases: Sequence[tuple[tuple, Any]], same=None)
         try:
             got = fn(*args)
         except NotImplementedError:
-            print(f"[todo] {name}: not written yet - for {args} the answer is {expected!r}")
+            print(f"[todo] {name}: not written yet - for {_short(args)} the answer is {_short(expected)}")
             return False
         except Exception as e:  # the learner's bug, shown rather than raised
-            print(f"[fail] {name}{args} raised {type(e).__name__}: {e}")
+            print(f"[fail] {name}{_short(args)} raised {type(e).__name__}: {e}")
             return False
         if not same(got, expected):
-            print(f"[fail] {name}{args}: yours {got!r}, expected {expected!r}")
+            print(f"[fail] {name}{_short(args)}: yours {_short(got)}, expected {_short(expected)}"
+                  f"{_first_difference(got, expected)}")
             return False
     print(f"[ok] {name}: {len(cases)} cases match")
     return True
@@ -92,3 +125,46 @@ def slot_mapping(fn: Callable[[Sequence[int], int, int, int], list]) -> bool:
             for start, end in ((0, n), (n - 1, n), (n // 2, n)):
                 cases.append(((bm.block_table(i), bs, start, end), bm.slot_mapping(i, start, end)))
     return _run("slot_mapping", fn, cases, same=lambda a, b: list(a) == b)
+
+
+# ---- notebook 03 -------------------------------------------------------------------------------
+
+def _tensor_same(a, b) -> bool:
+    import torch
+
+    if isinstance(b, tuple):
+        return isinstance(a, tuple) and len(a) == len(b) and all(_tensor_same(x, y) for x, y in zip(a, b))
+    if not isinstance(a, torch.Tensor) or a.shape != b.shape:
+        return False
+    if b.dtype.is_floating_point:
+        return bool(torch.allclose(a.float(), b.float(), rtol=1e-6, atol=1e-12))
+    return a.dtype == b.dtype and bool(torch.equal(a, b))
+
+
+def quantize_per_head(fn: Callable) -> bool:
+    """``fn(x) -> (q, scale)``: x (T, H, D) float; q int8 in -127..127 rounded half to even; scale
+    (1, H, 1) = absmax / 127 per head, 1.0 where a head is all (near) zero."""
+    import torch
+
+    from kvlab.quant.core import int8_roundtrip
+
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(4, 3, 8, generator=g), torch.randn(16, 2, 4, generator=g) * torch.tensor([5.0, 0.01]).view(1, 2, 1)]
+    halves = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 127.0, -127.0, 3.0]).view(1, 1, 8)  # scale exactly 1
+    zero_head = torch.randn(3, 2, 8, generator=g)
+    zero_head[:, 1] = 0
+    cases = [((x,), int8_roundtrip(x, "per-head")) for x in xs + [halves, zero_head]]
+    return _run("quantize_per_head", fn, cases, same=_tensor_same)
+
+
+def pack_int4(fn: Callable) -> bool:
+    """``fn(q) -> packed``: q uint8 values 0..15, last dim even; two per byte, the even index in the low nibble."""
+    import torch
+
+    from kvlab.quant.core import pack_int4 as ref
+
+    g = torch.Generator().manual_seed(1)
+    cases = [((q,), ref(q)) for q in (torch.tensor([[1, 2]], dtype=torch.uint8),
+                                       torch.tensor([[15, 0, 0, 15]], dtype=torch.uint8),
+                                       torch.randint(0, 16, (3, 4, 8), generator=g, dtype=torch.uint8))]
+    return _run("pack_int4", fn, cases, same=_tensor_same)

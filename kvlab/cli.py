@@ -129,6 +129,22 @@ def cmd_bench(args) -> None:
         lines += [f"{k:<36}{v['slots']:>8,}{v['tokens_stored']:>8,}{fmt_bytes(v['bytes_in_use']):>12}"
                   f"{v['utilization']:>16.1%}" for k, v in res.items()]
         _emit(res, args.json, lines)
+    elif args.what == "quant":
+        from kvlab.models import load_model
+
+        model, tokenizer = load_model(args.model)
+        res = bench.quant_table(model, tokenizer, tokens=args.tokens, mixed=not args.no_mixed, chunk=args.chunk,
+                                model_name=args.model, progress=not args.json)
+        for c in res["configs"].values():
+            c.pop("saturation", None)  # tensors: not JSON
+        fp16 = res["fp16_bytes_per_token"]
+        lines = [f"{res['tokens']} held-out tokens, window {res['window']}/{res['stride']}, chunk {res['chunk']}: "
+                 f"FP ppl {res['ppl_fp']:.3f}",
+                 f"{'format':<36}{'bytes':>7}{'ppl':>9}{'d ppl':>9}{'KL':>9}{'top-1':>8}{'K clip':>9}{'V clip':>9}"]
+        for name, c in res["configs"].items():
+            lines.append(f"{name:<36}{c['bytes_per_token'] / fp16:>6.0%}{c['ppl']:>9.3f}{c['delta_ppl_pct']:>+8.2f}%"
+                         f"{c['kl']:>9.4f}{c['top1']:>8.1%}{c['k_clip_rate']:>9.1e}{c['v_clip_rate']:>9.1e}")
+        _emit(res, args.json, lines)
     else:  # memory: the PagedAttention Fig. 2 breakdown on a synthetic workload, no model
         from kvlab.cache import simulate
 
@@ -249,8 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="paged cache: blocks in the pool (default: enough for prompt + max tokens)")
     s.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("bench", help="measurements: recompute vs cache, static vs paged, memory breakdown")
-    s.add_argument("what", choices=["recompute", "static", "memory"])
+    s = sub.add_parser("bench", help="measurements: recompute vs cache, static vs paged, memory breakdown, quant formats")
+    s.add_argument("what", choices=["recompute", "static", "memory", "quant"])
     s.add_argument("--model", default="smollm2-135m")
     s.add_argument("--prompt-lens", type=_positive_int("--prompt-lens"), nargs="+", default=[16, 128, 512])
     s.add_argument("--new-tokens", type=_positive_int("--new-tokens"), default=None)
@@ -258,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workload", default="sharegpt", choices=["sharegpt", "alpaca"])
     s.add_argument("--requests", type=_positive_int("--requests"), default=64)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--tokens", type=_positive_int("--tokens"), default=1024, help="quant: held-out tokens scored")
+    s.add_argument("--chunk", type=_positive_int("--chunk"), default=32, help="quant: tokens per forward")
+    s.add_argument("--no-mixed", action="store_true", help="quant: skip the mixed-precision search")
     s.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("calibrate", help="collect K/V abs-max and percentiles per layer x head; save scales")

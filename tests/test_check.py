@@ -60,3 +60,23 @@ def test_slot_mapping(capsys):
     assert not check.slot_mapping(stub)
     out = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in out] == ["[ok]", "[fail]", "[todo]"]
+
+
+def test_quantize_per_head_and_pack_int4(capsys):
+    import torch
+
+    from kvlab.quant import core
+
+    assert check.quantize_per_head(lambda x: core.int8_roundtrip(x, "per-head"))
+
+    def truncating(x):  # the classic bug: truncation instead of round-half-to-even
+        s = core.scale_from_absmax(core.absmax(x, "per-head"))
+        return torch.clamp(torch.trunc(x / s), -127, 127).to(torch.int8), s
+
+    assert not check.quantize_per_head(truncating)
+    assert not check.quantize_per_head(stub)
+    assert check.pack_int4(core.pack_int4)
+    assert not check.pack_int4(lambda q: q[..., 1::2] | (q[..., 0::2] << 4))  # nibbles swapped
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out] == ["[ok]", "[fail]", "[todo]", "[ok]", "[fail]"]
+    assert all(len(line) < 600 for line in out)  # tensors are summarised, not dumped

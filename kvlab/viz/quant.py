@@ -1,0 +1,78 @@
+"""Pictures for notebook 03: saturation heatmaps, value histograms with clip lines, error per layer.
+They only draw numbers kvlab counted (``QuantizedPagedKVCache.saturation()``, calibration stats)."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from kvlab.viz import COLORS
+
+
+def saturation_heatmap(saturation: dict, counter: str = "clipped", title: str = ""):
+    """Layer x head rate of ``counter`` (clipped / at_qmax / corrections) for K and V side by side."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("K", "V"), horizontal_spacing=0.08)
+    for col, which in enumerate(("k", "v"), start=1):
+        s = saturation[which]
+        if counter == "corrections":
+            z = s["corrections"].float()
+        else:
+            z = s[counter].float() / s["values"].clamp(min=1).float()
+        fig.add_trace(go.Heatmap(z=z.tolist(), colorscale="Reds", zmin=0, coloraxis="coloraxis",
+                                 hovertemplate="layer %{y}, head %{x}: %{z:.2e}<extra></extra>"), 1, col)
+        fig.update_xaxes(title_text="KV head", row=1, col=col, dtick=1)
+    fig.update_yaxes(title_text="layer", row=1, col=1)
+    label = "corrections" if counter == "corrections" else f"{counter} rate"
+    fig.update_layout(height=460, title=title or f"{label} per layer x head", coloraxis=dict(colorscale="Reds"),
+                      coloraxis_colorbar=dict(title=label))
+    return fig
+
+
+def value_histogram(values, clip_lines: dict, qmax: int = 127, bins: int = 120, title: str = ""):
+    """Histogram of one head's values with +-clip lines (e.g. abs-max, p99.9) and the INT8 step of each."""
+    import torch
+
+    v = torch.as_tensor(values).flatten().float()
+    fig = go.Figure(go.Histogram(x=v.tolist(), nbinsx=bins, marker_color=COLORS["weights"], name="values"))
+    palette = [COLORS["kv"], COLORS["padding"], COLORS["tokens"], "#8e44ad"]
+    for i, (name, limit) in enumerate(clip_lines.items()):
+        clipped = (v.abs() > limit).float().mean().item()
+        for sign in (-1, 1):
+            fig.add_vline(x=sign * limit, line_color=palette[i % len(palette)], line_dash="dash",
+                          annotation_text=(f"{name}: step {limit / qmax:.3g}, clips {clipped:.2%}" if sign > 0 else None))
+    fig.update_layout(height=380, title=title, xaxis_title="value", yaxis_title="count", yaxis_type="log",
+                      showlegend=False)
+    return fig
+
+
+def per_layer_figure(values: list[float], title: str, yaxis: str, highlight: list[int] | None = None):
+    colors = [COLORS["kv"] if highlight and i in highlight else COLORS["weights"] for i in range(len(values))]
+    fig = go.Figure(go.Bar(x=list(range(len(values))), y=values, marker_color=colors))
+    fig.update_layout(height=340, title=title, xaxis_title="layer", yaxis_title=yaxis)
+    return fig
+
+
+def granularity_explorer(keys, values, granularities=("per-tensor", "per-head", "per-channel", "per-token-head")):
+    """Pick K or V, a granularity and a layer: SNR of INT8 per layer updates live."""
+    import ipywidgets as W
+
+    from kvlab.quant import core
+
+    def snr(x, gran):
+        q, s = core.int8_roundtrip(x, gran)
+        return core.error_metrics(x, core.dequantize_int8(q, s))["snr_db"]
+
+    which = W.ToggleButtons(options=["K", "V"], description="tensor")
+    gran = W.Dropdown(options=list(granularities), value="per-head", description="granularity")
+    fig = go.FigureWidget(go.Bar(x=list(range(len(keys))), y=[0.0] * len(keys), marker_color=COLORS["tokens"]))
+    fig.update_layout(height=340, xaxis_title="layer", yaxis_title="INT8 SNR (dB, higher is better)")
+
+    def refresh(_=None):
+        data = keys if which.value == "K" else values
+        fig.data[0].y = [snr(x, gran.value) for x in data]
+        fig.layout.title.text = f"{which.value}, {gran.value}: signal-to-noise of INT8 per layer"
+
+    which.observe(refresh, names="value")
+    gran.observe(refresh, names="value")
+    refresh()
+    return W.VBox([W.HBox([which, gran]), fig])
