@@ -53,6 +53,24 @@ class Generation:
         return sum(len(t) for t in self.token_ids) / steps if steps else float("nan")
 
 
+class _StepClock:
+    """Wall time of the first forward (prefill) and of every decode step after it."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.prefill_s: float = 0.0
+        self.step_s: list[float] = []
+        self.started = False
+
+    def tick(self) -> None:
+        t1 = time.perf_counter()
+        if self.started:
+            self.step_s.append(t1 - self.t0)
+        else:
+            self.prefill_s, self.started = t1 - self.t0, True
+        self.t0 = t1
+
+
 def _validate(prompts, max_new_tokens: int) -> list[list[int]]:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -109,13 +127,12 @@ def greedy_generate(model, prompts, max_new_tokens: int, cache="dynamic", eos_to
 
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     generated: list[list[int]] = [[] for _ in range(batch)]
-    step_s: list[float] = []
     seq = ids  # only grows for the no-cache path
     cap = max_new_tokens
     if isinstance(store, StaticCache):
         cap = min(cap, store.max_seq_len - width + 1)  # the last token is sampled, never stored
 
-    t0 = time.perf_counter()
+    clock = _StepClock()
     for step in range(cap):
         if step == 0 or store is None:
             model_in = dict(input_ids=seq, attention_mask=mask, position_ids=_positions(mask))
@@ -129,12 +146,7 @@ def greedy_generate(model, prompts, max_new_tokens: int, cache="dynamic", eos_to
         next_ids = out.logits[:, -1, :].argmax(dim=-1)  # (B,)
         if eos_token_id is not None:
             next_ids = torch.where(finished, torch.full_like(next_ids, pad_token_id), next_ids)
-        t1 = time.perf_counter()
-        if step == 0:
-            prefill_s = t1 - t0
-        else:
-            step_s.append(t1 - t0)
-        t0 = t1
+        clock.tick()
         for i, t in enumerate(next_ids.tolist()):
             if not finished[i]:
                 generated[i].append(t)
@@ -149,7 +161,7 @@ def greedy_generate(model, prompts, max_new_tokens: int, cache="dynamic", eos_to
         # real tokens per row: its prompt plus the generated tokens fed back before the loop ended
         fed = step  # tokens fed back = steps run - 1
         store.set_real_tokens([len(p) + min(len(g), fed) for p, g in zip(prompts, generated)])
-    return Generation(token_ids=generated, cache=kind, prefill_s=prefill_s, step_s=step_s,
+    return Generation(token_ids=generated, cache=kind, prefill_s=clock.prefill_s, step_s=clock.step_s,
                       cache_stats=store.stats() if store is not None else {})
 
 
@@ -253,10 +265,8 @@ def paged_generate(model, prompts, max_new_tokens: int, block_size: int = 16, nu
     alive = list(range(len(prompts)))  # row indices still generating
     # first forward: each prompt's tokens not found in the prefix cache
     feed = {i: (prompts[i][cached[i]:], cached[i]) for i in alive}  # row -> (tokens, first position)
-    step_s: list[float] = []
     peak: dict = {}
-    t0 = time.perf_counter()
-    prefill_s = 0.0
+    clock = _StepClock()
     with attention_implementation(model, name), _free_on_error(manager, ids):
         for step in range(max_new_tokens):
             tokens, positions, slots, q_lens = [], [], [], []
@@ -289,12 +299,7 @@ def paged_generate(model, prompts, max_new_tokens: int, block_size: int = 16, nu
                 manager.append_slot(ids[i], generated[i][-1])
                 feed[i] = ([generated[i][-1]], pos)
             cache.copy_blocks(manager.take_copies())
-            t1 = time.perf_counter()
-            if step == 0:
-                prefill_s = t1 - t0
-            else:
-                step_s.append(t1 - t0)
-            t0 = t1
+            clock.tick()
             if not alive:
                 break
     final = manager.stats()
@@ -302,4 +307,5 @@ def paged_generate(model, prompts, max_new_tokens: int, block_size: int = 16, nu
     peak.update(bytes_reserved=cache.bytes_reserved,
                 bytes_holding_tokens=peak["tokens_stored"] * cache.bytes_per_block // cache.block_size,
                 cached_prompt_tokens=sum(cached))
-    return Generation(token_ids=generated, cache="paged", prefill_s=prefill_s, step_s=step_s, cache_stats=peak)
+    return Generation(token_ids=generated, cache="paged", prefill_s=clock.prefill_s, step_s=clock.step_s,
+                      cache_stats=peak)

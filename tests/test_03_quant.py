@@ -268,3 +268,19 @@ def test_cli_ppl_and_calibrate_on_tiny(tmp_path, capsys):
     assert {"ppl", "ppl_fp", "kl", "top1"} <= res.keys() and res["scored"] == 119
     assert main(["ppl", "--model", "tiny", "--file", str(tmp_path / "missing.txt")]) == 2
     assert "not a readable file" in capsys.readouterr().err
+
+
+def test_cli_ppl_without_scales_file_calibrates_once_and_caches(tmp_path, monkeypatch, capsys):
+    from kvlab.cli import main
+
+    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
+    args = ["ppl", "--model", "tiny", "--kv-dtype", "int8", "--tokens", "80", "--window", "40", "--stride", "20",
+            "--chunk", "10", "--json"]
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out)
+    cached = list((tmp_path / "calibration").glob("tiny-*.safetensors"))
+    assert len(cached) == 1
+    stamp = cached[0].stat().st_mtime_ns
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["ppl"] == first["ppl"]
+    assert cached[0].stat().st_mtime_ns == stamp  # loaded, not recomputed
