@@ -284,3 +284,20 @@ def test_cli_ppl_without_scales_file_calibrates_once_and_caches(tmp_path, monkey
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out)["ppl"] == first["ppl"]
     assert cached[0].stat().st_mtime_ns == stamp  # loaded, not recomputed
+
+
+def test_granularity_explorer_switches_statistic(tiny):
+    from kvlab.quant.calibrate import collect_kv
+    from kvlab.viz.quant import granularity_explorer
+
+    model, _ = tiny
+    chunks = [[5, 6, 7, 8, 9] * 6]
+    keys, values = collect_kv(model, chunks, progress=False)
+    cal = calibrate(model, chunks, progress=False)
+    w = granularity_explorer(keys, values, cal)
+    which, gran, stat = w.children[0].children
+    fig = w.children[1]
+    stat.value = "p99"
+    assert max(fig.data[1].y) > 0  # a percentile below 100 clips something
+    stat.value = "this data's abs-max"
+    assert max(fig.data[1].y) == 0 and min(fig.data[0].y) > 20

@@ -52,27 +52,45 @@ def per_layer_figure(values: list[float], title: str, yaxis: str, highlight: lis
     return fig
 
 
-def granularity_explorer(keys, values, granularities=("per-tensor", "per-head", "per-channel", "per-token-head")):
-    """Pick K or V, a granularity and a layer: SNR of INT8 per layer updates live."""
+def granularity_explorer(keys, values, calibration=None,
+                         granularities=("per-tensor", "per-head", "per-channel", "per-token-head")):
+    """Pick K or V, a granularity and (with a calibration) the statistic behind static scales:
+    INT8 signal-to-noise and clip rate per layer update live."""
     import ipywidgets as W
 
     from kvlab.quant import core
 
-    def snr(x, gran):
-        q, s = core.int8_roundtrip(x, gran)
-        return core.error_metrics(x, core.dequantize_int8(q, s))["snr_db"]
+    stats = ["this data's abs-max"] + (["absmax", "p99.99", "p99.9", "p99"] if calibration is not None else [])
+
+    def measure(x, layer, which, gran, stat):
+        if stat == stats[0] or gran not in ("per-tensor", "per-head", "per-channel"):
+            q, scale = core.int8_roundtrip(x, gran)
+        else:
+            scale = calibration.scales(which.lower(), stat, gran)[layer]
+            q = core.quantize_int8(x, scale)
+        clip = ((x.float() / scale).abs() > 127.5).float().mean().item()
+        return core.error_metrics(x, core.dequantize_int8(q, scale))["snr_db"], clip
 
     which = W.ToggleButtons(options=["K", "V"], description="tensor")
     gran = W.Dropdown(options=list(granularities), value="per-head", description="granularity")
-    fig = go.FigureWidget(go.Bar(x=list(range(len(keys))), y=[0.0] * len(keys), marker_color=COLORS["tokens"]))
-    fig.update_layout(height=340, xaxis_title="layer", yaxis_title="INT8 SNR (dB, higher is better)")
+    stat = W.Dropdown(options=stats, value=stats[0], description="scales from")
+    fig = go.FigureWidget(make_subplots(specs=[[{"secondary_y": True}]]))
+    fig.add_bar(x=list(range(len(keys))), y=[0.0] * len(keys), marker_color=COLORS["tokens"], name="SNR (dB)")
+    fig.add_scatter(x=list(range(len(keys))), y=[0.0] * len(keys), mode="lines+markers", line_color=COLORS["kv"],
+                    name="clip rate", secondary_y=True)
+    fig.update_layout(height=360, xaxis_title="layer", legend=dict(orientation="h", y=1.12))
+    fig.update_yaxes(title_text="INT8 SNR (dB, higher is better)", secondary_y=False)
+    fig.update_yaxes(title_text="share of values clipped", secondary_y=True)
 
     def refresh(_=None):
         data = keys if which.value == "K" else values
-        fig.data[0].y = [snr(x, gran.value) for x in data]
-        fig.layout.title.text = f"{which.value}, {gran.value}: signal-to-noise of INT8 per layer"
+        rows = [measure(x, i, which.value, gran.value, stat.value) for i, x in enumerate(data)]
+        with fig.batch_update():
+            fig.data[0].y = [r[0] for r in rows]
+            fig.data[1].y = [r[1] for r in rows]
+            fig.layout.title = f"{which.value}, {gran.value}, scales from {stat.value}"
 
-    which.observe(refresh, names="value")
-    gran.observe(refresh, names="value")
+    for w in (which, gran, stat):
+        w.observe(refresh, names="value")
     refresh()
-    return W.VBox([W.HBox([which, gran]), fig])
+    return W.VBox([W.HBox([which, gran, stat]), fig])
