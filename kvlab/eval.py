@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from kvlab.quant.cache import saturation_summary
 from kvlab.quant.formats import FP32, KVQuantConfig
 
 
@@ -112,15 +113,19 @@ def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: 
                     kl[n] += (ref.exp() * (ref - logp[n])).sum().item()
                     top1[n] += (logp[n].argmax(-1) == ref.argmax(-1)).sum().item()
                 scored += int(keep.sum())
-            for n in configs:
-                stats[n] = runners[n].cache.stats() | {"saturation": runners[n].cache.saturation()}
+            for n in configs:  # counters add up over windows (each window has a fresh pool)
+                sat = runners[n].cache.saturation()
+                if n in stats:
+                    sat = {w: {c: stats[n][w][c] + t for c, t in cs.items()} for w, cs in sat.items()}
+                stats[n] = sat
     out = {"tokens": len(tokens), "scored": scored, "window": window, "stride": stride, "chunk": chunk,
            "ppl_fp": math.exp(nll["fp"] / scored), "configs": {}}
     for n in configs:
         ppl = math.exp(nll[n] / scored)
         out["configs"][n] = {"label": configs[n].label(), "ppl": ppl,
                              "delta_ppl_pct": 100 * (ppl / out["ppl_fp"] - 1), "kl": kl[n] / scored,
-                             "top1": top1[n] / scored, "seconds": seconds[n], **stats[n]}
+                             "top1": top1[n] / scored, "seconds": seconds[n], "saturation": stats[n],
+                             **saturation_summary(stats[n])}
     return out
 
 

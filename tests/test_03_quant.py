@@ -241,6 +241,11 @@ def test_evaluate_scores_every_target_once_and_fp_matches_itself(tiny):
     assert res["configs"]["fp32"]["ppl"] == pytest.approx(res["ppl_fp"], rel=1e-6)
     assert res["configs"]["fp32"]["kl"] == pytest.approx(0, abs=1e-9) and res["configs"]["fp32"]["top1"] == 1
     assert res["configs"]["int8"]["kl"] > 0
+    from kvlab.eval import _windows
+
+    fed = sum(end - start - 1 for start, end, _ in _windows(150, 64, 24))  # every window's tokens but its last
+    sat = res["configs"]["int8"]["saturation"]["k"]
+    assert int(sat["values"].sum()) == fed * 3 * 2 * 16  # summed over all windows: layers x KV heads x head_dim
 
 
 def test_greedy_generation_through_a_quantized_pool(tiny):

@@ -197,11 +197,16 @@ class QuantizedPagedKVCache:
                 for which, stores in (("k", self.k), ("v", self.v))}
 
     def stats(self) -> dict:
-        sat = self.saturation()
-        out = {"bytes_reserved": self.bytes_reserved, "config": self.config.label()}
-        for which in ("k", "v"):
-            n = max(int(sat[which]["values"].sum()), 1)
-            out[f"{which}_clip_rate"] = int(sat[which]["clipped"].sum()) / n
-            out[f"{which}_at_qmax_rate"] = int(sat[which]["at_qmax"].sum()) / n
-            out[f"{which}_corrections"] = int(sat[which]["corrections"].sum())
-        return out
+        return {"bytes_reserved": self.bytes_reserved, "config": self.config.label(),
+                **saturation_summary(self.saturation())}
+
+
+def saturation_summary(sat: dict) -> dict:
+    """Whole-model rates from :meth:`QuantizedPagedKVCache.saturation` counters (or sums of them)."""
+    out = {}
+    for which in ("k", "v"):
+        n = max(int(sat[which]["values"].sum()), 1)
+        out[f"{which}_clip_rate"] = int(sat[which]["clipped"].sum()) / n
+        out[f"{which}_at_qmax_rate"] = int(sat[which]["at_qmax"].sum()) / n
+        out[f"{which}_corrections"] = int(sat[which]["corrections"].sum())
+    return out
