@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/kvlab convert
 	touch $(STAMP)
 
+# Jupyter refuses to start as root without --allow-root (containers, lab machines)
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
+
 lab: setup
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab notebooks/ $(ROOT_FLAG)
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS) tests notebooks --nbval-lax --nbval-current-env

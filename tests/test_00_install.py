@@ -89,3 +89,13 @@ def test_ci_runs_the_readme_test_command():
     top = "\n".join(readme[:8])
     assert "make lab" in top and "make test" in top
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_lab_command_serves_the_notebooks_folder():
+    """`make lab` runs `jupyter lab notebooks/` (plus --allow-root as root): check what it would run."""
+    out = subprocess.run(["make", "-n", "-o", "setup", "-o", ".venv/.kvlab-setup", "lab"], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    cmd = out.stdout.strip().splitlines()[-1]
+    assert "jupyter lab notebooks/" in cmd
+    assert ("--allow-root" in cmd) == (__import__("os").getuid() == 0)
