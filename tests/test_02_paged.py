@@ -27,6 +27,26 @@ def test_allocate_on_demand_and_slot_mapping():
     bm.check_invariants()
 
 
+def test_can_allocate_and_can_append_predict_success():
+    bm = BlockManager(3, block_size=4)
+    assert bm.can_allocate(range(12)) and not bm.can_allocate(range(13))
+    bm.allocate(0, range(8))
+    assert bm.can_allocate([1, 2, 3])
+    bm.allocate(1, [9, 9, 9])
+    assert bm.can_append(1)  # room in its last block
+    bm.append_slot(1, 9)
+    assert not bm.can_append(1)  # full block and an empty pool
+    with pytest.raises(OutOfBlocksError):
+        bm.append_slot(1, 9)
+    bm.free(0)
+    assert bm.can_append(1)  # freed blocks (cached or free) can be taken
+    # a prefix hit needs fewer new blocks: one free block admits a request that shares two
+    bm2 = BlockManager(4, block_size=2)
+    bm2.allocate(0, [1, 2, 3, 4, 5])
+    assert not bm2.can_allocate([7, 8, 9]) and bm2.can_allocate([1, 2, 3, 4, 6])
+    bm2.check_invariants()
+
+
 def test_free_returns_tail_first():
     bm = BlockManager(4, block_size=2, enable_prefix_caching=False)
     bm.allocate(0, [1, 2, 3, 4, 5])

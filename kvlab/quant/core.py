@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 GRANULARITIES = ("per-tensor", "per-head", "per-channel", "per-token", "per-token-head")
-QMAX = {"int8": 127, "int4": 7}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 ZERO_GUARD = 1e-6
 

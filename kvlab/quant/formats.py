@@ -67,13 +67,6 @@ class TensorFormat:
         return f"{self.dtype} {self.granularity}"
 
 
-def parse_format(spec: str, granularity: str = "per-head", group_size: int = 32, symmetric: bool = True) -> TensorFormat:
-    """'int8' / 'int4' / 'fp8' / 'fp16' ... -> TensorFormat (fp8 defaults to per-tensor scales)."""
-    if spec == "fp8" and granularity == "per-head":
-        granularity = "per-tensor"
-    return TensorFormat(spec, granularity, group_size, symmetric)
-
-
 @dataclass(frozen=True)
 class KVQuantConfig:
     """Formats for every layer's K and V, the scale policy, calibration statistic and rotation."""
