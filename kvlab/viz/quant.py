@@ -36,12 +36,15 @@ def value_histogram(values, clip_lines: dict, qmax: int = 127, bins: int = 120, 
     fig = go.Figure(go.Histogram(x=v.tolist(), nbinsx=bins, marker_color=COLORS["weights"], name="values"))
     palette = [COLORS["kv"], COLORS["padding"], COLORS["tokens"], "#8e44ad"]
     for i, (name, limit) in enumerate(clip_lines.items()):
+        color = palette[i % len(palette)]
         clipped = (v.abs() > limit).float().mean().item()
         for sign in (-1, 1):
-            fig.add_vline(x=sign * limit, line_color=palette[i % len(palette)], line_dash="dash",
-                          annotation_text=(f"{name}: step {limit / qmax:.3g}, clips {clipped:.2%}" if sign > 0 else None))
-    fig.update_layout(height=380, title=title, xaxis_title="value", yaxis_title="count", yaxis_type="log",
-                      showlegend=False)
+            fig.add_vline(x=sign * limit, line_color=color, line_dash="dash")
+        # the legend carries the numbers: clip range, INT8 step (range / 127) and the share clipped
+        fig.add_scatter(x=[None], y=[None], mode="lines", line=dict(color=color, dash="dash"),
+                        name=f"{name}: +-{limit:.3g}, INT8 step {limit / qmax:.3g}, clips {clipped:.2%}")
+    fig.update_layout(height=400, title=title, xaxis_title="value", yaxis_title="count (log)", yaxis_type="log",
+                      legend=dict(orientation="h", y=-0.25))
     return fig
 
 
