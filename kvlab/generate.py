@@ -229,8 +229,9 @@ def paged_generate(model, prompts, max_new_tokens: int, block_size: int = 16, nu
     """Greedy decoding through a paged cache, sequences packed side by side (no padding at all).
 
     Pass ``manager`` (a :class:`~kvlab.cache.BlockManager`) and ``cache`` (its
-    :class:`~kvlab.cache.PagedKVCache`) to keep state across calls: a later request then finds an
-    earlier one's prompt blocks in the prefix cache. Each sequence stops on its own (EOS or
+    :class:`~kvlab.cache.PagedKVCache`, or a :class:`~kvlab.quant.QuantizedPagedKVCache` to decode
+    from INT8/INT4/FP8 blocks) to keep state across calls: a later request then finds an earlier
+    one's prompt blocks in the prefix cache. Each sequence stops on its own (EOS or
     ``max_new_tokens``) and frees its blocks at once. ``cache_stats`` is the block manager's
     ``stats()`` at the step that held the most blocks, with the prefix counters at the end.
     """
