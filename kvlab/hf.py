@@ -92,8 +92,6 @@ def make_store(kind: str, model, batch: int = 1, max_seq_len: int | None = None)
     raise ValueError(f"cache kind must be 'dynamic' or 'static', got {kind!r}")
 
 
-
-
 # ---- paged attention (notebook 02) ---------------------------------------------------------------
 # A paged batch is PACKED: all sequences' new tokens side by side in one row (1, T), positions given
 # per token. There is no padding and no HF Cache object: like vLLM's attention backends, the

@@ -59,10 +59,9 @@ class PagedKVCache:
 
     def gather(self, layer_idx: int, block_table, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's K and V, (num_tokens, H_kv, D), read through its block table (a copy)."""
-        table = torch.as_tensor(block_table, device=self.k_cache[layer_idx].device)
-        k = self.k_cache[layer_idx][table].flatten(0, 1)[:num_tokens]
-        v = self.v_cache[layer_idx][table].flatten(0, 1)[:num_tokens]
-        return k, v
+        from kvlab.attention import gather_kv
+
+        return gather_kv(self.k_cache[layer_idx], self.v_cache[layer_idx], block_table, num_tokens)
 
     @property
     def bytes_reserved(self) -> int:

@@ -62,13 +62,14 @@ class _Store:
     def _count(self, x: torch.Tensor, scale: torch.Tensor, q: torch.Tensor) -> None:
         r = (x.float() / scale).abs()  # (T, H, D) in units of one quantization step
         limit = self.qmax + (0.5 if self.fmt.dtype == "int8" else 0.0)
-        self.counts["values"] += torch.full((self.h,), x.shape[0] * self.d, dtype=torch.long)
         self.counts["clipped"] += (r > limit).sum(dim=(0, 2)).cpu()
         self.counts["at_qmax"] += (q.float().abs() >= self.qmax).sum(dim=(0, 2)).cpu()
 
     def write(self, x: torch.Tensor, slots: torch.Tensor, policy: str) -> None:
         """x: (T, H, D) new values for ``slots``."""
         flat = self.data.view(-1, *self.data.shape[2:])
+        if self.fmt.quantized:
+            self.counts["values"] += torch.full((self.h,), x.shape[0] * self.d, dtype=torch.long)
         if self.fmt.dtype in _FLOAT:
             flat[slots] = x.to(self.data.dtype)
             return
@@ -78,7 +79,6 @@ class _Store:
             self.token_scale.view(-1, *self.token_scale.shape[2:])[slots] = t.scale
             if t.zero is not None:
                 self.token_zero.view(-1, *self.token_zero.shape[2:])[slots] = t.zero
-            self.counts["values"] += torch.full((self.h,), x.shape[0] * self.d, dtype=torch.long)
             return
         if not self.fmt.static_scales:  # per-token(-head): exact absmax of each token on write
             scale = core.scale_from_absmax(core.absmax(x, self.fmt.granularity), self.qmax)
