@@ -119,3 +119,63 @@ def quantized_paged_attention(q, k_new, v_new, cache, layer: int, block_tables, 
         out[start:start + q_len] = (acc / l[..., None]).permute(2, 0, 1, 3).reshape(q_len, h_q, d)
         start += q_len
     return out.to(q.dtype)
+
+
+# ---- batched decode over the pool (notebook 04: the engine's "torch" backend) -----------------------
+
+class DecodeIndex:
+    """The block tables of one step's decode sequences as ONE tensor, built once and read by every
+    layer: ``table`` (B, n_blocks) physical block ids (0-padded), ``valid`` (B, n_blocks * block_size)
+    which key positions exist, ``context_lens`` (B,)."""
+
+    def __init__(self, block_tables, context_lens, block_size: int, device="cpu"):
+        self.num = len(block_tables)
+        n_blocks = -(-max(context_lens) // block_size)
+        table = torch.zeros((self.num, n_blocks), dtype=torch.long)
+        for i, t in enumerate(block_tables):
+            t = t[:n_blocks]
+            table[i, :len(t)] = torch.as_tensor(t, dtype=torch.long)
+        self.table = table.to(device)
+        self.context_lens = torch.as_tensor(context_lens, dtype=torch.long, device=device)
+        pos = torch.arange(n_blocks * block_size, device=device)
+        self.valid = pos[None, :] < self.context_lens[:, None]  # (B, n_blocks * block_size)
+
+
+def _decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (B, H_q, D); k, v (B, S, H_kv, D); valid (B, S) -> (B, H_q, D), GQA without repeating K/V:
+    the G query heads of one KV head ride on SDPA's query-length axis."""
+    b, h_q, d = q.shape
+    h_kv = k.shape[2]
+    qh = q.reshape(b, h_kv, h_q // h_kv, d)  # (B, H_kv, G, D)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qh, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :], scale=scale)
+    return out.reshape(b, h_q, d)
+
+
+def batched_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: DecodeIndex,
+                             scale: float) -> torch.Tensor:
+    """One query token per sequence (B, H_q, D) over the pool: one gather through the block-table
+    tensor and one masked SDPA for the whole batch, instead of a Python loop over sequences."""
+    b, n_blocks = index.table.shape
+    shape = (b, n_blocks * k_cache.shape[1], *k_cache.shape[2:])  # (B, S, H_kv, D)
+    k = k_cache[index.table].reshape(shape)  # (B, n_blocks, bs, H_kv, D) -> (B, S, H_kv, D)
+    v = v_cache[index.table].reshape(shape)
+    return _decode_sdpa(q, k, v, index.valid, scale)
+
+
+def quantized_batched_decode_attention(q, k_new, v_new, cache, layer: int, index: DecodeIndex,
+                                       scale: float) -> torch.Tensor:
+    """The batched path over a quantized pool: cached blocks dequantized in one read, each
+    sequence's own new token in full precision (as :func:`quantized_paged_attention` does)."""
+    from kvlab.quant.rotation import rotate
+
+    b, n_blocks = index.table.shape
+    k, v = cache.read(layer, index.table.flatten())  # (B * n_blocks, bs, H_kv, D) float32 each
+    k, v = k.reshape(b, -1, *k.shape[2:]), v.reshape(b, -1, *v.shape[2:])  # (B, S, H_kv, D)
+    own = index.context_lens - 1
+    rows = torch.arange(b, device=k.device)
+    qf, k_own = q.float(), k_new.float()
+    if cache.config.rotate_k:  # cached keys are stored rotated; rotation is orthogonal, so rotate q and k_own too
+        qf, k_own = rotate(qf), rotate(k_own)  # along head_dim
+    k[rows, own], v[rows, own] = k_own, v_new.float()
+    return _decode_sdpa(qf, k, v, index.valid, scale).to(q.dtype)

@@ -7,7 +7,6 @@ that anchors each new cache to the previous one.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -204,109 +203,57 @@ def encode_prompts(tokenizer, prompts) -> list[list[int]]:
     return out
 
 
-@contextmanager
-def _free_on_error(manager, seq_ids):
-    """If a step fails (e.g. the pool runs dry mid-decode), free this call's live sequences so
-    the manager is left with no leaked blocks, then re-raise."""
-    try:
-        yield
-    except BaseException:
-        for sid in seq_ids:
-            if sid in manager.seqs:
-                manager.free(sid)
-        manager.take_copies()
-        raise
-
-
 def _pool_for(prompts: list[list[int]], max_new_tokens: int, block_size: int) -> int:
     return sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts)
 
 
 @torch.inference_mode()
 def paged_generate(model, prompts, max_new_tokens: int, block_size: int = 16, num_blocks: int | None = None,
-                   eos_token_id: int | None = None, manager=None, cache=None,
-                   enable_prefix_caching: bool = True) -> Generation:
+                   eos_token_id: int | None = None, manager=None, cache=None, enable_prefix_caching: bool = True,
+                   attn_backend: str = "reference") -> Generation:
     """Greedy decoding through a paged cache, sequences packed side by side (no padding at all).
 
-    Pass ``manager`` (a :class:`~kvlab.cache.BlockManager`) and ``cache`` (its
-    :class:`~kvlab.cache.PagedKVCache`, or a :class:`~kvlab.quant.QuantizedPagedKVCache` to decode
-    from INT8/INT4/FP8 blocks) to keep state across calls: a later request then finds an earlier
-    one's prompt blocks in the prefix cache. Each sequence stops on its own (EOS or
-    ``max_new_tokens``) and frees its blocks at once. ``cache_stats`` is the block manager's
-    ``stats()`` at the step that held the most blocks, with the prefix counters at the end.
+    A thin use of the serving engine (:class:`kvlab.engine.LLM`, notebook 04): every prompt is
+    admitted at once and prefilled in one forward, then all decode together; each stops on its own
+    (EOS or ``max_new_tokens``) and frees its blocks at once. Pass ``manager`` (a
+    :class:`~kvlab.cache.BlockManager`) and ``cache`` (its :class:`~kvlab.cache.PagedKVCache`, or a
+    :class:`~kvlab.quant.QuantizedPagedKVCache` to decode from INT8/INT4/FP8 blocks) to keep state
+    across calls: a later request then finds an earlier one's prompt blocks in the prefix cache.
+    ``cache_stats`` is the block manager's ``stats()`` at the step that held the most blocks, with
+    the prefix counters at the end.
     """
-    from kvlab.cache.paged import BlockManager, OutOfBlocksError
-    from kvlab.cache.paged_storage import PagedKVCache
-    from kvlab.hf import PagedBatch, attention_implementation, register_paged_attention
+    from kvlab.cache.paged import BlockManager
+    from kvlab.engine import LLM, SamplingParams
 
     prompts = _validate(prompts, max_new_tokens)
     if manager is None:
         num_blocks = num_blocks or _pool_for(prompts, max_new_tokens, block_size)
         manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
-    if cache is None:
-        cache = PagedKVCache.from_model(model, manager.num_blocks, manager.block_size)
-    if (cache.num_blocks, cache.block_size) != (manager.num_blocks, manager.block_size):
-        raise ValueError("cache and manager disagree on num_blocks / block_size")
-    device = next(model.parameters()).device
-    name = register_paged_attention()
-
-    first = max(list(manager.seqs) + list(manager.finished), default=-1) + 1
-    ids = list(range(first, first + len(prompts)))
-    cached = []
-    try:
-        for sid, p in zip(ids, prompts):
-            cached.append(manager.allocate(sid, p))
-    except OutOfBlocksError:
-        for sid in ids[:len(cached)]:  # leave the pool as we found it
-            manager.free(sid)
-            manager.finished.discard(sid)
-        raise
-
-    generated: list[list[int]] = [[] for _ in prompts]
-    alive = list(range(len(prompts)))  # row indices still generating
-    # first forward: each prompt's tokens not found in the prefix cache
-    feed = {i: (prompts[i][cached[i]:], cached[i]) for i in alive}  # row -> (tokens, first position)
+    llm = LLM(model, None, block_manager=manager, cache=cache, max_num_seqs=len(prompts),
+              max_num_batched_tokens=max(sum(map(len, prompts)), len(prompts)), attn_backend=attn_backend,
+              eos_token_id=eos_token_id, watermark=0.0)
     peak: dict = {}
-    clock = _StepClock()
-    with attention_implementation(model, name), _free_on_error(manager, ids):
-        for step in range(max_new_tokens):
-            tokens, positions, slots, q_lens = [], [], [], []
-            for i in alive:
-                toks, start = feed[i]
-                tokens += toks
-                positions += range(start, start + len(toks))
-                slots += manager.slot_mapping(ids[i], start, start + len(toks))
-                q_lens.append(len(toks))
-            batch = PagedBatch(cache=cache, block_tables=[manager.block_table(ids[i]) for i in alive],
-                               context_lens=[manager.num_tokens(ids[i]) for i in alive], query_lens=q_lens,
-                               slot_mapping=torch.tensor(slots, device=device))
-            out = model(input_ids=torch.tensor([tokens], device=device),
-                        position_ids=torch.tensor([positions], device=device), use_cache=False, kvlab_paged=batch)
-            last = torch.tensor(q_lens, device=device).cumsum(0) - 1  # each sequence's last new token
-            next_ids = out.logits[0, last].argmax(dim=-1).tolist()
-            s = manager.stats()
-            if s["blocks_used"] >= peak.get("blocks_used", -1):
-                peak = s
-            still = []
-            for i, t in zip(alive, next_ids):
-                generated[i].append(t)
-                if (eos_token_id is not None and t == eos_token_id) or len(generated[i]) == max_new_tokens:
-                    manager.free(ids[i])
-                else:
-                    still.append(i)
-            alive = still
-            for i in alive:  # the token just sampled is fed next step: give it a slot
-                pos = manager.num_tokens(ids[i])
-                manager.append_slot(ids[i], generated[i][-1])
-                feed[i] = ([generated[i][-1]], pos)
-            cache.copy_blocks(manager.take_copies())
-            clock.tick()
-            if not alive:
-                break
+
+    def record(batch):  # the pool as the forward sees it
+        nonlocal peak
+        s = manager.stats()
+        if s["blocks_used"] >= peak.get("blocks_used", -1):
+            peak = s
+
+    llm.on_scheduled = record
+    ids = llm._add_all(prompts, [SamplingParams(max_tokens=max_new_tokens)] * len(prompts))
+    try:
+        while llm.has_unfinished():
+            llm.step()
+    finally:  # an error mid-run leaves no sequence holding blocks
+        for sid in ids:
+            if sid in manager.seqs:
+                manager.free(sid)
     final = manager.stats()
     peak.update({k: final[k] for k in ("prefix_queries", "prefix_hits", "prefix_hit_rate", "evictions", "cow_copies")})
-    peak.update(bytes_reserved=cache.bytes_reserved,
-                bytes_holding_tokens=peak["tokens_stored"] * cache.bytes_per_block // cache.block_size,
-                cached_prompt_tokens=sum(cached))
-    return Generation(token_ids=generated, cache="paged", prefill_s=clock.prefill_s, step_s=clock.step_s,
-                      cache_stats=peak)
+    peak.update(bytes_reserved=llm.cache.bytes_reserved,
+                bytes_holding_tokens=peak["tokens_stored"] * llm.cache.bytes_per_block // llm.cache.block_size,
+                cached_prompt_tokens=sum(llm.seqs[i].metrics.cached_prompt_tokens for i in ids))
+    times = [st.total_s for st in llm.step_stats]
+    return Generation(token_ids=[llm.seqs[i].output_token_ids for i in ids], cache="paged", prefill_s=times[0],
+                      step_s=times[1:], cache_stats=peak)

@@ -109,28 +109,47 @@ class PagedBatch:
     context_lens: list[int]  # tokens each sequence has in the cache after this forward
     query_lens: list[int]  # new tokens per sequence in this forward
     slot_mapping: torch.Tensor  # (T,) where the new tokens' K/V go
+    backend: str = "reference"  # "reference": one sequence at a time; "torch": decodes batched
+    decode: object = None  # backend "torch": a kvlab.attention.DecodeIndex of the first decode.num sequences
+
+    def __post_init__(self):
+        if self.backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {self.backend!r}")
+
+
+#: how the paged attention function reads the pool (the Triton backend joins in notebook 05)
+ATTENTION_BACKENDS = ("reference", "torch")
 
 
 def _paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    from kvlab.attention import paged_attention
+    from kvlab import attention as A
 
     batch: PagedBatch | None = kwargs.get("kvlab_paged")
     if batch is None:
         raise RuntimeError(f"attention '{PAGED_ATTENTION}' needs a kvlab_paged=PagedBatch(...) argument; "
-                           "use kvlab.generate.paged_generate")
+                           "use kvlab.engine.LLM or kvlab.generate.paged_generate")
     layer = module.layer_idx
     # query (1, H_q, T, D); key/value (1, H_kv, T, D), post-RoPE, new tokens only
-    k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (T, H_kv, D)
-    batch.cache.write(layer, k_new, v_new, batch.slot_mapping)
+    q, k_new, v_new = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # (T, H, D)
+    cache = batch.cache
+    cache.write(layer, k_new, v_new, batch.slot_mapping)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if hasattr(batch.cache, "config"):  # a quantized pool (notebook 03)
-        from kvlab.attention import quantized_paged_attention
-
-        out = quantized_paged_attention(query[0].transpose(0, 1), k_new, v_new, batch.cache, layer,
-                                        batch.block_tables, batch.context_lens, batch.query_lens, scale)
-        return out.unsqueeze(0), None
-    out = paged_attention(query[0].transpose(0, 1), batch.cache.k_cache[layer], batch.cache.v_cache[layer],
-                          batch.block_tables, batch.context_lens, batch.query_lens, scale=scale)
+    quantized = hasattr(cache, "config")  # a quantized pool (notebook 03)
+    nd = batch.decode.num if batch.backend == "torch" and batch.decode is not None else 0
+    out = torch.empty_like(q)
+    if nd:  # decodes (packed first, one token each): one batched gather + SDPA
+        if quantized:
+            out[:nd] = A.quantized_batched_decode_attention(q[:nd], k_new[:nd], v_new[:nd], cache, layer,
+                                                            batch.decode, scale)
+        else:
+            out[:nd] = A.batched_decode_attention(q[:nd], cache.k_cache[layer], cache.v_cache[layer], batch.decode,
+                                                  scale)
+    if nd < q.shape[0]:  # everything else one sequence at a time: the reference, the specification
+        rest = (batch.block_tables[nd:], batch.context_lens[nd:], batch.query_lens[nd:])
+        if quantized:
+            out[nd:] = A.quantized_paged_attention(q[nd:], k_new[nd:], v_new[nd:], cache, layer, *rest, scale)
+        else:
+            out[nd:] = A.paged_attention(q[nd:], cache.k_cache[layer], cache.v_cache[layer], *rest, scale=scale)
     return out.unsqueeze(0), None  # (1, T, H_q, D), as HF's attention functions return
 
 
@@ -162,5 +181,6 @@ def attention_implementation(model, name: str):
             c._attn_implementation = o
 
 
-__all__ = ["CACHE_KWARG", "KVLabCache", "make_store", "PAGED_ATTENTION", "PagedBatch", "register_paged_attention",
+__all__ = ["CACHE_KWARG", "KVLabCache", "make_store", "PAGED_ATTENTION", "PagedBatch", "ATTENTION_BACKENDS",
+           "register_paged_attention",
            "attention_implementation"]

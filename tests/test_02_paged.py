@@ -279,10 +279,19 @@ def test_prefix_hit_inside_one_batch(tiny):
     assert g.cache_stats["prefix_hits"] == 2 and g.cache_stats["blocks_saved"] == 2
 
 
-def test_out_of_blocks_mid_decode_leaves_no_leak(tiny):
+def test_a_pool_too_small_for_one_request_is_refused_up_front(tiny):
     model, _ = tiny
     bm = BlockManager(3, 4)
-    with pytest.raises(OutOfBlocksError):
+    with pytest.raises(ValueError, match="needs 6 blocks of 4 tokens; the whole pool has 3"):
         paged_generate(model, [[5, 6, 7], [8, 9]], 20, manager=bm)
+    assert not bm.seqs and bm.stats()["blocks_used"] == 0
+    bm.check_invariants()
+
+
+def test_a_pool_too_small_for_all_at_once_preempts_and_still_matches_hf(tiny):
+    model, _ = tiny
+    bm = BlockManager(6, 4)  # one request fits (<= 23 tokens), two do not
+    g = paged_generate(model, [[5, 6, 7], [8, 9]], 20, manager=bm)
+    assert g.token_ids == hf_generate(model, [[5, 6, 7], [8, 9]], 20)
     assert not bm.seqs and bm.stats()["blocks_used"] == 0
     bm.check_invariants()

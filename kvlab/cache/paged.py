@@ -175,14 +175,25 @@ class BlockManager:
             self.hash_to_block[h] = b.block_id
             b.hash, b.parent, b.token_ids = h, parent, chunk
 
-    def can_allocate(self, token_ids) -> bool:
-        hits = self._match_prefix(list(token_ids))
+    def allocation_cost(self, token_ids) -> tuple[int, int]:
+        """``(needed, available)``: new blocks a prompt would take after prefix hits, and blocks free
+        for it (hit blocks waiting in the LRU are not free for us: we are about to use them)."""
+        token_ids = list(token_ids)
+        hits = self._match_prefix(token_ids)
         cached_hits = sum(1 for bid in hits if self.blocks[bid].ref_count == 0)
-        return self.blocks_needed(len(token_ids)) - len(hits) <= self.num_free_blocks - cached_hits
+        return self.blocks_needed(len(token_ids)) - len(hits), self.num_free_blocks - cached_hits
 
-    def allocate(self, seq_id: int, token_ids) -> int:
+    def can_allocate(self, token_ids) -> bool:
+        needed, available = self.allocation_cost(token_ids)
+        return needed <= available
+
+    def allocate(self, seq_id: int, token_ids, register: bool = True) -> int:
         """Give a new sequence blocks for its prompt; return how many prompt tokens were already cached.
 
+        ``register=False`` keeps the prompt's full blocks out of the prefix cache until the caller
+        says their K/V are (being) written (:meth:`mark_computed`): an engine that prefills a long
+        prompt in chunks over several steps must not let another request "hit" a block that no
+        forward will fill before that request reads it.
         Raises :class:`OutOfBlocksError` (changing nothing) when the pool cannot hold the prompt.
         """
         token_ids = [int(t) for t in token_ids]
@@ -191,9 +202,7 @@ class BlockManager:
         if not token_ids:
             raise ValueError("token_ids must not be empty")
         hits = self._match_prefix(token_ids)
-        needed = self.blocks_needed(len(token_ids)) - len(hits)
-        cached_hits = sum(1 for bid in hits if self.blocks[bid].ref_count == 0)
-        available = self.num_free_blocks - cached_hits  # hit blocks taken from the LRU are not free for us
+        needed, available = self.allocation_cost(token_ids)
         if needed > available:
             raise OutOfBlocksError(needed, available, f"a prompt of {len(token_ids)} tokens")
         # commit: nothing below can fail
@@ -209,12 +218,20 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(hits), len(seq.block_table)):
             self.blocks[seq.block_table[i]].num_tokens = min(bs, len(token_ids) - i * bs)
-            if (i + 1) * bs <= len(token_ids):
+            if register and (i + 1) * bs <= len(token_ids):
                 self._register_full(seq, i)
         if self.enable_prefix_caching:
             self.counters["prefix_queries"] += (len(token_ids) - 1) // bs
             self.counters["prefix_hits"] += len(hits)
         return seq.cached_tokens
+
+    def mark_computed(self, seq_id: int, num_computed: int) -> None:
+        """The first ``num_computed`` tokens' K/V are in the pool, or are written by the forward about
+        to run (which writes every new token's K/V before any attention reads): offer the full blocks
+        among them to the prefix cache (after ``allocate(..., register=False)``). Idempotent."""
+        seq = self._seq(seq_id)
+        for i in range(len(seq.hashes), min(num_computed, len(seq.token_ids)) // self.block_size):
+            self._register_full(seq, i)
 
     def can_append(self, seq_id: int) -> bool:
         seq = self._seq(seq_id)
@@ -250,8 +267,8 @@ class BlockManager:
         seq.token_ids.append(int(token_id))
         block = self.blocks[seq.block_table[-1]]
         block.num_tokens += 1
-        if block.num_tokens == bs:
-            self._register_full(seq, len(seq.block_table) - 1)
+        if block.num_tokens == bs:  # registers every full block not registered yet, in chain order
+            self.mark_computed(seq_id, len(seq.token_ids))
         return seq.block_table[-1] * bs + n % bs
 
     def fork(self, parent_id: int, child_id: int) -> None:
@@ -266,15 +283,19 @@ class BlockManager:
         self.seqs[child_id] = SeqBlocks(list(parent.block_table), list(parent.token_ids), list(parent.hashes),
                                         parent.cached_tokens)
 
-    def free(self, seq_id: int) -> None:
+    def free(self, seq_id: int, keep_cached: bool = True) -> None:
         """Release all of a sequence's blocks, tail first. Registered blocks stay cached (reusable
         by a later prefix hit) until evicted; the tail goes into the LRU first, so it is evicted
-        before the prefix that other requests are likelier to share."""
+        before the prefix that other requests are likelier to share. ``keep_cached=False`` forgets
+        their hashes too (after a failed forward their contents cannot be trusted)."""
         seq = self._seq(seq_id)
         for bid in reversed(seq.block_table):
             b = self.blocks[bid]
             b.ref_count -= 1
             if b.ref_count == 0:
+                if b.hash is not None and not keep_cached:
+                    del self.hash_to_block[b.hash]
+                    b.hash, b.parent, b.token_ids = None, None, ()
                 if b.hash is not None:
                     self.cached_ids[bid] = None
                 else:

@@ -1,0 +1,18 @@
+"""A continuous-batching serving engine over the paged KV pool, in vLLM's nouns (notebook 04).
+
+``Sequence`` (one request's tokens and state), ``SamplingParams`` (how to pick tokens, when to
+stop), ``Scheduler`` (who runs each step; preemption; the trace), ``ModelRunner`` (one packed
+forward of the unmodified HF model), ``LLM`` (the front door). Runs headless; ``kvlab.viz.engine``
+only reads its trace and step stats.
+"""
+
+from kvlab.engine.llm import KV_DTYPES, LLM, RequestOutput
+from kvlab.engine.metrics import StepStats, percentile, summarize
+from kvlab.engine.model_runner import ModelRunner
+from kvlab.engine.sampling_params import SamplingParams
+from kvlab.engine.scheduler import ACTIONS, POLICIES, ScheduledBatch, Scheduler, TraceEvent
+from kvlab.engine.sequence import RequestMetrics, Sequence, SequenceStatus
+
+__all__ = ["LLM", "RequestOutput", "KV_DTYPES", "StepStats", "percentile", "summarize", "ModelRunner",
+           "SamplingParams", "Scheduler", "ScheduledBatch", "TraceEvent", "ACTIONS", "POLICIES", "Sequence",
+           "SequenceStatus", "RequestMetrics"]

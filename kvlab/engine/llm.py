@@ -1,0 +1,264 @@
+"""The engine's front door (notebook 04): ``LLM(model, tokenizer, ...).generate(prompts, params)``.
+
+One :meth:`LLM.step` = schedule (who runs, with how many tokens, who is preempted) -> one packed
+forward of the unmodified HF model through the paged pool -> sample -> finish and free. Requests
+may be added between any two steps; :meth:`LLM.iter_steps` yields after every step, so a
+notebook can draw the engine while it runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.cache.paged import BlockManager
+from kvlab.engine.metrics import StepStats, summarize
+from kvlab.engine.model_runner import ModelRunner
+from kvlab.engine.sampler import sample
+from kvlab.engine.sampling_params import SamplingParams
+from kvlab.engine.scheduler import Scheduler
+from kvlab.engine.sequence import Sequence
+
+KV_DTYPES = ("auto", "fp32", "fp16", "int8", "fp8", "int4", "k8v4")
+
+
+@dataclass
+class RequestOutput:
+    seq_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated so far
+    text: str | None
+    finished: bool
+    finish_reason: str | None
+    metrics: dict
+
+
+def _make_cache(model, tokenizer, num_blocks, block_size, kv_dtype, quant_config, calibration, model_name):
+    from kvlab.cache.paged_storage import PagedKVCache
+
+    if quant_config is None and kv_dtype == "auto":
+        return PagedKVCache.from_model(model, num_blocks, block_size)
+    from kvlab.quant import QuantizedPagedKVCache, named_config
+
+    if quant_config is None:
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+        quant_config = named_config(kv_dtype)
+    if calibration is None and quant_config.needs_calibration(model.config.num_hidden_layers):
+        if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
+            raise ValueError(f"kv_dtype {kv_dtype!r} with static scales needs calibration=... (a kvlab "
+                             "Calibration) or a real tokenizer to calibrate the default text")
+        from kvlab.quant.calibrate import default_calibration
+
+        calibration = default_calibration(model, tokenizer, model_name, progress=False)
+    return QuantizedPagedKVCache.from_model(model, num_blocks, block_size, quant_config, calibration)
+
+
+class LLM:
+    """A continuous-batching engine over a paged (optionally quantized) KV pool.
+
+    Knobs in vLLM's names: ``num_blocks`` and ``block_size`` (the pool), ``max_num_seqs`` (running
+    at once), ``max_num_batched_tokens`` (tokens per step: decodes + prefill chunks), ``policy``
+    ("continuous" or "static"), ``attn_backend`` ("reference" or "torch"), ``kv_dtype`` ("auto":
+    the model's dtype; "fp16", "int8", "fp8", "int4", "k8v4": a quantized pool, scales from
+    ``calibration`` or the cached default), ``enable_prefix_caching``. Pass ``block_manager`` and
+    ``cache`` to share a pool across engines.
+    """
+
+    def __init__(self, model, tokenizer=None, *, num_blocks: int = 256, block_size: int = 16,
+                 max_num_seqs: int = 32, max_num_batched_tokens: int = 512, policy: str = "continuous",
+                 attn_backend: str = "torch", kv_dtype: str = "auto", quant_config=None, calibration=None,
+                 model_name: str = "smollm2-135m", enable_prefix_caching: bool = True, watermark: float = 0.01,
+                 eos_token_id: int | None = None, block_manager: BlockManager | None = None, cache=None):
+        self.model, self.tokenizer = model, tokenizer
+        if block_manager is None:
+            block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        if cache is None:
+            cache = _make_cache(model, tokenizer, block_manager.num_blocks, block_manager.block_size, kv_dtype,
+                                quant_config, calibration, model_name)
+        if (cache.num_blocks, cache.block_size) != (block_manager.num_blocks, block_manager.block_size):
+            raise ValueError("cache and block_manager disagree on num_blocks / block_size")
+        self.block_manager, self.cache = block_manager, cache
+        self.scheduler = Scheduler(block_manager, max_num_seqs, max_num_batched_tokens, policy, watermark)
+        self.runner = ModelRunner(model, cache, attn_backend)
+        if eos_token_id is None:
+            eos_token_id = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_id = eos_token_id
+        self.max_model_len = getattr(model.config, "max_position_embeddings", None) or 2**31
+        self.vocab_size = model.config.vocab_size
+        first = max(list(block_manager.seqs) + list(block_manager.finished), default=-1) + 1
+        self._ids = itertools.count(first)
+        self.seqs: dict[int, Sequence] = {}
+        self.step_stats: list[StepStats] = []
+        self.on_scheduled = None  # optional callback(ScheduledBatch), run between scheduling and the forward
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError("prompt must not be empty or blank")
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer: pass LLM(model, tokenizer) or token ids")
+            return list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.flatten().tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("prompt must not be empty: it needs at least one token")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be ints in 0..{self.vocab_size - 1}")
+        return list(prompt)
+
+    def _check(self, prompt, sampling_params) -> tuple[list[int], SamplingParams]:
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        ids = self._encode(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit the model's context of {self.max_model_len}")
+        bm = self.block_manager
+        worst = bm.blocks_needed(min(len(ids) + params.max_tokens, self.max_model_len))
+        if worst > bm.num_blocks:  # alone in the pool it could never finish: refuse it now
+            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} needs {worst} blocks of "
+                             f"{bm.block_size} tokens; the whole pool has {bm.num_blocks}")
+        return ids, params
+
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None, arrival: float | None = None) -> int:
+        """Queue one request (text or token ids); returns its id. Bad input raises ValueError and
+        changes nothing: the engine keeps serving the others."""
+        ids, params = self._check(prompt, sampling_params)
+        seq = Sequence(next(self._ids), ids, params, time.perf_counter() if arrival is None else arrival,
+                       self.scheduler.step_count)
+        self.seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step --------------------------------------------------------------------------------
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if not p.ignore_eos and self.eos_token_id is not None and token == self.eos_token_id:
+            return "eos"
+        if token in p.stop_token_ids:
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one packed forward, sample, finish. Returns an output for every request that
+        produced a token in this step."""
+        sched, bm = self.scheduler, self.block_manager
+        t0 = time.perf_counter()
+        preempted_before = sched.num_preemptions
+        batch = sched.schedule()
+        t1 = time.perf_counter()
+        if not batch.seqs:
+            if sched.running or sched.waiting:
+                raise RuntimeError("the scheduler found nothing to run although requests are pending")
+            return []
+        for seq in batch.seqs:
+            if seq.metrics.first_scheduled is None:
+                seq.metrics.first_scheduled = t1
+        if self.on_scheduled is not None:
+            self.on_scheduled(batch)
+        try:
+            logits, rows = self.runner.execute(batch, bm)
+        except BaseException:  # leave no half-written state: the running requests start over
+            for seq in reversed(list(sched.running)):
+                sched.preempt(seq, "step failed", keep_cached=False)
+            raise
+        t2 = time.perf_counter()
+        sampled = sample(logits, [batch.seqs[i] for i in rows]) if rows else []
+        t3 = time.perf_counter()
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):  # their K/V are in the pool now
+            seq.num_computed_tokens += n
+        outputs, finished = [], 0
+        for i, token in zip(rows, sampled):
+            seq = batch.seqs[i]
+            seq.output_token_ids.append(token)
+            seq.metrics.token_times.append(t3)
+            if seq.metrics.first_token is None:
+                seq.metrics.first_token = t3
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                sched.finish(seq, reason)
+                seq.metrics.finished = t3
+                finished += 1
+            outputs.append(self._output(seq))
+        t4 = time.perf_counter()
+        self.step_stats.append(StepStats(
+            step=batch.step, running=len(sched.running) + finished, waiting=len(sched.waiting),
+            scheduled=len(batch), prefill_tokens=batch.num_prefill_tokens, decode_tokens=batch.num_decode_tokens,
+            blocks_used=bm.num_blocks - bm.num_free_blocks, blocks_free=bm.num_free_blocks,
+            preempted=sched.num_preemptions - preempted_before, finished=finished,
+            schedule_s=(t1 - t0) + (t4 - t3), packing_s=self.runner.timings["packing"],
+            forward_s=self.runner.timings["forward"], sample_s=t3 - t2))
+        return outputs
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        text = None
+        if self.tokenizer is not None and seq.is_finished:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        return RequestOutput(seq.seq_id, seq.prompt_token_ids, list(seq.output_token_ids), text, seq.is_finished,
+                             seq.finish_reason, seq.metrics.as_dict(len(seq.output_token_ids)))
+
+    def iter_steps(self):
+        """Run until every queued request finished, yielding ``(StepStats, outputs)`` after each step."""
+        while self.has_unfinished():
+            outputs = self.step()
+            yield self.step_stats[-1], outputs
+
+    # ---- whole runs ------------------------------------------------------------------------------
+
+    def generate(self, prompts, sampling_params=None, progress: bool = False) -> list[RequestOutput]:
+        """Serve ``prompts`` (texts or token-id lists) concurrently; outputs in prompt order.
+
+        ``sampling_params``: one :class:`SamplingParams` for all, or a list with one per prompt.
+        Every prompt is validated before any is queued.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a non-empty list of strings or token-id lists")
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        ids = self._add_all(prompts, params)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="requests", unit="req")
+        while self.has_unfinished():
+            done = sum(o.finished for o in self.step())
+            if bar is not None:
+                bar.update(done)
+        if bar is not None:
+            bar.close()
+        return [self._output(self.seqs[i]) for i in ids]
+
+    def _add_all(self, prompts, params) -> list[int]:
+        checked = [self._check(p, sp) for p, sp in zip(prompts, params)]  # all or nothing
+        return [self.add_request(ids, sp) for ids, sp in checked]
+
+    def summary(self, seq_ids=None) -> dict:
+        """Throughput, latency percentiles and the step-time split of the finished requests."""
+        seqs = [self.seqs[i] for i in (seq_ids if seq_ids is not None else self.seqs)]
+        done = [s for s in seqs if s.is_finished]
+        if not done:
+            return summarize([], self.step_stats, 0.0)
+        wall = max(s.metrics.finished for s in done) - min(s.metrics.arrival for s in done)
+        return summarize([s.metrics.as_dict(len(s.output_token_ids)) for s in done], self.step_stats, wall)
+
+    @property
+    def trace(self):
+        return self.scheduler.trace

@@ -1,0 +1,68 @@
+"""One engine step on the model (notebook 04): pack, forward, pick the logits that sample.
+
+All scheduled tokens of all sequences go side by side in ONE row ``(1, T)``, ragged and without
+padding, with per-token positions; the attention function registered in :mod:`kvlab.hf` writes
+their K/V by ``slot_mapping`` and reads each sequence's context through its block table. The HF
+model itself is unmodified. Only the sequences whose chunk reaches their last token need logits,
+so only those rows go through the LM head (``logits_to_keep``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvlab.attention import DecodeIndex
+from kvlab.hf import ATTENTION_BACKENDS, PagedBatch, attention_implementation, register_paged_attention
+
+
+class ModelRunner:
+    def __init__(self, model, cache, attn_backend: str = "reference"):
+        if attn_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attn_backend must be one of {ATTENTION_BACKENDS}, got {attn_backend!r}")
+        self.model, self.cache, self.attn_backend = model, cache, attn_backend
+        self.device = next(model.parameters()).device
+        self.attn_name = register_paged_attention()
+        self.timings: dict[str, float] = {}  # seconds of the last step: "packing", "forward"
+
+    @torch.inference_mode()
+    def execute(self, batch, block_manager) -> tuple[torch.Tensor, list[int]]:
+        """Run one :class:`~kvlab.engine.scheduler.ScheduledBatch`.
+
+        Returns ``(logits, rows)``: logits (R, V) for the R sequences that sample this step, and their
+        indices into ``batch.seqs``.
+        """
+        t0 = time.perf_counter()
+        self.cache.copy_blocks(block_manager.take_copies())  # copy-on-write before any write
+        tokens, positions, slots, tables, ctx_lens, sample_rows, last = [], [], [], [], [], [], []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            tokens += seq.token_ids[start:end]
+            positions += range(start, end)
+            table = block_manager.seqs[seq.seq_id].block_table  # read-only: no copy per step
+            slots += block_manager.slot_mapping_of(table, block_manager.block_size, start, end)
+            tables.append(table)
+            ctx_lens.append(end)
+            if end == seq.num_tokens:  # this chunk reaches the last token: it samples
+                sample_rows.append(i)
+                last.append(len(tokens) - 1)
+        decode = None
+        if self.attn_backend == "torch" and batch.num_decodes:
+            nd = batch.num_decodes
+            decode = DecodeIndex(tables[:nd], ctx_lens[:nd], block_manager.block_size, self.device)
+        paged = PagedBatch(cache=self.cache, block_tables=tables, context_lens=ctx_lens,
+                           query_lens=list(batch.num_new_tokens),
+                           slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+                           backend=self.attn_backend, decode=decode)
+        ids = torch.tensor([tokens], device=self.device)
+        pos = torch.tensor([positions], device=self.device)
+        keep = torch.tensor(last, dtype=torch.long, device=self.device)
+        t1 = time.perf_counter()
+        with attention_implementation(self.model, self.attn_name):
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=False, kvlab_paged=paged,
+                             logits_to_keep=keep if last else 1)
+        t2 = time.perf_counter()
+        self.timings = {"packing": t1 - t0, "forward": t2 - t1}
+        logits = out.logits[0] if last else out.logits[0, :0]  # (R, V)
+        return logits, sample_rows

@@ -1,0 +1,58 @@
+"""What a request asks for: how many tokens, how to pick them, when to stop (notebook 04).
+
+vLLM's ``SamplingParams``, cut to what the lab teaches. Validation happens here, at
+``add_request`` time, so a bad request is refused before it touches the block pool.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+def _int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """``temperature=0`` (the default) is greedy decoding: the lab's correctness anchor.
+
+    Every request draws from its own ``torch.Generator`` seeded with ``seed`` (a fresh random seed
+    when None), so what it samples never depends on which other requests share its batch.
+    ``ignore_eos`` keeps generating past EOS (benchmarks that need exact output lengths).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default=())
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        _int("max_tokens", self.max_tokens, 1)
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        _int("top_k", self.top_k, 0)
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None:
+            _int("seed", self.seed, 0)
+        stops = self.stop_token_ids
+        if isinstance(stops, int) and not isinstance(stops, bool):
+            stops = (stops,)
+        if not isinstance(stops, (list, tuple, set, frozenset)) or \
+                any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stops):
+            raise ValueError(f"stop_token_ids must be a token id or a list of token ids (ints >= 0), got {stops!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(sorted(set(stops))))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1

@@ -1,0 +1,200 @@
+"""Who runs in the next step, and with how many tokens (notebook 04).
+
+Each step, in this order (vLLM's and nano-vllm's rules, made explicit):
+
+1. **Running decodes first.** Every running sequence that sampled a token last step needs one slot
+   for it. When the pool has no block for it, the most recently admitted running sequence is
+   **preempted by recompute**: its blocks are freed and it goes back to the FRONT of the waiting
+   queue, its generated tokens kept as part of its prompt (they are recomputed on readmission,
+   cheaply if their blocks are still in the prefix cache).
+2. **Running prefills continue**, a chunk each, under the step's token budget.
+3. **Admissions** from the front of the waiting queue while a sequence slot (``max_num_seqs``),
+   token budget (``max_num_batched_tokens``) and blocks (all of its prompt, minus prefix-cache hits,
+   keeping ``watermark`` of the pool free) allow. A prompt longer than the budget left is
+   **chunked**: the rest follows in the next steps, sharing them with the decodes.
+
+``policy="static"`` is the baseline on the same code: admit a batch of up to ``max_num_seqs`` only
+when nothing is running, then nothing until all of them finished.
+
+Every decision is appended to ``trace`` as a :class:`TraceEvent`, and the widgets and tests read it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvlab.cache.paged import BlockManager
+from kvlab.engine.sequence import Sequence, SequenceStatus
+
+POLICIES = ("continuous", "static")
+ACTIONS = ("admitted", "deferred", "chunked", "preempted", "finished")
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    step: int
+    seq_id: int
+    action: str  # one of ACTIONS
+    reason: str = ""  # "no blocks", "seq limit", "token budget", "eos", "stop", "length", "batch running", ...
+    detail: str = ""  # e.g. "cached 32 of 80 prompt tokens" or "64 of 300 tokens"
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step runs: sequences and how many new tokens each feeds (decodes: 1, listed first)."""
+
+    step: int
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    num_decodes: int = 0  # the first num_decodes entries are decodes, the rest prefill chunks
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(self.num_new_tokens) - self.num_decodes
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 policy: str = "continuous", watermark: float = 0.01):
+        for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({max_num_seqs}): every running sequence needs one token of budget per decode step")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
+            raise ValueError(f"watermark must be a fraction of the pool in [0, 1), got {watermark!r}")
+        self.bm = block_manager
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.policy = policy
+        self.watermark_blocks = int(watermark * block_manager.num_blocks)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the tail is preempted first
+        self.trace: list[TraceEvent] = []
+        self.step_count = 0
+        self.num_preemptions = 0
+
+    # ---- queues ----------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _log(self, seq: Sequence, action: str, reason: str = "", detail: str = "") -> None:
+        self.trace.append(TraceEvent(self.step_count, seq.seq_id, action, reason, detail))
+
+    # ---- the rules -------------------------------------------------------------------------------
+
+    def admission_blocker(self, seq: Sequence, budget: int, batch_open: bool = True) -> str | None:
+        """Why ``seq`` (the head of the queue) cannot be admitted now; None if it can. The admission rule.
+
+        ``budget``: tokens left in this step; ``batch_open``: for the static policy, whether no batch
+        was running when this step began.
+        """
+        if self.policy == "static":
+            if not batch_open:
+                return "batch running"
+        elif budget <= 0:
+            return "token budget"
+        if len(self.running) >= self.max_num_seqs:
+            return "seq limit"
+        needed, available = self.bm.allocation_cost(seq.token_ids)
+        reserve = self.watermark_blocks if self.running else 0  # alone, a request may use the whole pool
+        if needed > available - reserve:
+            return "no blocks"
+        return None
+
+    def preempt(self, seq: Sequence, reason: str = "no blocks", keep_cached: bool = True) -> None:
+        """Preemption by recompute: free the blocks, back to the FRONT of the queue, outputs kept."""
+        self.running.remove(seq)
+        self.bm.free(seq.seq_id, keep_cached=keep_cached)
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_computed_tokens = 0
+        seq.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self._log(seq, "preempted", reason, f"{seq.num_tokens} tokens to recompute")
+
+    def schedule(self) -> ScheduledBatch:
+        self.step_count += 1
+        budget = self.max_num_batched_tokens
+        seqs, counts = [], []
+        # 1. decodes: one slot each for the token sampled last step; preempt from the tail when dry
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            if self.bm.num_tokens(seq.seq_id) == seq.num_tokens:  # still prefilling: step 2
+                i += 1
+                continue
+            while not self.bm.can_append(seq.seq_id):
+                victim = self.running[-1]  # the most recently admitted
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                break  # it preempted itself: it was the last one
+            self.bm.append_slot(seq.seq_id, seq.token_ids[-1])
+            seqs.append(seq)
+            counts.append(1)
+            budget -= 1
+            i += 1
+        num_decodes = len(seqs)
+        decoding = {s.seq_id for s in seqs}
+        # 2. running prefills continue, a chunk each
+        for seq in self.running:
+            if seq.seq_id not in decoding:
+                budget = self._schedule_prefill(seq, budget, seqs, counts)
+        # 3. admissions from the front of the queue
+        batch_open = not self.running
+        while self.waiting:
+            seq = self.waiting[0]
+            blocker = self.admission_blocker(seq, budget, batch_open)
+            if blocker is not None:
+                self._log(seq, "deferred", blocker)
+                break
+            self.waiting.popleft()
+            cached = self.bm.allocate(seq.seq_id, seq.token_ids, register=False)
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = cached
+            seq.metrics.cached_prompt_tokens = cached
+            self.running.append(seq)
+            self._log(seq, "admitted", detail=f"cached {cached} of {seq.num_tokens} prompt tokens")
+            budget = self._schedule_prefill(seq, budget, seqs, counts)
+        return ScheduledBatch(self.step_count, seqs, counts, num_decodes)
+
+    def _schedule_prefill(self, seq: Sequence, budget: int, seqs: list, counts: list) -> int:
+        n = min(seq.num_uncomputed, budget)
+        if n <= 0:
+            self._log(seq, "deferred", "token budget", f"{seq.num_uncomputed} prompt tokens left")
+            return budget
+        if n < seq.num_uncomputed:
+            self._log(seq, "chunked", "token budget",
+                      f"tokens {seq.num_computed_tokens}..{seq.num_computed_tokens + n} of {seq.num_tokens}")
+        seqs.append(seq)
+        counts.append(n)
+        # full blocks this forward fills may be shared from now on: the forward writes every new
+        # token's K/V before any attention reads, so a request admitted in this same step can hit them
+        self.bm.mark_computed(seq.seq_id, seq.num_computed_tokens + n)
+        return budget - n
+
+    # ---- after the forward -----------------------------------------------------------------------
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Free a sequence's blocks in the step it finishes."""
+        self.bm.free(seq.seq_id)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self._log(seq, "finished", reason, f"{len(seq.output_token_ids)} tokens")
