@@ -86,16 +86,22 @@ def cmd_generate(args) -> None:
 
     model, tokenizer = load_model(args.model)
     prompts = encode_prompts(tokenizer, args.prompt)
+    if args.engine:
+        return _generate_engine(args, model, tokenizer, prompts)
     result = greedy_generate(model, prompts, args.max_tokens, cache=args.cache,
                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id or 0,
                              max_seq_len=args.max_seq_len, block_size=args.block_size, num_blocks=args.num_blocks)
-    ids = result.token_ids[0]
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    obj = {"model": args.model, "cache": args.cache, "prompt": args.prompt, "prompt_ids": prompts[0],
-           "text": text, "token_ids": ids, "prefill_s": result.prefill_s,
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in result.token_ids]
+    obj = {"model": args.model, "cache": args.cache, "prefill_s": result.prefill_s,
            "decode_tokens_per_s": result.decode_tokens_per_s, "cache_stats": result.cache_stats}
-    lines = [args.prompt + text, "",
-             f"[{len(ids)} tokens, cache={args.cache}, decode {result.decode_tokens_per_s:.1f} tok/s]"]
+    if len(prompts) == 1:
+        obj.update(prompt=args.prompt[0], prompt_ids=prompts[0], text=texts[0], token_ids=result.token_ids[0])
+    else:
+        obj["requests"] = [{"prompt": p, "prompt_ids": ids, "text": t, "token_ids": out}
+                           for p, ids, t, out in zip(args.prompt, prompts, texts, result.token_ids)]
+    lines = [p + t for p, t in zip(args.prompt, texts)]
+    lines += ["", f"[{sum(map(len, result.token_ids))} tokens, cache={args.cache}, "
+                  f"decode {result.decode_tokens_per_s:.1f} tok/s]"]
     st = result.cache_stats
     if args.cache == "static":
         lines.append(f"[static cache utilization {st['utilization']:.1%}]")
@@ -104,6 +110,48 @@ def cmd_generate(args) -> None:
             obj[key] = st[key]
         lines.append(f"[paged: {st['blocks_used']} blocks of {st['block_size']} at peak, internal fragmentation "
                      f"{st['internal_fragmentation']:.1%}, prefix hits {st['prefix_hits']}]")
+    _emit(obj, args.json, lines)
+
+
+def _generate_engine(args, model, tokenizer, prompts) -> None:
+    """``kvlab generate --engine``: the prompts served concurrently by kvlab.engine.LLM."""
+    from kvlab.engine import LLM, SamplingParams
+
+    if args.cache not in ("dynamic", "paged"):
+        raise CLIError(f"--engine serves from a paged pool; --cache {args.cache} cannot be combined with it")
+    bs = args.block_size
+    num_blocks = args.num_blocks or sum(-(-(len(p) + args.max_tokens) // bs) for p in prompts)
+    max_num_seqs = args.max_num_seqs or len(prompts)
+    llm = LLM(model, tokenizer, num_blocks=num_blocks, block_size=bs, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs),
+              attn_backend=args.attn_backend, kv_dtype=args.kv_dtype, model_name=args.model)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed)
+    outs = llm.generate(prompts, params)
+    summary = llm.summary()
+    engine = {"attn_backend": args.attn_backend, "kv_dtype": args.kv_dtype, "num_blocks": num_blocks,
+              "block_size": bs, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+              **summary}
+    cache_stats = {**llm.block_manager.stats(), "bytes_reserved": llm.cache.bytes_reserved}
+    if hasattr(llm.cache, "saturation"):
+        cache_stats.update(llm.cache.stats())
+    reqs = [{"prompt": p, "prompt_ids": o.prompt_token_ids, "text": o.text, "token_ids": o.token_ids,
+             "finish_reason": o.finish_reason, "metrics": o.metrics} for p, o in zip(args.prompt, outs)]
+    obj = {"model": args.model, "cache": "paged", "engine": engine, "cache_stats": cache_stats,
+           "decode_tokens_per_s": summary["output_tok_s"]}
+    if len(reqs) == 1:
+        obj.update(reqs[0])
+    else:
+        obj["requests"] = reqs
+    lines = []
+    for r in reqs:
+        m = r["metrics"]
+        lines.append(f"{r['prompt']}{r['text']}")
+        lines.append(f"  [{m['output_tokens']} tokens, {r['finish_reason']}, TTFT {m['ttft_s'] * 1e3:.0f} ms, "
+                     f"TPOT {(m['tpot_s'] or 0) * 1e3:.0f} ms, preemptions {m['preemptions']}]")
+    lines.append(f"[engine: {len(reqs)} request(s), {summary['steps']} steps, {summary['output_tok_s']:.1f} output "
+                 f"tok/s, backend {args.attn_backend}, KV {args.kv_dtype}, scheduler {summary['scheduler_share']:.1%} "
+                 f"of step time]")
     _emit(obj, args.json, lines)
 
 
@@ -145,6 +193,8 @@ def cmd_bench(args) -> None:
             lines.append(f"{name:<36}{c['bytes_per_token'] / fp16:>6.0%}{c['ppl']:>9.3f}{c['delta_ppl_pct']:>+8.2f}%"
                          f"{c['kl']:>9.4f}{c['top1']:>8.1%}{c['k_clip_rate']:>9.1e}{c['v_clip_rate']:>9.1e}")
         _emit(res, args.json, lines)
+    elif args.what == "engine":
+        _bench_engine(args)
     else:  # memory: the PagedAttention Fig. 2 breakdown on a synthetic workload, no model
         from kvlab.cache import simulate
 
@@ -157,6 +207,40 @@ def cmd_bench(args) -> None:
                   f"{r['internal_fragmentation']:>15.1%}" for r in rows]
         lines += ["block size sweep: " + ", ".join(f"{r['block_size']}: {r['internal_fragmentation']:.1%}" for r in sweep)]
         _emit({"policies": rows, "block_size_sweep": sweep}, args.json, lines)
+
+
+def _bench_engine(args) -> None:
+    from kvlab.engine.bench import SYSTEMS, bench_engine, make_workload
+    from kvlab.models import load_model
+
+    model, tokenizer = load_model(args.model)
+    wl = make_workload(tokenizer, args.num_requests, args.workload, scale=args.scale, seed=args.seed,
+                       arrival=args.arrival, rate=args.rate, shared_prefix=not args.no_shared_prefix)
+    systems = tuple(args.systems or SYSTEMS)
+    res = bench_engine(model, tokenizer, wl, max_num_seqs=args.max_num_seqs, systems=systems,
+                       progress=not args.json, block_size=args.block_size,
+                       max_num_batched_tokens=args.max_num_batched_tokens, attn_backend=args.attn_backend)
+    w = res["workload"]
+    lines = [f"{w['requests']} requests ({w['shape']} x {w['scale']}, arrival {w['arrival']}): prompts "
+             f"{w['prompt_tokens_mean']:.0f} tokens on average (shared prefix {w['shared_prefix_tokens']}), outputs "
+             f"{w['output_tokens_mean']:.0f} on average, {w['output_tokens_max']} at most; max_num_seqs "
+             f"{res['max_num_seqs']}, {res['threads']} threads, {res['device']}",
+             f"{'system':<20}{'out tok/s':>10}{'x kvlab':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
+             f"{'TPOT p99':>10}"]
+    for name, r in res["systems"].items():
+        lines.append(f"{name:<20}{r['output_tok_s']:>10.1f}{r.get('throughput_vs_kvlab', float('nan')):>8.2f}x"
+                     f"{r['ttft_p50_s']:>9.2f}s{r['ttft_p99_s']:>9.2f}s{r['tpot_p50_s'] * 1e3:>8.0f}ms"
+                     f"{r['tpot_p99_s'] * 1e3:>8.0f}ms")
+    if "kvlab_continuous" in res["systems"]:
+        c = res["systems"]["kvlab_continuous"]
+        lines.append(f"kvlab continuous step time: scheduler + block manager {c['scheduler_share']:.1%}, packing "
+                     f"{c['packing_share']:.1%}, model forward {c['forward_share']:.1%}, sampling "
+                     f"{c['sample_share']:.1%}; scheduler share in steps at max_num_seqs running: "
+                     f"{c['scheduler_share_at_max_num_seqs']:.1%}")
+    if "hf_generate" in res["systems"]:
+        lines.append(f"hf_generate computed {res['systems']['hf_generate']['generated_tokens']} tokens, "
+                     f"{res['systems']['hf_generate']['useful_share']:.0%} of them useful (padded batches)")
+    _emit(res, args.json, lines)
 
 
 def _quant_config(args):
@@ -255,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("generate", help="greedy generation through a chosen KV cache")
     s.add_argument("--model", default="smollm2-135m")
     s.add_argument("--cache", default="dynamic", choices=CACHE_KINDS)
-    s.add_argument("--prompt", required=True)
+    s.add_argument("--prompt", required=True, action="append",
+                   help="a prompt; give it several times to serve several prompts (concurrently with --engine)")
     s.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=32)
     s.add_argument("--max-seq-len", type=_positive_int("--max-seq-len"), default=None,
                    help="static cache slots per sequence (default: prompt + max tokens)")
@@ -263,10 +348,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="paged cache: tokens per block, a power of two 1..256")
     s.add_argument("--num-blocks", type=_positive_int("--num-blocks"), default=None,
                    help="paged cache: blocks in the pool (default: enough for prompt + max tokens)")
+    s.add_argument("--engine", action="store_true", help="serve through kvlab.engine.LLM (continuous batching)")
+    s.add_argument("--attn-backend", default="torch", choices=["reference", "torch"], help="engine: attention path")
+    s.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "fp16", "int8", "fp8", "int4", "k8v4"],
+                   help="engine: storage of the block pool (quantized ones use the cached default calibration)")
+    s.add_argument("--max-num-seqs", type=_positive_int("--max-num-seqs"), default=None,
+                   help="engine: requests running at once (default: all prompts)")
+    s.add_argument("--max-num-batched-tokens", type=_positive_int("--max-num-batched-tokens"), default=512,
+                   help="engine: tokens per step (decodes + prefill chunks)")
+    s.add_argument("--temperature", type=float, default=0.0, help="engine: 0 = greedy")
+    s.add_argument("--top-p", type=float, default=1.0, help="engine: nucleus sampling")
+    s.add_argument("--seed", type=int, default=None, help="engine: sampling seed")
     s.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("bench", help="measurements: recompute vs cache, static vs paged, memory breakdown, quant formats")
-    s.add_argument("what", choices=["recompute", "static", "memory", "quant"])
+    s.add_argument("what", choices=["recompute", "static", "memory", "quant", "engine"])
     s.add_argument("--model", default="smollm2-135m")
     s.add_argument("--prompt-lens", type=_positive_int("--prompt-lens"), nargs="+", default=[16, 128, 512])
     s.add_argument("--new-tokens", type=_positive_int("--new-tokens"), default=None)
@@ -277,6 +373,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokens", type=_positive_int("--tokens"), default=1024, help="quant: held-out tokens scored")
     s.add_argument("--chunk", type=_positive_int("--chunk"), default=32, help="quant: tokens per forward")
     s.add_argument("--no-mixed", action="store_true", help="quant: skip the mixed-precision search")
+    s.add_argument("--num-requests", type=_positive_int("--num-requests"), default=32, help="engine: requests")
+    s.add_argument("--arrival", default="all", choices=["all", "poisson"], help="engine: all at once or Poisson")
+    s.add_argument("--rate", type=float, default=4.0, help="engine: Poisson arrival rate (requests/s)")
+    s.add_argument("--max-num-seqs", type=_positive_int("--max-num-seqs"), default=32,
+                   help="engine: running at once (and HF generate()'s batch size)")
+    s.add_argument("--max-num-batched-tokens", type=_positive_int("--max-num-batched-tokens"), default=512)
+    s.add_argument("--scale", type=float, default=0.25, help="engine: lengths x scale (ShareGPT means 161/338)")
+    s.add_argument("--attn-backend", default="torch", choices=["reference", "torch"])
+    s.add_argument("--systems", nargs="+", default=None,
+                   choices=["kvlab_continuous", "kvlab_static", "hf_generate", "hf_generate_batch"])
+    s.add_argument("--no-shared-prefix", action="store_true", help="engine: no shared system prompt")
     s.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("calibrate", help="collect K/V abs-max and percentiles per layer x head; save scales")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvlab.attention import DecodeIndex, batched_decode_attention, paged_attention
-from kvlab.cache import BlockManager, PagedKVCache
+from kvlab.cache import BlockManager
 from kvlab.engine import LLM, SamplingParams, Scheduler, Sequence
 from kvlab.generate import hf_generate, paged_generate
 

@@ -94,6 +94,7 @@ class LLM:
         self.seqs: dict[int, Sequence] = {}
         self.step_stats: list[StepStats] = []
         self.on_scheduled = None  # optional callback(ScheduledBatch), run between scheduling and the forward
+        self.on_step = None  # optional callback(StepStats), run when a step is done (widgets redraw)
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -202,6 +203,8 @@ class LLM:
             preempted=sched.num_preemptions - preempted_before, finished=finished,
             schedule_s=(t1 - t0) + (t4 - t3), packing_s=self.runner.timings["packing"],
             forward_s=self.runner.timings["forward"], sample_s=t3 - t2))
+        if self.on_step is not None:
+            self.on_step(self.step_stats[-1])
         return outputs
 
     def _output(self, seq: Sequence) -> RequestOutput:

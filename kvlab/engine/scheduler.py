@@ -61,9 +61,27 @@ class ScheduledBatch:
         return len(self.seqs)
 
 
+def admission_rule(num_running: int, max_num_seqs: int, budget_left: int, blocks_needed: int, blocks_free: int,
+                   watermark_blocks: int) -> str | None:
+    """The admission rule: the reason the head of the waiting queue must wait, or None to admit it.
+
+    ``blocks_needed`` already excludes the prompt's prefix-cache hits; ``blocks_free`` counts free and
+    evictable blocks. The watermark keeps a few blocks free for the running requests' next tokens,
+    but a request that would run alone may use the whole pool (or it could never run).
+    """
+    if budget_left <= 0:
+        return "token budget"
+    if num_running >= max_num_seqs:
+        return "seq limit"
+    reserve = watermark_blocks if num_running else 0
+    if blocks_needed > blocks_free - reserve:
+        return "no blocks"
+    return None
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 policy: str = "continuous", watermark: float = 0.01):
+                 policy: str = "continuous", watermark: float = 0.01, admission_rule=admission_rule):
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -75,6 +93,7 @@ class Scheduler:
         if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
             raise ValueError(f"watermark must be a fraction of the pool in [0, 1), got {watermark!r}")
         self.bm = block_manager
+        self.admission_rule = admission_rule  # swappable: notebook 04's exercise plugs in the learner's
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.policy = policy
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
@@ -98,23 +117,19 @@ class Scheduler:
     # ---- the rules -------------------------------------------------------------------------------
 
     def admission_blocker(self, seq: Sequence, budget: int, batch_open: bool = True) -> str | None:
-        """Why ``seq`` (the head of the queue) cannot be admitted now; None if it can. The admission rule.
+        """Why ``seq`` (the head of the queue) cannot be admitted now; None if it can.
 
         ``budget``: tokens left in this step; ``batch_open``: for the static policy, whether no batch
-        was running when this step began.
+        was running when this step began (a static batch ignores the token budget: its prompts are
+        prefilled in chunks over the next steps).
         """
         if self.policy == "static":
             if not batch_open:
                 return "batch running"
-        elif budget <= 0:
-            return "token budget"
-        if len(self.running) >= self.max_num_seqs:
-            return "seq limit"
+            budget = self.max_num_batched_tokens
         needed, available = self.bm.allocation_cost(seq.token_ids)
-        reserve = self.watermark_blocks if self.running else 0  # alone, a request may use the whole pool
-        if needed > available - reserve:
-            return "no blocks"
-        return None
+        return self.admission_rule(len(self.running), self.max_num_seqs, budget, needed, available,
+                                   self.watermark_blocks)
 
     def preempt(self, seq: Sequence, reason: str = "no blocks", keep_cached: bool = True) -> None:
         """Preemption by recompute: free the blocks, back to the FRONT of the queue, outputs kept."""

@@ -16,6 +16,11 @@ PALETTE = ["#2e86c1", "#28b463", "#af7ac5", "#e67e22", "#16a085", "#d4ac0d", "#c
 FREE, CACHED, SHARED = "#ffffff", "#d5d8dc", "#1b2631"
 
 
+def seq_color(seq_id: int) -> str:
+    """A sequence keeps its colour from frame to frame (and across widgets)."""
+    return PALETTE[seq_id % len(PALETTE)]
+
+
 def snapshot(bm, note: str = "") -> dict:
     """A plain-data picture of the pool: per block its state, owners, refcount and fill."""
     owners: dict[int, list[int]] = {}
@@ -49,7 +54,6 @@ class Trace:
 def _grid(frame: dict, columns: int):
     rows = -(-len(frame["blocks"]) // columns)
     z, text, colors = [], [], {}
-    seq_ids = sorted({o for b in frame["blocks"] for o in b["owners"]})
     for r in range(rows):
         zr, tr = [], []
         for c in range(columns):
@@ -66,7 +70,7 @@ def _grid(frame: dict, columns: int):
             elif b["ref"] > 1:
                 key, label = SHARED, f"#{b['id']}<br>ref {b['ref']}"
             else:
-                key = PALETTE[seq_ids.index(b["owners"][0]) % len(PALETTE)]
+                key = seq_color(b["owners"][0])
                 label = f"#{b['id']}<br>seq {b['owners'][0]}"
             if b["state"] != "free":
                 label += f"<br>{b['fill']}/{frame['block_size']}"

@@ -1,0 +1,256 @@
+"""``kvlab bench engine``: the engine against Hugging Face, side by side in ONE process (notebook 04).
+
+One workload (prompt and output lengths from the ShareGPT- or Alpaca-like shapes of
+:mod:`kvlab.cache.simulate`, heavy-tailed, scaled down for a CPU; real text; an optional shared
+system prompt; all at once or Poisson arrivals) is served by four systems on the same model:
+
+* ``kvlab_continuous``: :class:`~kvlab.engine.LLM` (continuous batching, torch backend);
+* ``kvlab_static``: the same engine with ``policy="static"``;
+* ``hf_generate``: HF ``generate()`` on left-padded batches of ``max_num_seqs`` requests in arrival
+  order, ``max_new_tokens`` = the batch's longest; each request's useful tokens counted, its
+  tokens timed as they stream out (a streamer), so HF is not charged for waiting on its batch;
+* ``hf_generate_batch``: HF's own continuous batching (``generate_batch``'s manager, per-request
+  ``max_new_tokens``).
+
+Every request asks for exactly its output length (EOS ignored). Ratios are taken against
+``kvlab_continuous`` from the same run.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.engine.metrics import percentile
+
+SYSTEMS = ("kvlab_continuous", "kvlab_static", "hf_generate", "hf_generate_batch")
+SYSTEM_PROMPT = ("You are a helpful assistant in a literature class. Answer questions about the passage the "
+                 "student quotes, briefly and precisely, in plain English.")
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+    arrivals: list[float]  # seconds after the start
+    meta: dict = field(default_factory=dict)
+
+
+def make_workload(tokenizer, n: int = 32, shape: str = "sharegpt", scale: float = 0.25, seed: int = 0,
+                  arrival: str = "all", rate: float = 4.0, shared_prefix: bool = True,
+                  max_len: int = 1024) -> Workload:
+    """``n`` requests: lengths drawn from ``shape`` (means x ``scale``), text slices of Hamlet after
+    a shared system prompt, arrivals all at 0 or Poisson at ``rate`` requests/s."""
+    from kvlab.cache.simulate import workload
+    from kvlab.data import play_text
+
+    if arrival not in ("all", "poisson"):
+        raise ValueError(f"arrival must be 'all' or 'poisson', got {arrival!r}")
+    if not 0 < scale <= 1:
+        raise ValueError(f"scale must be in (0, 1], got {scale!r}")
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0 requests/s, got {rate!r}")
+    reqs = workload(shape, n, seed=seed, max_seq_len=max_len)
+    text = tokenizer.encode(play_text("hamlet"))
+    prefix = tokenizer.encode(SYSTEM_PROMPT) if shared_prefix else []
+    rng = random.Random(seed)
+    prompts, outs = [], []
+    for r in reqs:
+        p = max(4, round(r.prompt_len * scale))
+        start = rng.randrange(len(text) - p)
+        prompts.append(prefix + text[start:start + p])
+        outs.append(max(1, round(r.output_len * scale)))
+    t, arrivals = 0.0, []
+    for _ in reqs:
+        arrivals.append(t if arrival == "poisson" else 0.0)
+        t += rng.expovariate(rate)
+    meta = {"requests": n, "shape": shape, "scale": scale, "seed": seed, "arrival": arrival,
+            "rate": rate if arrival == "poisson" else None, "shared_prefix_tokens": len(prefix),
+            "prompt_tokens_mean": sum(map(len, prompts)) / n, "output_tokens_mean": sum(outs) / n,
+            "output_tokens_max": max(outs), "output_tokens_total": sum(outs)}
+    return Workload(prompts, outs, arrivals, meta)
+
+
+def _row(reqs: list[dict], wall: float, **extra) -> dict:
+    """reqs: per request arrival, first_token, finish (perf_counter s) and output_tokens."""
+    ttft = [r["first_token"] - r["arrival"] for r in reqs]
+    tpot = [(r["finish"] - r["first_token"]) / (r["output_tokens"] - 1) for r in reqs if r["output_tokens"] > 1]
+    e2e = [r["finish"] - r["arrival"] for r in reqs]
+    tokens = sum(r["output_tokens"] for r in reqs)
+    return {"output_tok_s": tokens / wall, "output_tokens": tokens, "wall_s": wall,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+            "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99), **extra}
+
+
+def _wait_until(t: float) -> None:
+    delay = t - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def run_kvlab(model, tokenizer, wl: Workload, policy: str = "continuous", max_num_seqs: int = 32,
+              num_blocks: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 512,
+              attn_backend: str = "torch", kv_dtype: str = "auto", progress=None) -> tuple[dict, object]:
+    from kvlab.engine import LLM, SamplingParams
+
+    if num_blocks is None:  # room for the max_num_seqs longest requests at once: no preemption by default
+        need = sorted((-(-(len(p) + o) // block_size) for p, o in zip(wl.prompts, wl.output_lens)), reverse=True)
+        num_blocks = sum(need[:max_num_seqs])
+    llm = LLM(model, tokenizer, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs), policy=policy,
+              attn_backend=attn_backend, kv_dtype=kv_dtype)
+    order = sorted(range(len(wl.prompts)), key=lambda i: wl.arrivals[i])
+    t0, ids = time.perf_counter(), {}
+    while order or llm.has_unfinished():
+        while order and t0 + wl.arrivals[order[0]] <= time.perf_counter():
+            i = order.pop(0)
+            ids[i] = llm.add_request(wl.prompts[i], SamplingParams(max_tokens=wl.output_lens[i], ignore_eos=True),
+                                     arrival=t0 + wl.arrivals[i])
+        if llm.has_unfinished():
+            done = sum(o.finished for o in llm.step())
+            if progress is not None:
+                progress.update(done)
+        elif order:
+            _wait_until(t0 + wl.arrivals[order[0]])
+    s = llm.summary(list(ids.values()))
+    full = [st for st in llm.step_stats if st.running >= max_num_seqs]
+    share_full = (sum(st.schedule_s for st in full) / sum(st.total_s for st in full)) if full else float("nan")
+    reqs = [{"arrival": llm.seqs[ids[i]].metrics.arrival, "first_token": llm.seqs[ids[i]].metrics.first_token,
+             "finish": llm.seqs[ids[i]].metrics.finished, "output_tokens": len(llm.seqs[ids[i]].output_token_ids)}
+            for i in sorted(ids)]
+    row = _row(reqs, s["wall_s"], steps=s["steps"], preemptions=s["preemptions"],
+               scheduler_share=s["scheduler_share"], packing_share=s["packing_share"],
+               forward_share=s["forward_share"], sample_share=s["sample_share"],
+               scheduler_share_at_max_num_seqs=share_full, num_blocks=num_blocks)
+    return row, llm
+
+
+class _StepClock:
+    """An HF streamer that only notes when each generation step's tokens come out."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value):
+        if self._prompt_seen:
+            self.times.append(time.perf_counter())
+        self._prompt_seen = True
+
+    def end(self):
+        pass
+
+
+@torch.inference_mode()
+def run_hf_generate(model, tokenizer, wl: Workload, max_num_seqs: int = 32, progress=None) -> dict:
+    from kvlab.generate import left_pad
+
+    pad = getattr(tokenizer, "pad_token_id", None) or 0
+    device = next(model.parameters()).device
+    order = sorted(range(len(wl.prompts)), key=lambda i: wl.arrivals[i])
+    t0, reqs, computed = time.perf_counter(), [], 0
+    while order:
+        _wait_until(t0 + wl.arrivals[order[0]])
+        now = time.perf_counter()
+        batch = [i for i in order if t0 + wl.arrivals[i] <= now][:max_num_seqs]
+        order = [i for i in order if i not in batch]
+        ids, mask = left_pad([wl.prompts[i] for i in batch], pad)
+        longest = max(wl.output_lens[i] for i in batch)
+        clock = _StepClock()
+        model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest,
+                       min_new_tokens=longest, do_sample=False, pad_token_id=pad, streamer=clock,
+                       temperature=None, top_p=None, top_k=None)
+        computed += longest * len(batch)
+        for i in batch:
+            o = wl.output_lens[i]
+            reqs.append({"arrival": t0 + wl.arrivals[i], "first_token": clock.times[0], "finish": clock.times[o - 1],
+                         "output_tokens": o})
+        if progress is not None:
+            progress.update(len(batch))
+    wall = max(r["finish"] for r in reqs) - t0
+    useful = sum(r["output_tokens"] for r in reqs)
+    return _row(reqs, wall, generated_tokens=computed, useful_share=useful / computed)
+
+
+@torch.inference_mode()
+def run_hf_generate_batch(model, wl: Workload, max_num_batched_tokens: int | None = None, progress=None) -> dict:
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(max_new_tokens=max(wl.output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0)
+    order = sorted(range(len(wl.prompts)), key=lambda i: wl.arrivals[i])
+    with model.continuous_batching_context_manager(generation_config=gc, block=True, timeout=30) as manager:
+        t0, results, arrivals = time.perf_counter(), {}, {}
+        while len(results) < len(wl.prompts):
+            while order and t0 + wl.arrivals[order[0]] <= time.perf_counter():
+                i = order.pop(0)
+                arrivals[f"r{i}"] = t0 + wl.arrivals[i]
+                manager.add_request(wl.prompts[i], request_id=f"r{i}", max_new_tokens=wl.output_lens[i],
+                                    record_timestamps=True, eos_token_id=-1)
+            r = manager.get_result(timeout=0.05)
+            if r is not None and r.is_finished():
+                if r.error is not None:
+                    raise RuntimeError(f"HF generate_batch failed on {r.request_id}: {r.error}")
+                results[r.request_id] = r
+                if progress is not None:
+                    progress.update(1)
+            elif r is None and not manager.is_running():
+                raise RuntimeError("HF generate_batch's generation thread stopped")
+    reqs = [{"arrival": arrivals[k], "first_token": r.timestamps[0], "finish": r.timestamps[-1],
+             "output_tokens": len(r.generated_tokens)} for k, r in results.items()]
+    return _row(reqs, max(r["finish"] for r in reqs) - t0)
+
+
+def _warm_up(model, tokenizer, wl: Workload, systems) -> None:
+    """One tiny run of each system first, so no system pays for first-call set-up in the timing."""
+    small = Workload(wl.prompts[:2], [2, 2], [0.0, 0.0])
+    for name in systems:
+        if name.startswith("kvlab"):
+            run_kvlab(model, tokenizer, small, policy=name.removeprefix("kvlab_"), max_num_seqs=2)
+        elif name == "hf_generate":
+            run_hf_generate(model, tokenizer, small, 2)
+        else:
+            run_hf_generate_batch(model, small)
+
+
+def bench_engine(model, tokenizer, wl: Workload, max_num_seqs: int = 32, systems=SYSTEMS, progress: bool = True,
+                 **engine_kw) -> dict:
+    """Serve ``wl`` with each of ``systems`` in turn; the JSON of ``kvlab bench engine``."""
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown or not systems:
+        raise ValueError(f"systems must be a non-empty subset of {SYSTEMS}, got {sorted(unknown)}")
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(wl.prompts) * len(systems), desc="bench engine", unit="req", file=sys.stderr)
+    _warm_up(model, tokenizer, wl, systems)
+    out: dict = {}
+    for name in systems:
+        if bar is not None:
+            bar.set_postfix_str(name)
+        if name.startswith("kvlab"):
+            out[name], _ = run_kvlab(model, tokenizer, wl, policy=name.removeprefix("kvlab_"),
+                                     max_num_seqs=max_num_seqs, progress=bar, **engine_kw)
+        elif name == "hf_generate":
+            out[name] = run_hf_generate(model, tokenizer, wl, max_num_seqs, progress=bar)
+        else:
+            out[name] = run_hf_generate_batch(model, wl, progress=bar)
+    if bar is not None:
+        bar.close()
+    base = out.get("kvlab_continuous")
+    for row in out.values():
+        if base is not None:
+            row["throughput_vs_kvlab"] = row["output_tok_s"] / base["output_tok_s"]
+            row["ttft_p50_vs_kvlab"] = row["ttft_p50_s"] / base["ttft_p50_s"]
+            row["tpot_p50_vs_kvlab"] = row["tpot_p50_s"] / base["tpot_p50_s"]
+    res = {"systems": out, "workload": wl.meta, "max_num_seqs": max_num_seqs,
+           "threads": torch.get_num_threads(), "device": str(next(model.parameters()).device)}
+    if base is not None:
+        res["scheduler_overhead_share"] = base["scheduler_share"]
+        res["scheduler_overhead_share_at_max_num_seqs"] = base["scheduler_share_at_max_num_seqs"]
+    return res

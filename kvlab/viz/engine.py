@@ -1,0 +1,352 @@
+"""The serving engine, made visible (notebook 04): who waits, who runs, with how many tokens, and
+what that costs in blocks and milliseconds, step by step, so the scheduler's rules can be watched
+instead of believed.
+
+Only reads the engine: :class:`EngineRecorder` copies plain-data frames off ``LLM.on_scheduled``;
+the timeline and the step-time chart read ``llm.trace``, ``llm.seqs`` and ``llm.step_stats``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import html
+import warnings
+
+import plotly.graph_objects as go
+
+from kvlab.viz import COLORS
+from kvlab.viz.paged import PALETTE, SHARED, _grid, block_table_figure, seq_color, snapshot
+
+STATES = ("queued", "prefill", "decode", "preempted")  # a request's state in one step, for the timeline
+STATE_COLORS = {"queued": COLORS["empty"], "prefill": PALETTE[0], "decode": COLORS["tokens"],
+                "preempted": COLORS["kv"]}
+ACTION_COLORS = {"admitted": COLORS["tokens"], "chunked": PALETTE[0], "preempted": COLORS["kv"],
+                 "finished": COLORS["weights"], "deferred": COLORS["padding"]}
+PART_COLORS = {"schedule_s": COLORS["padding"], "packing_s": PALETTE[2], "forward_s": PALETTE[0],
+               "sample_s": COLORS["tokens"]}
+
+
+# ---- recording ------------------------------------------------------------------------------------
+
+
+class EngineRecorder:
+    """Plain-data frames of an :class:`~kvlab.engine.LLM`, one per step, as its forward sees them.
+
+    Attaches to ``llm.on_scheduled`` (chaining any callback already there). A frame holds the step,
+    the pool (:func:`kvlab.viz.paged.snapshot`, without the per-sequence tables), the waiting /
+    running / finished seq ids, the scheduled seqs with their new tokens, and the step's trace
+    events (its ``finished`` events, logged after the forward, join it through ``llm.on_step``).
+    ``listeners`` are called with
+    ``(frame index, is_new)`` whenever a frame is added or gains events.
+    """
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.frames: list[dict] = []
+        self.listeners: list = []
+        self._steps: list[int] = []  # frames[i]["step"], for lookups by step
+        self._by_step: dict[int, int] = {}  # step -> index of the frame its events belong to
+        self._seen = len(llm.trace)  # events logged before attaching belong to no frame
+        self._previous, self._previous_step = llm.on_scheduled, llm.on_step
+        llm.on_scheduled, llm.on_step = self._on_scheduled, self._on_step
+
+    def detach(self) -> None:
+        """Stop recording; the frames stay."""
+        if self.llm.on_scheduled == self._on_scheduled:
+            self.llm.on_scheduled = self._previous
+        if self.llm.on_step == self._on_step:
+            self.llm.on_step = self._previous_step
+
+    def _on_step(self, stats) -> None:  # the step's finished events join its frame at once
+        if self._previous_step is not None:
+            self._previous_step(stats)
+        try:
+            self.sync()
+        except Exception as e:  # noqa: BLE001
+            warnings.warn(f"EngineRecorder: step {stats.step} not synced: {e!r}", stacklevel=2)
+
+    def _on_scheduled(self, batch) -> None:
+        if self._previous is not None:
+            self._previous(batch)
+        try:  # a drawing bug must never break a step: the engine is on the correctness path, we are not
+            self.capture(batch)
+        except Exception as e:  # noqa: BLE001
+            warnings.warn(f"EngineRecorder: step {batch.step} not recorded: {e!r}", stacklevel=2)
+
+    def capture(self, batch=None) -> dict:
+        """Record one frame: of ``batch`` (a ``ScheduledBatch``), or with none, of the engine between steps."""
+        llm, sched = self.llm, self.llm.scheduler
+        step = batch.step if batch is not None else sched.step_count
+        note = f"step {step}" if batch is not None else f"before step {step + 1}"
+        pool = snapshot(llm.block_manager, note)
+        del pool["tables"], pool["lengths"]  # the grid draws blocks only
+        scheduled = []
+        if batch is not None:
+            for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+                # start / total in tokens: this step feeds tokens start..start+n of total
+                kind = "decode" if i < batch.num_decodes else "prefill"  # decodes come first
+                scheduled.append(dict(seq_id=seq.seq_id, tokens=n, kind=kind, start=seq.num_computed_tokens,
+                                      total=seq.num_tokens))
+        frame = dict(step=step, batch=batch is not None, pool=pool, scheduled=scheduled,
+                     budget=sched.max_num_batched_tokens,  # tokens per step
+                     waiting=[s.seq_id for s in sched.waiting],
+                     requeued=[s.seq_id for s in sched.waiting if s.status.value == "preempted"],
+                     running=[s.seq_id for s in sched.running],
+                     finished=sorted(sid for sid, s in llm.seqs.items() if s.is_finished), events=[])
+        self.frames.append(frame)
+        self._steps.append(step)
+        index = len(self.frames) - 1
+        if batch is not None:
+            self._by_step[step] = index
+        for i in sorted(self._sync() - {index}):
+            self._notify(i, False)
+        self._notify(index, True)
+        return frame
+
+    def _sync(self) -> set[int]:
+        trace = self.llm.trace
+        changed = set()
+        for ev in trace[self._seen:]:
+            i = self._by_step.get(ev.step)
+            if i is not None:
+                self.frames[i]["events"].append(dict(seq_id=ev.seq_id, action=ev.action, reason=ev.reason,
+                                                     detail=ev.detail))
+                changed.add(i)
+        self._seen = len(trace)
+        return changed
+
+    def sync(self) -> None:
+        """Move trace events logged since the last frame (a last step's ``finished``) into their frames."""
+        for i in sorted(self._sync()):
+            self._notify(i, False)
+
+    def _notify(self, index: int, new: bool) -> None:
+        for fn in list(self.listeners):
+            try:
+                fn(index, new)
+            except Exception as e:  # noqa: BLE001
+                warnings.warn(f"EngineRecorder listener failed: {e!r}", stacklevel=2)
+
+    def frame_at(self, step: int) -> dict:
+        """The frame of ``step``, or the last one before it."""
+        return self.frames[max(bisect.bisect_right(self._steps, step) - 1, 0)]
+
+
+# ---- the scheduler widget -------------------------------------------------------------------------
+
+
+def _seq_colors(pool: dict) -> dict[int, str]:
+    """The colour ``paged._grid`` gives each block owner: chips match their blocks."""
+    return {sid: seq_color(sid) for sid in {o for b in pool["blocks"] for o in b["owners"]}}
+
+
+def _chip(label: str, color: str | None, title: str = "", outline: str | None = None) -> str:
+    bg, fg = (color, "#ffffff") if color else ("#ffffff", "#1b2631")
+    border = outline or (color if color else COLORS["weights"])
+    return (f'<span title="{html.escape(title)}" style="display:inline-block;margin:1px;padding:0 5px;'
+            f"border:2px solid {border};border-radius:8px;background:{bg};color:{fg};font:12px monospace\">"
+            f"{html.escape(label)}</span>")
+
+
+def _frame_html(frame: dict) -> str:
+    colors = _seq_colors(frame["pool"])
+    sched = {s["seq_id"]: s for s in frame["scheduled"]}
+    prefill = sum(s["tokens"] for s in frame["scheduled"] if s["kind"] == "prefill")  # tokens
+    decode = sum(s["tokens"] for s in frame["scheduled"] if s["kind"] == "decode")  # tokens
+    if frame["batch"]:
+        head = (f"<b>step {frame['step']}</b>: {len(sched)} sequences in the forward, <b>{prefill}</b> prefill + "
+                f"<b>{decode}</b> decode = {prefill + decode} of {frame['budget']} tokens")
+    else:
+        head = f"<b>{html.escape(frame['pool']['note'])}</b>: nothing scheduled yet"
+    requeued = set(frame["requeued"])
+    waiting = "".join(
+        _chip(f"{sid}↺" if sid in requeued else str(sid), None,
+              f"seq {sid}: preempted, recomputes on readmission" if sid in requeued else f"seq {sid}: queued",
+              COLORS["kv"] if sid in requeued else None) for sid in frame["waiting"])
+    running = []
+    for sid in frame["running"]:
+        s = sched.get(sid)
+        if s is None:
+            label, title = f"{sid} –", f"seq {sid}: holds blocks, no tokens this step"
+        elif s["kind"] == "decode":
+            label, title = f"{sid} d", f"seq {sid}: decode, one token; {s['total']} tokens with it"
+        else:
+            label = f"{sid} p{s['tokens']}"
+            title = f"seq {sid}: prefill tokens {s['start']}..{s['start'] + s['tokens']} of {s['total']}"
+        running.append(_chip(label, colors.get(sid, COLORS["weights"]), title))
+    finished = "".join(_chip(str(sid), None, f"seq {sid}: finished", COLORS["empty"]) for sid in frame["finished"])
+    none = '<span style="color:#7f8c8d">none</span>'
+    rows = "".join(
+        f'<tr><td style="padding-right:8px;text-align:left">{name} ({n})</td><td style="text-align:left">'
+        f"{chips or none}</td></tr>"
+        for name, n, chips in (("waiting", len(frame["waiting"]), waiting),
+                               ("running", len(frame["running"]), "".join(running)),
+                               ("finished", len(frame["finished"]), finished)))
+    events = "".join(
+        f'<li><span style="color:{ACTION_COLORS.get(e["action"], COLORS["weights"])};font-weight:bold">'
+        f"{e['action']}</span> seq {e['seq_id']}"
+        + (f" — {html.escape(e['reason'])}" if e["reason"] else "")
+        + (f" <span style=\"color:#7f8c8d\">({html.escape(e['detail'])})</span>" if e["detail"] else "") + "</li>"
+        for e in frame["events"])
+    s = frame["pool"]["stats"]
+    pool = (f"blocks used {s['blocks_used']} · free {s['blocks_free']} · cached {s['blocks_cached']} · "
+            f"shared {s['blocks_shared']} · internal fragmentation {s['internal_fragmentation']:.0%}")
+    return (f"{head}<table>{rows}</table>"
+            f"<small>p<i>n</i> = <i>n</i> prefill tokens, d = one decode token, – = waits for token budget, "
+            f"↺ = preempted</small><br>{pool}"
+            f"<br>events (finished ones join after the forward):"
+            f"<ul style=\"margin:0\">{events or '<li>none</li>'}</ul>")
+
+
+def scheduler_widget(recorder: EngineRecorder, columns: int = 16):
+    """Step (or play) through a recorded run: queues, this step's tokens and events, and the block pool.
+
+    Follows the recorder: frames added later (a run in progress) extend the slider and move it to the
+    newest step. With no frames yet, records the engine as it is now.
+    """
+    import ipywidgets as W
+
+    if not recorder.frames:
+        recorder.capture()
+    recorder.sync()
+    frames = recorder.frames
+    fig = block_table_figure(frames[-1]["pool"], columns, widget=True)
+    info = W.HTML(_frame_html(frames[-1]))
+    first, last = frames[0]["step"], frames[-1]["step"]
+    play = W.Play(min=first, max=last, value=last, interval=800, description="play")
+    step = W.IntSlider(min=first, max=last, value=last, description="step")
+    W.jslink((play, "value"), (step, "value"))
+
+    def draw(value: int):
+        frame = recorder.frame_at(value)
+        z, text, scale, n = _grid(frame["pool"], columns)
+        with fig.batch_update():
+            fig.data[0].z, fig.data[0].text = z, text
+            fig.data[0].colorscale, fig.data[0].zmax = scale, n
+        info.value = _frame_html(frame)
+
+    def follow(index: int, new: bool):
+        frame_step = recorder.frames[index]["step"]
+        if new:
+            play.max = step.max = max(step.max, frame_step)
+            if step.value == frame_step:
+                draw(frame_step)
+            step.value = frame_step  # redraws through the observer
+        elif recorder.frame_at(step.value) is recorder.frames[index]:
+            draw(step.value)
+
+    step.observe(lambda change: draw(change["new"]), names="value")
+    recorder.listeners.append(follow)
+    box = W.VBox([W.HBox([play, step]), info, fig])
+    box.recorder = recorder
+    return box
+
+
+def live_scheduler_widget(llm, columns: int = 16):
+    """:func:`scheduler_widget` that records ``llm`` from now on: display it, then run
+    ``for _ in llm.iter_steps(): ...`` and it moves to each new step. ``widget.recorder`` holds the
+    frames; call ``widget.recorder.sync()`` after the run to show the last step's ``finished`` events."""
+    return scheduler_widget(EngineRecorder(llm), columns)
+
+
+# ---- the request timeline -------------------------------------------------------------------------
+
+
+def request_states(llm, seq_ids=None) -> dict[int, list[tuple[int, str]]]:
+    """Per request, ``(step, state)`` for every step from its arrival to its end, from the trace alone.
+
+    States: queued (waiting, never run), prefill (running, prompt not all computed: a chunk this step,
+    or waiting for token budget), decode, preempted (waiting to be readmitted). The trace logs a
+    prompt's chunks but not its last one: prefill ends the first step after the last ``chunked``
+    in which the request was not ``deferred``.
+    """
+    by_seq: dict[int, dict[int, list]] = {}
+    for ev in llm.trace:
+        by_seq.setdefault(ev.seq_id, {}).setdefault(ev.step, []).append(ev)
+    out = {}
+    for sid in (sorted(llm.seqs) if seq_ids is None else seq_ids):
+        seq, events = llm.seqs[sid], by_seq.get(sid, {})
+        end = max(events) if seq.is_finished else llm.scheduler.step_count
+        phase, pending, states = "queued", False, []  # pending: prompt tokens left after this step
+        for k in range(seq.arrival_step + 1, end + 1):
+            here = events.get(k, [])
+            if phase == "prefill" and not pending:
+                phase = "decode"  # the prompt was all computed last step
+            elif phase == "prefill" and not any(e.action in ("chunked", "deferred") for e in here):
+                pending = False  # the last chunk runs now
+            for e in here:
+                if e.action == "admitted":
+                    phase, pending = "prefill", False
+                elif e.action == "chunked" or (e.action == "deferred" and phase == "prefill"):
+                    pending = True
+                elif e.action == "preempted":
+                    phase = "preempted"
+            states.append((k, phase))
+        out[sid] = states
+    return out
+
+
+def _segments(states: list[tuple[int, str]]) -> list[tuple[str, int, int]]:
+    """Runs of one state as ``(state, first step, last step)``; every prefill step is its own chunk."""
+    segs: list[list] = []
+    for k, s in states:
+        if segs and segs[-1][0] == s and s != "prefill" and segs[-1][2] == k - 1:
+            segs[-1][2] = k
+        else:
+            segs.append([s, k, k])
+    return [tuple(s) for s in segs]
+
+
+def request_timeline(llm, seq_ids=None):
+    """Gantt chart of a run in engine steps: per request, queued -> prefill chunks -> decode, and
+    preempted from preemption to readmission. One row per request, top to bottom in seq id order."""
+    states = request_states(llm, seq_ids)
+    rows = {sid: f"seq {sid}" for sid in states}
+    bars = {s: dict(y=[], x=[], base=[], text=[]) for s in STATES}
+    for sid, st in states.items():
+        seq = llm.seqs[sid]
+        for state, a, b in _segments(st):
+            bar = bars[state]
+            bar["y"].append(rows[sid])
+            bar["x"].append(b - a + 1)  # steps
+            bar["base"].append(a - 0.5)  # step k covers k-0.5 .. k+0.5
+            bar["text"].append(f"seq {sid} ({len(seq.prompt_token_ids)} prompt + {len(seq.output_token_ids)} "
+                               f"output tokens): {state}, steps {a}–{b}")
+    fig = go.Figure()
+    for state in STATES:
+        bar = bars[state]
+        # a legend entry for every state even when the run had none of it
+        fig.add_trace(go.Bar(y=bar["y"] or [None], x=bar["x"] or [None], base=bar["base"] or [None],
+                             orientation="h", name=state, marker_color=STATE_COLORS[state],
+                             marker_line=dict(color="#ffffff", width=0.5), hovertext=bar["text"] or None,
+                             hoverinfo="text"))
+    labels = list(rows.values())
+    fig.update_layout(barmode="overlay", height=140 + 22 * len(labels), margin=dict(l=10, r=10, t=50, b=40),
+                      title="Requests over engine steps", bargap=0.25,
+                      xaxis=dict(title="engine step", zeroline=False),
+                      yaxis=dict(categoryorder="array", categoryarray=labels, autorange="reversed", type="category"),
+                      legend=dict(orientation="h", y=1.02, x=0, yanchor="bottom", traceorder="normal"))
+    return fig
+
+
+# ---- step times -----------------------------------------------------------------------------------
+
+
+def step_time_figure(step_stats):
+    """Per step: schedule / packing / forward / sample time stacked (ms), and how many sequences ran."""
+    steps = [s.step for s in step_stats]
+    fig = go.Figure()
+    for part, color in PART_COLORS.items():
+        fig.add_bar(x=steps, y=[getattr(s, part) * 1e3 for s in step_stats], name=part.removesuffix("_s"),
+                    marker_color=color)
+    fig.add_scatter(x=steps, y=[s.scheduled for s in step_stats], yaxis="y2", name="sequences in the batch",
+                    mode="lines+markers", line=dict(color=SHARED, width=1.5), marker_size=4,
+                    customdata=[[s.prefill_tokens, s.decode_tokens] for s in step_stats],
+                    hovertemplate="step %{x}: %{y} sequences, %{customdata[0]} prefill + %{customdata[1]} decode "
+                                  "tokens<extra></extra>")
+    fig.update_layout(barmode="stack", height=400, title="Where each step's time goes, against batch size",
+                      xaxis_title="engine step", yaxis=dict(title="ms per step"),
+                      yaxis2=dict(title="sequences in the batch", overlaying="y", side="right", rangemode="tozero",
+                                  showgrid=False),
+                      legend=dict(orientation="h", y=1.02, yanchor="bottom", x=0), bargap=0.1)
+    return fig
