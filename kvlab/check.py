@@ -45,7 +45,7 @@ def _first_difference(got, expected) -> str:
     return ""
 
 
-def _run(name: str, fn: Callable, cases: Sequence[tuple[tuple, Any]], same=None) -> bool:
+def _run(name: str, fn: Callable, cases: Sequence[tuple[tuple, Any]], same=None, announce: bool = True) -> bool:
     if not callable(fn):
         raise TypeError(f"{name}: pass your function itself, got {type(fn).__name__}")
     same = same or (lambda a, b: a == b)
@@ -62,7 +62,8 @@ def _run(name: str, fn: Callable, cases: Sequence[tuple[tuple, Any]], same=None)
             print(f"[fail] {name}{_short(args)}: yours {_short(got)}, expected {_short(expected)}"
                   f"{_first_difference(got, expected)}")
             return False
-    print(f"[ok] {name}: {len(cases)} cases match")
+    if announce:
+        print(f"[ok] {name}: {len(cases)} cases match")
     return True
 
 
@@ -168,3 +169,37 @@ def pack_int4(fn: Callable) -> bool:
                                        torch.tensor([[15, 0, 0, 15]], dtype=torch.uint8),
                                        torch.randint(0, 16, (3, 4, 8), generator=g, dtype=torch.uint8))]
     return _run("pack_int4", fn, cases, same=_tensor_same)
+
+
+# ---- notebook 04 -------------------------------------------------------------------------------
+
+def admission_rule(fn: Callable[[int, int, int, int, int, int], "str | None"]) -> bool:
+    """``fn(num_running, max_num_seqs, budget_left, blocks_needed, blocks_free, watermark_blocks)`` ->
+    the reason the head of the queue waits ("token budget", "seq limit", "no blocks"), or None to admit.
+
+    Checked on single decisions first, then plugged into a real scheduler: the trace of a whole dry
+    run (kvlab.engine.dry_run) must equal the one kvlab's own rule produces.
+    """
+    from kvlab.engine.dry_run import dry_run
+    from kvlab.engine.scheduler import admission_rule as ref
+
+    cases = [(args, ref(*args)) for args in (
+        (0, 4, 16, 3, 10, 1), (4, 4, 16, 1, 10, 1), (2, 4, 0, 1, 10, 1), (2, 4, 5, 9, 10, 1), (2, 4, 5, 10, 10, 1),
+        (0, 4, 5, 10, 10, 1), (3, 4, -1, 1, 1, 0), (1, 1, 8, 0, 0, 0), (1, 8, 8, 2, 2, 0))]
+    if not _run("admission_rule", fn, cases, announce=False):
+        return False
+    workload = [(9, 3), (30, 6, 1), (5, 12), (14, 2, 3), (3, 9, 3), (22, 4, 6), (6, 6, 6), (11, 5, 9)]
+    kw = dict(num_blocks=11, block_size=4, max_num_seqs=3, max_num_batched_tokens=12, watermark=0.1)  # every kind of event
+    expected = [(e.step, e.seq_id, e.action, e.reason) for e in dry_run(workload, **kw)[0].trace]
+    try:
+        got = [(e.step, e.seq_id, e.action, e.reason) for e in dry_run(workload, rule=fn, **kw)[0].trace]
+    except Exception as e:  # noqa: BLE001 - a rule that deadlocks or breaks the pool
+        print(f"[fail] admission_rule: the scheduler with your rule failed: {type(e).__name__}: {e}")
+        return False
+    if got != expected:
+        i = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+        print(f"[fail] admission_rule: single decisions match, but the traces differ at event {i}: "
+              f"yours {got[i] if i < len(got) else 'nothing'}, expected {expected[i] if i < len(expected) else 'nothing'}")
+        return False
+    print(f"[ok] admission_rule: {len(cases)} decisions and a {len(expected)}-event scheduler trace match")
+    return True
