@@ -114,3 +114,45 @@ def test_bench_static_vs_paged(capsys, smollm2):
     res = json.loads(capsys.readouterr().out)
     loose, tight, paged = res.values()
     assert loose["utilization"] < tight["utilization"] <= 1 and paged["utilization"] <= 1
+
+
+def test_generate_engine_serves_several_prompts_concurrently(capsys, tiny):
+    from kvlab.generate import hf_generate
+
+    model, tok = tiny
+    assert main(["generate", "--model", "tiny", "--engine", "--attn-backend", "reference", "--prompt", "hello",
+                 "--prompt", "a longer prompt", "--max-tokens", "6", "--max-num-seqs", "1", "--block-size", "4",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["prompt"] for r in out["requests"]] == ["hello", "a longer prompt"]
+    for r in out["requests"]:
+        ref = hf_generate(model, [tok.encode(r["prompt"])], 6, eos_token_id=tok.eos_token_id)[0]
+        assert r["token_ids"] == ref
+        assert {"ttft_s", "tpot_s", "e2e_s", "queue_s", "preemptions"} <= r["metrics"].keys()
+    assert out["engine"]["max_num_seqs"] == 1 and out["engine"]["requests"] == 2
+    assert out["requests"][1]["metrics"]["queue_s"] > out["requests"][0]["metrics"]["queue_s"]  # it waited
+    assert main(["generate", "--model", "tiny", "--engine", "--prompt", "hello", "--max-tokens", "3", "--json"]) == 0
+    single = json.loads(capsys.readouterr().out)
+    assert {"text", "token_ids", "metrics", "engine", "cache_stats"} <= single.keys()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--cache", "static"], "--engine serves from a paged pool"),
+    (["--num-blocks", "1"], "the whole pool has 1"),
+])
+def test_generate_engine_bad_input(args, message, capsys):
+    assert main(["generate", "--model", "tiny", "--engine", "--prompt", "a prompt over sixteen bytes", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_engine_on_tiny(capsys):
+    assert main(["bench", "engine", "--model", "tiny", "--num-requests", "6", "--max-num-seqs", "3", "--scale", "0.1",
+                 "--systems", "kvlab_continuous", "kvlab_static", "hf_generate", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert set(res["systems"]) == {"kvlab_continuous", "kvlab_static", "hf_generate"}
+    c = res["systems"]["kvlab_continuous"]
+    assert c["throughput_vs_kvlab"] == 1.0 and c["output_tokens"] == res["workload"]["output_tokens_total"]
+    assert 0 <= res["scheduler_overhead_share"] < 1
+    assert res["systems"]["hf_generate"]["useful_share"] <= 1

@@ -10,7 +10,7 @@ system prompt; all at once or Poisson arrivals) is served by four systems on the
   order, ``max_new_tokens`` = the batch's longest; each request's useful tokens counted, its
   tokens timed as they stream out (a streamer), so HF is not charged for waiting on its batch;
 * ``hf_generate_batch``: HF's own continuous batching (``generate_batch``'s manager, per-request
-  ``max_new_tokens``).
+  ``max_new_tokens``, the same ``max_num_seqs`` and token budget per step as kvlab's engine).
 
 Every request asks for exactly its output length (EOS ignored). Ratios are taken against
 ``kvlab_continuous`` from the same run.
@@ -178,12 +178,18 @@ def run_hf_generate(model, tokenizer, wl: Workload, max_num_seqs: int = 32, prog
 
 
 @torch.inference_mode()
-def run_hf_generate_batch(model, wl: Workload, max_num_batched_tokens: int | None = None, progress=None) -> dict:
+def run_hf_generate_batch(model, wl: Workload, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
+                          progress=None) -> dict:
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     gc = GenerationConfig(max_new_tokens=max(wl.output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0)
+    # the same limits as kvlab's engine: requests per step and tokens per step
+    cb = ContinuousBatchingConfig(max_requests_per_batch=max_num_seqs,
+                                  max_batch_tokens=max(max_num_batched_tokens, max_num_seqs))
     order = sorted(range(len(wl.prompts)), key=lambda i: wl.arrivals[i])
-    with model.continuous_batching_context_manager(generation_config=gc, block=True, timeout=30) as manager:
+    with model.continuous_batching_context_manager(generation_config=gc, continuous_batching_config=cb, block=True,
+                                                   timeout=30) as manager:
         t0, results, arrivals = time.perf_counter(), {}, {}
         while len(results) < len(wl.prompts):
             while order and t0 + wl.arrivals[order[0]] <= time.perf_counter():
@@ -214,7 +220,7 @@ def _warm_up(model, tokenizer, wl: Workload, systems) -> None:
         elif name == "hf_generate":
             run_hf_generate(model, tokenizer, small, 2)
         else:
-            run_hf_generate_batch(model, small)
+            run_hf_generate_batch(model, small, 2)
 
 
 def bench_engine(model, tokenizer, wl: Workload, max_num_seqs: int = 32, systems=SYSTEMS, progress: bool = True,
@@ -239,7 +245,8 @@ def bench_engine(model, tokenizer, wl: Workload, max_num_seqs: int = 32, systems
         elif name == "hf_generate":
             out[name] = run_hf_generate(model, tokenizer, wl, max_num_seqs, progress=bar)
         else:
-            out[name] = run_hf_generate_batch(model, wl, progress=bar)
+            out[name] = run_hf_generate_batch(model, wl, max_num_seqs,
+                                              engine_kw.get("max_num_batched_tokens", 512), progress=bar)
     if bar is not None:
         bar.close()
     base = out.get("kvlab_continuous")
