@@ -241,7 +241,7 @@ def paged_generate(model, prompts, max_new_tokens: int, block_size: int = 16, nu
             peak = s
 
     llm.on_scheduled = record
-    ids = llm._add_all(prompts, [SamplingParams(max_tokens=max_new_tokens)] * len(prompts))
+    ids = llm.add_requests(prompts, [SamplingParams(max_tokens=max_new_tokens)] * len(prompts))
     try:
         while llm.has_unfinished():
             llm.step()

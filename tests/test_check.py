@@ -80,3 +80,29 @@ def test_quantize_per_head_and_pack_int4(capsys):
     out = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in out] == ["[ok]", "[fail]", "[todo]", "[ok]", "[fail]"]
     assert all(len(line) < 600 for line in out)  # tensors are summarised, not dumped
+
+
+def test_admission_rule(capsys):
+    from kvlab.engine.scheduler import admission_rule as ref
+
+    assert check.admission_rule(ref)
+    assert capsys.readouterr().out.startswith("[ok] admission_rule")
+    assert not check.admission_rule(stub)
+    assert "[todo]" in capsys.readouterr().out
+
+    def no_alone_exception(r, m, b, n, f, w):  # keeps the watermark even with nothing running
+        return "token budget" if b <= 0 else "seq limit" if r >= m else "no blocks" if n > f - w else None
+
+    assert not check.admission_rule(no_alone_exception)
+    out = capsys.readouterr().out
+    assert "[fail] admission_rule(num_running=0, max_num_seqs=4, budget_left=5, blocks_needed=10" in out
+
+    def blocks_before_seats(r, m, b, n, f, w):  # right reasons, wrong order
+        if b <= 0:
+            return "token budget"
+        if n > f - (w if r else 0):
+            return "no blocks"
+        return "seq limit" if r >= m else None
+
+    assert not check.admission_rule(blocks_before_seats)
+    assert "expected 'seq limit'" in capsys.readouterr().out

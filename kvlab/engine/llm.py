@@ -235,7 +235,7 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        ids = self._add_all(prompts, params)
+        ids = self.add_requests(prompts, params)
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -249,7 +249,8 @@ class LLM:
             bar.close()
         return [self._output(self.seqs[i]) for i in ids]
 
-    def _add_all(self, prompts, params) -> list[int]:
+    def add_requests(self, prompts, params) -> list[int]:
+        """Queue several requests (one SamplingParams each); all are validated before any is queued."""
         checked = [self._check(p, sp) for p, sp in zip(prompts, params)]  # all or nothing
         return [self.add_request(ids, sp) for ids, sp in checked]
 

@@ -194,7 +194,7 @@ def _frame_html(frame: dict) -> str:
     return (f"{head}<table>{rows}</table>"
             f"<small>p<i>n</i> = <i>n</i> prefill tokens, d = one decode token, – = waits for token budget, "
             f"↺ = preempted</small><br>{pool}"
-            f"<br>events (finished ones join after the forward):"
+            f"<br>this step's decisions:"
             f"<ul style=\"margin:0\">{events or '<li>none</li>'}</ul>")
 
 
@@ -347,6 +347,6 @@ def step_time_figure(step_stats):
     fig.update_layout(barmode="stack", height=400, title="Where each step's time goes, against batch size",
                       xaxis_title="engine step", yaxis=dict(title="ms per step"),
                       yaxis2=dict(title="sequences in the batch", overlaying="y", side="right", rangemode="tozero",
-                                  showgrid=False),
+                                  showgrid=False, tickformat="d"),
                       legend=dict(orientation="h", y=1.02, yanchor="bottom", x=0), bargap=0.1)
     return fig

@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 
 from kvlab.viz import COLORS
 
-PALETTE = ["#2e86c1", "#28b463", "#af7ac5", "#e67e22", "#16a085", "#d4ac0d", "#cb4335", "#5d6d7e"]
+PALETTE = ["#2e86c1", "#28b463", "#af7ac5", "#e67e22", "#16a085", "#d4ac0d", "#6c3483", "#5d6d7e"]
 FREE, CACHED, SHARED = "#ffffff", "#d5d8dc", "#1b2631"
 
 
