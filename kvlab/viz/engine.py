@@ -154,7 +154,8 @@ def _frame_html(frame: dict) -> str:
     prefill = sum(s["tokens"] for s in frame["scheduled"] if s["kind"] == "prefill")  # tokens
     decode = sum(s["tokens"] for s in frame["scheduled"] if s["kind"] == "decode")  # tokens
     if frame["batch"]:
-        head = (f"<b>step {frame['step']}</b>: {len(sched)} sequences in the forward, <b>{prefill}</b> prefill + "
+        plural = "s" if len(sched) != 1 else ""
+        head = (f"<b>step {frame['step']}</b>: {len(sched)} sequence{plural} in the forward, <b>{prefill}</b> prefill + "
                 f"<b>{decode}</b> decode = {prefill + decode} of {frame['budget']} tokens")
     else:
         head = f"<b>{html.escape(frame['pool']['note'])}</b>: nothing scheduled yet"
