@@ -166,11 +166,20 @@ def register_paged_attention() -> str:
     return PAGED_ATTENTION
 
 
+def model_configs(model) -> list:
+    """Every distinct config object in the model (the top one and any its submodules carry)."""
+    return list({id(model.config): model.config,
+                 **{id(m.config): m.config for m in model.modules() if hasattr(m, "config")}}.values())
+
+
 @contextmanager
-def attention_implementation(model, name: str):
-    """Run ``model`` with another registered attention function, then put the old one back."""
-    configs = [c for c in {id(model.config): model.config,
-                           **{id(m.config): m.config for m in model.modules() if hasattr(m, "config")}}.values()]
+def attention_implementation(model, name: str, configs=None):
+    """Run ``model`` with another registered attention function, then put the old one back.
+
+    ``configs``: the model's config objects (:func:`model_configs`), for a caller that switches every
+    step and need not walk the modules each time.
+    """
+    configs = model_configs(model) if configs is None else configs
     old = [c._attn_implementation for c in configs]
     for c in configs:
         c._attn_implementation = name

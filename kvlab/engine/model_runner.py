@@ -14,7 +14,7 @@ import time
 import torch
 
 from kvlab.attention import DecodeIndex
-from kvlab.hf import ATTENTION_BACKENDS, PagedBatch, attention_implementation, register_paged_attention
+from kvlab.hf import ATTENTION_BACKENDS, PagedBatch, attention_implementation, model_configs, register_paged_attention
 
 
 class ModelRunner:
@@ -24,6 +24,7 @@ class ModelRunner:
         self.model, self.cache, self.attn_backend = model, cache, attn_backend
         self.device = next(model.parameters()).device
         self.attn_name = register_paged_attention()
+        self._configs = model_configs(model)  # switched to kvlab's attention for each forward
         self.timings: dict[str, float] = {}  # seconds of the last step: "packing", "forward"
 
     @torch.inference_mode()
@@ -59,7 +60,7 @@ class ModelRunner:
         pos = torch.tensor([positions], device=self.device)
         keep = torch.tensor(last, dtype=torch.long, device=self.device)
         t1 = time.perf_counter()
-        with attention_implementation(self.model, self.attn_name):
+        with attention_implementation(self.model, self.attn_name, self._configs):
             out = self.model(input_ids=ids, position_ids=pos, use_cache=False, kvlab_paged=paged,
                              logits_to_keep=keep if last else 1)
         t2 = time.perf_counter()
