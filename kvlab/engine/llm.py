@@ -132,7 +132,9 @@ class LLM:
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, arrival: float | None = None) -> int:
         """Queue one request (text or token ids); returns its id. Bad input raises ValueError and
         changes nothing: the engine keeps serving the others."""
-        ids, params = self._check(prompt, sampling_params)
+        return self._enqueue(*self._check(prompt, sampling_params), arrival)
+
+    def _enqueue(self, ids: list[int], params: SamplingParams, arrival: float | None = None) -> int:
         seq = Sequence(next(self._ids), ids, params, time.perf_counter() if arrival is None else arrival,
                        self.scheduler.step_count)
         self.seqs[seq.seq_id] = seq
@@ -252,7 +254,7 @@ class LLM:
     def add_requests(self, prompts, params) -> list[int]:
         """Queue several requests (one SamplingParams each); all are validated before any is queued."""
         checked = [self._check(p, sp) for p, sp in zip(prompts, params)]  # all or nothing
-        return [self.add_request(ids, sp) for ids, sp in checked]
+        return [self._enqueue(ids, sp) for ids, sp in checked]
 
     def summary(self, seq_ids=None) -> dict:
         """Throughput, latency percentiles and the step-time split of the finished requests."""
