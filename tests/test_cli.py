@@ -156,3 +156,27 @@ def test_bench_engine_on_tiny(capsys):
     assert c["throughput_vs_kvlab"] == 1.0 and c["output_tokens"] == res["workload"]["output_tokens_total"]
     assert 0 <= res["scheduler_overhead_share"] < 1
     assert res["systems"]["hf_generate"]["useful_share"] <= 1
+
+
+def test_bench_engine_poisson_arrivals(capsys):
+    assert main(["bench", "engine", "--model", "tiny", "--num-requests", "6", "--max-num-seqs", "2", "--scale", "0.05",
+                 "--arrival", "poisson", "--rate", "200", "--systems", "kvlab_continuous", "hf_generate",
+                 "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["workload"]["arrival"] == "poisson" and res["workload"]["rate"] == 200
+    for row in res["systems"].values():
+        assert row["output_tokens"] == res["workload"]["output_tokens_total"] and row["ttft_p50_s"] >= 0
+
+
+def test_make_workload_rejects_bad_arguments(tiny):
+    from kvlab.engine.bench import make_workload
+
+    _, tok = tiny
+    with pytest.raises(ValueError, match="arrival must be 'all' or 'poisson'"):
+        make_workload(tok, 4, arrival="burst")
+    with pytest.raises(ValueError, match="rate must be > 0"):
+        make_workload(tok, 4, arrival="poisson", rate=0)
+    with pytest.raises(ValueError, match=r"scale must be in \(0, 1\]"):
+        make_workload(tok, 4, scale=2)
+    wl = make_workload(tok, 5, arrival="poisson", rate=10, seed=3)
+    assert wl.arrivals == sorted(wl.arrivals) and wl.arrivals[0] == 0.0 and len(set(wl.arrivals)) == 5
