@@ -240,7 +240,16 @@ def _bench_engine(args) -> None:
     if "hf_generate" in res["systems"]:
         lines.append(f"hf_generate computed {res['systems']['hf_generate']['generated_tokens']} tokens, "
                      f"{res['systems']['hf_generate']['useful_share']:.0%} of them useful (padded batches)")
-    _emit(res, args.json, lines)
+    _emit(_nan_to_none(res), args.json, lines)
+
+
+def _nan_to_none(obj):
+    """Strict JSON has no NaN: a measure with nothing to measure (e.g. no step at max_num_seqs) is null."""
+    if isinstance(obj, dict):
+        return {k: _nan_to_none(v) for k, v in obj.items()}
+    if isinstance(obj, float) and obj != obj:
+        return None
+    return obj
 
 
 def _quant_config(args):
