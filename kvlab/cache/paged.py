@@ -175,11 +175,11 @@ class BlockManager:
             self.hash_to_block[h] = b.block_id
             b.hash, b.parent, b.token_ids = h, parent, chunk
 
-    def allocation_cost(self, token_ids) -> tuple[int, int]:
+    def allocation_cost(self, token_ids, hits: list[int] | None = None) -> tuple[int, int]:
         """``(needed, available)``: new blocks a prompt would take after prefix hits, and blocks free
         for it (hit blocks waiting in the LRU are not free for us: we are about to use them)."""
         token_ids = list(token_ids)
-        hits = self._match_prefix(token_ids)
+        hits = self._match_prefix(token_ids) if hits is None else hits
         cached_hits = sum(1 for bid in hits if self.blocks[bid].ref_count == 0)
         return self.blocks_needed(len(token_ids)) - len(hits), self.num_free_blocks - cached_hits
 
@@ -202,7 +202,7 @@ class BlockManager:
         if not token_ids:
             raise ValueError("token_ids must not be empty")
         hits = self._match_prefix(token_ids)
-        needed, available = self.allocation_cost(token_ids)
+        needed, available = self.allocation_cost(token_ids, hits)
         if needed > available:
             raise OutOfBlocksError(needed, available, f"a prompt of {len(token_ids)} tokens")
         # commit: nothing below can fail

@@ -44,7 +44,7 @@ def dry_run(requests, num_blocks: int = 32, block_size: int = 4, max_num_seqs: i
         if not batch.seqs:
             raise RuntimeError(f"step {batch.step}: requests are pending but nothing could be scheduled")
         steps.append(dict(step=batch.step, running=len(sched.running), waiting=len(sched.waiting),
-                          prefill_tokens=batch.num_prefill_tokens, decode_tokens=batch.num_decode_tokens,
+                          prefill_tokens=batch.num_prefill_tokens, decode_tokens=batch.num_decodes,
                           blocks_used=bm.num_blocks - bm.num_free_blocks))
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n

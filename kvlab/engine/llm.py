@@ -200,7 +200,7 @@ class LLM:
         t4 = time.perf_counter()
         self.step_stats.append(StepStats(
             step=batch.step, running=len(sched.running) + finished, waiting=len(sched.waiting),
-            scheduled=len(batch), prefill_tokens=batch.num_prefill_tokens, decode_tokens=batch.num_decode_tokens,
+            scheduled=len(batch), prefill_tokens=batch.num_prefill_tokens, decode_tokens=batch.num_decodes,
             blocks_used=bm.num_blocks - bm.num_free_blocks, blocks_free=bm.num_free_blocks,
             preempted=sched.num_preemptions - preempted_before, finished=finished,
             schedule_s=(t1 - t0) + (t4 - t3), packing_s=self.runner.timings["packing"],

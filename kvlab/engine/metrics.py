@@ -8,7 +8,7 @@ tensors), **forward** (the model, attention inside it) and **sampling**.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 PARTS = ("schedule_s", "packing_s", "forward_s", "sample_s")
 
@@ -33,9 +33,6 @@ class StepStats:
     @property
     def total_s(self) -> float:
         return self.schedule_s + self.packing_s + self.forward_s + self.sample_s
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "total_s": self.total_s}
 
 
 def percentile(values, q: float) -> float:

@@ -50,10 +50,6 @@ class ScheduledBatch:
     num_decodes: int = 0  # the first num_decodes entries are decodes, the rest prefill chunks
 
     @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
-    @property
     def num_prefill_tokens(self) -> int:
         return sum(self.num_new_tokens) - self.num_decodes
 

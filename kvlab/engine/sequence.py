@@ -76,10 +76,6 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
-    def in_prefill(self) -> bool:
-        return self.num_uncomputed > 1 or not self.output_token_ids
-
-    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
