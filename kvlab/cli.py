@@ -195,6 +195,18 @@ def cmd_bench(args) -> None:
         _emit(res, args.json, lines)
     elif args.what == "engine":
         _bench_engine(args)
+    elif args.what == "kernels":  # GPU: timings; CPU: interpreter correctness sweep + bandwidth projection
+        import json
+        import sys
+
+        from kvlab.kernels import bench as kbench
+
+        res = kbench.run(args.shapes, args.batches, args.contexts,
+                         progress=lambda m: print(m, file=sys.stderr) if not args.json else None)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+        _emit(res, args.json, kbench.format_table(res).splitlines())
     else:  # memory: the PagedAttention Fig. 2 breakdown on a synthetic workload, no model
         from kvlab.cache import simulate
 
@@ -358,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-blocks", type=_positive_int("--num-blocks"), default=None,
                    help="paged cache: blocks in the pool (default: enough for prompt + max tokens)")
     s.add_argument("--engine", action="store_true", help="serve through kvlab.engine.LLM (continuous batching)")
-    s.add_argument("--attn-backend", default="torch", choices=["reference", "torch"], help="engine: attention path")
+    s.add_argument("--attn-backend", default="torch", choices=["reference", "torch", "triton"],
+                   help="engine: attention path (triton: the notebook 05 kernels; interpreted on a CPU)")
     s.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "fp16", "int8", "fp8", "int4", "k8v4"],
                    help="engine: storage of the block pool (quantized ones use the cached default calibration)")
     s.add_argument("--max-num-seqs", type=_positive_int("--max-num-seqs"), default=None,
@@ -370,8 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=None, help="engine: sampling seed")
     s.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("bench", help="measurements: recompute vs cache, static vs paged, memory breakdown, quant formats")
-    s.add_argument("what", choices=["recompute", "static", "memory", "quant", "engine"])
+    s = sub.add_parser("bench", help="measurements: recompute vs cache, static vs paged, memory breakdown, quant "
+                                     "formats, the engine, the Triton kernels")
+    s.add_argument("what", choices=["recompute", "static", "memory", "quant", "engine", "kernels"])
     s.add_argument("--model", default="smollm2-135m")
     s.add_argument("--prompt-lens", type=_positive_int("--prompt-lens"), nargs="+", default=[16, 128, 512])
     s.add_argument("--new-tokens", type=_positive_int("--new-tokens"), default=None)
@@ -389,10 +403,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine: running at once (and HF generate()'s batch size)")
     s.add_argument("--max-num-batched-tokens", type=_positive_int("--max-num-batched-tokens"), default=512)
     s.add_argument("--scale", type=float, default=0.25, help="engine: lengths x scale (ShareGPT means 161/338)")
-    s.add_argument("--attn-backend", default="torch", choices=["reference", "torch"])
+    s.add_argument("--attn-backend", default="torch", choices=["reference", "torch", "triton"])
     s.add_argument("--systems", nargs="+", default=None,
                    choices=["kvlab_continuous", "kvlab_static", "hf_generate", "hf_generate_batch"])
     s.add_argument("--no-shared-prefix", action="store_true", help="engine: no shared system prompt")
+    s.add_argument("--shapes", nargs="+", default=None, choices=["llama-3-8b", "smollm2-135m"],
+                   help="kernels: attention shapes to sweep")
+    s.add_argument("--batches", type=_positive_int("--batches"), nargs="+", default=[1, 8, 32], help="kernels")
+    s.add_argument("--contexts", type=_positive_int("--contexts"), nargs="+", default=[1024, 4096, 16384],
+                   help="kernels")
+    s.add_argument("--out", default=None, help="kernels: also write the JSON result to this file")
     s.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("calibrate", help="collect K/V abs-max and percentiles per layer x head; save scales")

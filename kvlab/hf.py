@@ -109,16 +109,17 @@ class PagedBatch:
     context_lens: list[int]  # tokens each sequence has in the cache after this forward
     query_lens: list[int]  # new tokens per sequence in this forward
     slot_mapping: torch.Tensor  # (T,) where the new tokens' K/V go
-    backend: str = "reference"  # "reference": one sequence at a time; "torch": decodes batched
-    decode: object = None  # backend "torch": a kvlab.attention.DecodeIndex of the first decode.num sequences
+    backend: str = "reference"  # "reference": one sequence at a time; "torch": decodes batched; "triton": kernels
+    decode: object = None  # backends "torch"/"triton": a kvlab.attention.DecodeIndex of the first decode.num sequences
 
     def __post_init__(self):
         if self.backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {self.backend!r}")
 
 
-#: how the paged attention function reads the pool (the Triton backend joins in notebook 05)
-ATTENTION_BACKENDS = ("reference", "torch")
+#: how the paged attention function reads the pool: the PyTorch specification, batched PyTorch
+#: decodes (notebook 04), or the Triton kernels for the cache write and the decodes (notebook 05)
+ATTENTION_BACKENDS = ("reference", "torch", "triton")
 
 
 def _paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -132,12 +133,23 @@ def _paged_attention_forward(module, query, key, value, attention_mask, scaling=
     # query (1, H_q, T, D); key/value (1, H_kv, T, D), post-RoPE, new tokens only
     q, k_new, v_new = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # (T, H, D)
     cache = batch.cache
-    cache.write(layer, k_new, v_new, batch.slot_mapping)
+    triton_backend = batch.backend == "triton"
+    if triton_backend:  # quantize-on-write in a kernel (notebook 05)
+        from kvlab.kernels.ops import write_to_cache
+
+        write_to_cache(cache, layer, k_new, v_new, batch.slot_mapping)
+    else:
+        cache.write(layer, k_new, v_new, batch.slot_mapping)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     quantized = hasattr(cache, "config")  # a quantized pool (notebook 03)
-    nd = batch.decode.num if batch.backend == "torch" and batch.decode is not None else 0
+    nd = batch.decode.num if batch.backend != "reference" and batch.decode is not None else 0
     out = torch.empty_like(q)
-    if nd:  # decodes (packed first, one token each): one batched gather + SDPA
+    if nd and triton_backend:  # decodes: one kernel launch, dequantization fused
+        from kvlab.kernels.ops import decode_from_cache
+
+        out[:nd] = decode_from_cache(q[:nd], cache, layer, batch.decode, scale, k_new[:nd] if quantized else None,
+                                     v_new[:nd] if quantized else None)
+    elif nd:  # decodes (packed first, one token each): one batched gather + SDPA
         if quantized:
             out[:nd] = A.quantized_batched_decode_attention(q[:nd], k_new[:nd], v_new[:nd], cache, layer,
                                                             batch.decode, scale)

@@ -15,7 +15,11 @@ from kvlab.cache import BlockManager
 from kvlab.engine import LLM, SamplingParams, Scheduler, Sequence
 from kvlab.generate import hf_generate, paged_generate
 
-BACKENDS = ["reference", "torch"]
+BACKENDS = ["reference", "torch", "triton"]
+# every scheduling situation on the PyTorch backends; the Triton kernels (interpreted on a CPU, ~0.1 s a
+# launch) on the hardest one, preemption with chunked prefill; tests/test_05_kernels.py does the rest
+CASES = ["roomy", "chunked", "preempting", "late arrivals"]
+SCENARIOS = [(b, c) for b in ("reference", "torch") for c in CASES] + [("triton", "preempting")]
 SYSTEM = [30 + (i * 7) % 200 for i in range(40)]
 
 
@@ -52,8 +56,7 @@ def _run(llm, prompts, max_tokens, arrivals=None, check=True):
 
 # ---- token identity -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", ["roomy", "chunked", "preempting", "late arrivals"])
+@pytest.mark.parametrize("backend,case", SCENARIOS)
 def test_engine_matches_hf_generate_alone(tiny, backend, case):
     model, tok = tiny
     prompts = _prompts(10, seed=1) + _prompts(4, seed=2, system=SYSTEM)
@@ -97,7 +100,7 @@ def test_eos_and_stop_ids_finish_requests_early(tiny, backend):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ["reference", "torch"])  # triton: tests/test_05_kernels.py
 def test_engine_matches_hf_on_smollm2(smollm2, backend):
     from kvlab.data import chat_prompts
 

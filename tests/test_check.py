@@ -106,3 +106,26 @@ def test_admission_rule(capsys):
 
     assert not check.admission_rule(blocks_before_seats)
     assert "expected 'seq limit'" in capsys.readouterr().out
+
+
+def test_online_softmax_update(capsys):
+    import triton
+    import triton.language as tl
+
+    from kvlab.kernels.decode import online_softmax_update
+
+    @triton.jit
+    def no_rescale(m, l, acc, s, v, v_scale):  # forgets to shrink the old state when the max grows
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        return m_new, l + tl.sum(p, axis=1), acc + tl.sum((p * v_scale[None, :])[:, :, None] * v[None, :, :], axis=1)
+
+    @triton.jit
+    def todo(m, l, acc, s, v, v_scale):
+        raise NotImplementedError("write the update")
+
+    assert check.online_softmax_update(online_softmax_update)
+    assert not check.online_softmax_update(no_rescale)
+    assert not check.online_softmax_update(todo)
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out] == ["[ok]", "[fail]", "[todo]"]

@@ -180,3 +180,27 @@ def test_make_workload_rejects_bad_arguments(tiny):
         make_workload(tok, 4, scale=2)
     wl = make_workload(tok, 5, arrival="poisson", rate=10, seed=3)
     assert wl.arrivals == sorted(wl.arrivals) and wl.arrivals[0] == 0.0 and len(set(wl.arrivals)) == 5
+
+
+def test_bench_kernels_on_the_cpu_prints_the_projection(capsys):
+    assert main(["bench", "kernels", "--batches", "1", "8", "--contexts", "1024", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["mode"] == "interpreter" and "measured" not in res  # no GPU here: no timings pretended
+    assert all(c["ok"] for c in res["checks"]) and len(res["checks"]) == 9
+    assert res["projection"]["label"].startswith("PROJECTION")
+    rows = res["projection"]["rows"]
+    assert {(r["shape"], r["batch"]) for r in rows} == {(s, b) for s in ("smollm2-135m", "llama-3-8b") for b in (1, 8)}
+    for r in rows:
+        b = r["bytes_per_step"]
+        assert set(b) == {"fp16", "int8", "k8v4"} and b["k8v4"] < b["int8"] < 0.52 * b["fp16"]
+        assert r["bytes_per_step_int8_unfused"] > b["fp16"]
+        assert r["projection_ms"]["H200"]["fp16"] < r["projection_ms"]["A100"]["fp16"]
+
+
+def test_bench_kernels_table_and_bad_input(capsys):
+    assert main(["bench", "kernels", "--shapes", "smollm2-135m", "--batches", "4", "--contexts", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "correctness: 9/9" in out and "PROJECTION" in out and "smollm2-135m" in out
+    with pytest.raises(SystemExit):
+        main(["bench", "kernels", "--batches", "0"])
+    assert "--batches" in capsys.readouterr().err

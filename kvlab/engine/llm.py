@@ -62,7 +62,8 @@ class LLM:
 
     Knobs in vLLM's names: ``num_blocks`` and ``block_size`` (the pool), ``max_num_seqs`` (running
     at once), ``max_num_batched_tokens`` (tokens per step: decodes + prefill chunks), ``policy``
-    ("continuous" or "static"), ``attn_backend`` ("reference" or "torch"), ``kv_dtype`` ("auto":
+    ("continuous" or "static"), ``attn_backend`` ("reference", "torch" or
+    "triton": the kernels of notebook 05), ``kv_dtype`` ("auto":
     the model's dtype; "fp16", "int8", "fp8", "int4", "k8v4": a quantized pool, scales from
     ``calibration`` or the cached default), ``enable_prefix_caching``. Pass ``block_manager`` and
     ``cache`` to share a pool across engines.

@@ -22,6 +22,10 @@ class ModelRunner:
         if attn_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attn_backend must be one of {ATTENTION_BACKENDS}, got {attn_backend!r}")
         self.model, self.cache, self.attn_backend = model, cache, attn_backend
+        if attn_backend == "triton":
+            from kvlab.kernels import check_cache_supported
+
+            check_cache_supported(cache)  # an unsupported format fails here, not in the middle of a step
         self.device = next(model.parameters()).device
         self.attn_name = register_paged_attention()
         self._configs = model_configs(model)  # switched to kvlab's attention for each forward
@@ -49,7 +53,7 @@ class ModelRunner:
                 sample_rows.append(i)
                 last.append(len(tokens) - 1)
         decode = None
-        if self.attn_backend == "torch" and batch.num_decodes:
+        if self.attn_backend != "reference" and batch.num_decodes:
             nd = batch.num_decodes
             decode = DecodeIndex(tables[:nd], ctx_lens[:nd], block_manager.block_size, self.device)
         paged = PagedBatch(cache=self.cache, block_tables=tables, context_lens=ctx_lens,

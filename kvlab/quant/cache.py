@@ -85,15 +85,21 @@ class _Store:
             q = self._q(x, scale)
             self.token_scale.view(-1, *self.token_scale.shape[2:])[slots] = scale
         else:
-            amax = core.absmax(x, self.fmt.granularity)
-            if self.scale is None:  # dynamic policy: the first write sets the scale for good
-                self.scale = core.scale_from_absmax(amax, self.qmax)
-            elif policy == "corrected":
-                self._correct(amax)
-            q = self._q(x, self.scale)
-            scale = self.scale
+            scale = self.settle_scale(x, policy)
+            q = self._q(x, scale)
         self._count(x, scale, q)
         flat[slots] = q
+
+    def settle_scale(self, x: torch.Tensor, policy: str) -> torch.Tensor:
+        """The static scale to quantize ``x`` with, after the policy has seen it: the dynamic policy's
+        first write sets it for good; ``corrected`` widens (and re-quantizes under) scales ``x`` exceeds.
+        Shared by this write and the Triton write (:func:`kvlab.kernels.write_to_cache`)."""
+        amax = core.absmax(x, self.fmt.granularity)
+        if self.scale is None:
+            self.scale = core.scale_from_absmax(amax, self.qmax)
+        elif policy == "corrected":
+            self._correct(amax)
+        return self.scale
 
     def _correct(self, amax: torch.Tensor) -> None:
         """Widen every scale whose group just saw a value beyond 1.2x its range; re-quantize only

@@ -53,7 +53,9 @@ def absmax(x: torch.Tensor, granularity: str) -> torch.Tensor:
 def scale_from_absmax(amax: torch.Tensor, qmax: float = 127.0) -> torch.Tensor:
     """``absmax / qmax``, with the zero guard: 1.0 where absmax < 1e-6."""
     amax = amax.float()
-    return torch.where(amax < ZERO_GUARD, torch.ones_like(amax), amax / qmax)
+    # divide by a full tensor, not a Python scalar: CUDA torch turns "tensor / scalar" into a multiply by the
+    # rounded reciprocal, which is not the correctly rounded quotient the CPU (and the Triton kernel) compute
+    return torch.where(amax < ZERO_GUARD, torch.ones_like(amax), amax / torch.full_like(amax, qmax))
 
 
 def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,255 @@
+"""``kvlab bench kernels``: the decode kernel's bytes and speed by format (notebook 05).
+
+On a GPU: a correctness sweep (kernel vs PyTorch reference, compiled), then batch x context for
+SmolLM2's attention shape and a Llama-3-8B-like one (32 query / 8 KV heads, head_dim 128), one
+layer at a time: ``triton.testing.do_bench`` medians for FP16, INT8 and K8V4 pools, INT8 with the
+dequantization NOT fused (dequantize to an FP16 copy, then attend), and torch SDPA over a contiguous
+FP16 cache as the outside baseline; achieved GB/s against a device-to-device copy measured in the
+same run. On a CPU: the same correctness sweep under the interpreter on small shapes, and the
+byte-based projection for A100 / H100 / H200, labelled as a projection.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from kvlab.kernels.pool import FLOAT, INT4, INT8, STATIC, PER_SLOT, Operand
+from kvlab.kernels.traffic import FORMATS, GPU_BANDWIDTH, SHAPES, decode_traffic, project, step_bytes
+
+BATCHES = (1, 8, 32)
+CONTEXTS = (1024, 4096, 16384)
+BLOCK_SIZE = 16
+
+
+# ---- random pools in each format -----------------------------------------------------------------------
+
+def random_operands(fmt: str, num_blocks: int, h_kv: int, d: int, device, block_size: int = BLOCK_SIZE, seed: int = 0):
+    """(K, V) operands of a random pool in ``fmt`` ("fp16", "int8", "k8v4"); values ~ N(0, 1)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    shape = (num_blocks, block_size, h_kv, d)
+
+    def float_op():
+        return Operand(torch.randn(shape, generator=g, device=device, dtype=torch.float16), FLOAT, label="fp16")
+
+    def int8_op():
+        data = torch.randint(-127, 128, shape, generator=g, device=device, dtype=torch.int8)
+        scale = torch.full((h_kv, d), 4.0 / 127, device=device)
+        return Operand(data, INT8, STATIC, static_scale=scale, label="int8 per-head")
+
+    def int4_op():
+        data = torch.randint(0, 256, (*shape[:3], d // 2), generator=g, device=device, dtype=torch.uint8)
+        scales = torch.full((*shape[:3], d // 32, 1), 3.0 / 7, device=device)
+        return Operand(data, INT4, PER_SLOT, slot_scale=scales, group_size=32, label="int4 g32")
+
+    if fmt == "fp16":
+        return float_op(), float_op()
+    if fmt == "int8":
+        return int8_op(), int8_op()
+    if fmt == "k8v4":
+        return int8_op(), int4_op()
+    raise ValueError(f"fmt must be one of ('fp16', 'int8', 'k8v4'), got {fmt!r}")
+
+
+def dequantize(op: Operand, dtype=torch.float16) -> torch.Tensor:
+    """The whole pool of one operand as floats: what an UNFUSED implementation writes before attending."""
+    if op.fmt == FLOAT:
+        return op.data.to(dtype)
+    if op.fmt == INT8:
+        return (op.data.to(torch.float32) * op.static_scale[None, None]).to(dtype)
+    lo, hi = (op.data & 0x0F).to(torch.float32), (op.data >> 4).to(torch.float32)
+    q = torch.stack([lo, hi], dim=-1).flatten(-2) - 8.0  # (N, bs, H, D)
+    g = q.reshape(*q.shape[:3], -1, op.group_size) * op.slot_scale
+    return g.flatten(-2).to(dtype)
+
+
+def _tables(batch: int, context: int, num_blocks: int, device, seed: int = 0):
+    per_seq = -(-context // BLOCK_SIZE)
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))[:batch * per_seq]
+    return perm.reshape(batch, per_seq).to(device), torch.full((batch,), context, dtype=torch.long, device=device)
+
+
+# ---- correctness sweep (CPU: interpreter; GPU: compiled) -------------------------------------------------
+
+CHECK_CASES = [  # (h_q, h_kv, d, batch, context, num_splits)
+    (9, 3, 64, 3, 37, 1),
+    (32, 8, 128, 2, 70, 3),
+    (4, 4, 64, 1, 200, 4),
+]
+
+
+def check_sweep(device) -> list[dict]:
+    """Kernel vs the float reference over the dequantized pool, for each format and case."""
+    from kvlab.attention import paged_attention
+    from kvlab.kernels.decode import paged_decode
+
+    rows = []
+    for h_q, h_kv, d, batch, context, splits in CHECK_CASES:
+        n_blocks = batch * -(-context // BLOCK_SIZE) + 2
+        table, ctx = _tables(batch, context, n_blocks, device, seed=d)
+        q = torch.randn(batch, h_q, d, device=device, dtype=torch.float16)
+        for fmt in ("fp16", "int8", "k8v4"):
+            k_op, v_op = random_operands(fmt, n_blocks, h_kv, d, device, seed=h_q)
+            out = paged_decode(q, k_op, v_op, table, ctx, d ** -0.5, num_splits=splits,
+                               out=torch.full_like(q, float("nan")))
+            kf, vf = dequantize(k_op, torch.float32), dequantize(v_op, torch.float32)
+            ref = paged_attention(q.float(), kf, vf, table.tolist(), ctx.tolist(), [1] * batch, d ** -0.5)
+            err = (out.float() - ref).abs().max().item()
+            # fp16 matmul operands (q, P, V) carry ~5e-4 relative rounding: the bound scales with |V|
+            tol = 2e-3 * max(1.0, vf.abs().max().item())
+            rows.append({"h_q": h_q, "h_kv": h_kv, "head_dim": d, "batch": batch, "context": context,
+                         "splits": splits, "format": fmt, "max_abs_err": err, "tolerance": tol, "ok": err < tol})
+    return rows
+
+
+# ---- GPU timings ---------------------------------------------------------------------------------------
+
+def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy, bytes read + written per second (the achievable ceiling)."""
+    from triton.testing import do_bench
+
+    x = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x))
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def time_case(shape: str, batch: int, context: int, device) -> dict:
+    from triton.testing import do_bench
+
+    from kvlab.kernels.decode import default_splits, paged_decode
+
+    layers, h_q, h_kv, d = SHAPES[shape]
+    n_blocks = batch * -(-context // BLOCK_SIZE)
+    table, ctx = _tables(batch, context, n_blocks, device)
+    q = torch.randn(batch, h_q, d, device=device, dtype=torch.float16)
+    scale = d ** -0.5
+    row = {"shape": shape, "batch": batch, "context": context, "us": {}, "GBps": {}, "bytes_per_layer": {}}
+    splits = default_splits(batch, batch * h_kv, table.shape[1], 4)
+    row["splits"] = splits
+    for fmt in ("fp16", "int8", "k8v4"):
+        k_op, v_op = random_operands(fmt, n_blocks, h_kv, d, device)
+        ms = do_bench(lambda: paged_decode(q, k_op, v_op, table, ctx, scale, num_splits=splits))
+        nbytes = decode_traffic(ctx.tolist(), h_q, h_kv, d, *FORMATS[fmt], num_splits=splits)["total"]
+        row["us"][fmt], row["bytes_per_layer"][fmt] = ms * 1e3, nbytes
+        row["GBps"][fmt] = nbytes / (ms * 1e-3) / 1e9
+        if fmt == "int8":  # the unfused path: a dequantized FP16 copy of the pool, then the FP16 kernel
+            def unfused():
+                k16, v16 = dequantize(k_op), dequantize(v_op)
+                return paged_decode(q, Operand(k16, FLOAT), Operand(v16, FLOAT), table, ctx, scale, num_splits=splits)
+
+            row["us"]["int8_unfused"] = do_bench(unfused) * 1e3
+        del k_op, v_op
+    # outside baseline: torch SDPA over a contiguous FP16 cache (B, H_kv, ctx, D), GQA without repeating K/V
+    kc = torch.randn(batch, h_kv, context, d, device=device, dtype=torch.float16)
+    vc = torch.randn_like(kc)
+    q4 = q[:, :, None, :]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    row["us"]["sdpa_fp16_contiguous"] = do_bench(lambda: sdpa(q4, kc, vc, scale=scale, enable_gqa=True)) * 1e3
+    del kc, vc
+    row["speedup_vs_fp16"] = {f: row["us"]["fp16"] / row["us"][f] for f in row["us"]}
+    return row
+
+
+# ---- the command -----------------------------------------------------------------------------------------
+
+def run(shapes=None, batches=BATCHES, contexts=CONTEXTS, gpu: str = "H100", progress=print) -> dict:
+    from kvlab.kernels import triton_mode, triton_version
+
+    shapes = list(shapes or SHAPES)
+    t0 = time.perf_counter()
+    on_gpu = torch.cuda.is_available() and triton_mode() == "compiled"
+    device = torch.device("cuda" if on_gpu else "cpu")
+    result = {"mode": "gpu" if on_gpu else "interpreter", "triton": triton_version(), "torch": torch.__version__,
+              "device": torch.cuda.get_device_name() if on_gpu else "cpu"}
+    progress(f"correctness sweep ({'compiled' if on_gpu else 'interpreter'}) ...")
+    result["checks"] = check_sweep(device)
+    rows = []
+    for shape in shapes:
+        layers, h_q, h_kv, d = SHAPES[shape]
+        for b in batches:
+            for c in contexts:
+                row = {"shape": shape, "batch": b, "context": c,
+                       "bytes_per_step": {f: step_bytes(f, b, c, layers, h_q, h_kv, d) for f in ("fp16", "int8", "k8v4")},
+                       "bytes_per_step_int8_unfused": step_bytes("int8", b, c, layers, h_q, h_kv, d, fused=False),
+                       "projection_ms": {g: {f: v["projected_ms"] for f, v in project(shape, b, c, g).items()}
+                                         for g in GPU_BANDWIDTH}}
+                rows.append(row)
+    result["projection"] = {"label": "PROJECTION: bytes per whole-model decode step (attention only) / peak HBM "
+                                     "bandwidth; a lower bound on the step time, not a measurement",
+                            "rows": rows}
+    if on_gpu:
+        progress("copy bandwidth ...")
+        result["copy_GBps"] = copy_bandwidth(device) / 1e9
+        measured = []
+        for shape in shapes:
+            for b in batches:
+                for c in contexts:
+                    progress(f"{shape} batch {b} context {c} ...")
+                    measured.append(time_case(shape, b, c, device))
+                    torch.cuda.empty_cache()
+        result["measured"] = measured
+    result["seconds"] = time.perf_counter() - t0
+    return result
+
+
+def format_table(result: dict) -> str:
+    lines = [f"kvlab bench kernels: {result['mode']} ({result['device']}, triton {result['triton']}, "
+             f"torch {result['torch']})"]
+    bad = [c for c in result["checks"] if not c["ok"]]
+    worst = max(c["max_abs_err"] for c in result["checks"])
+    lines.append(f"correctness: {len(result['checks']) - len(bad)}/{len(result['checks'])} cases within 2e-3 x max|V| "
+                 f"(fp16 operands; worst max |err| {worst:.1e})")
+    if "measured" in result:
+        lines.append(f"copy bandwidth (read + write): {result['copy_GBps']:.0f} GB/s")
+        lines.append(f"{'shape':<13}{'batch':>6}{'ctx':>7}{'splits':>7} | {'fp16 us':>9}{'int8':>9}{'k8v4':>9}"
+                     f"{'unfused':>9}{'sdpa':>9} | {'int8 x':>7}{'k8v4 x':>7}{'unf. x':>7} | {'fp16 GB/s':>10}"
+                     f"{'int8':>7}{'k8v4':>7}")
+        for r in result["measured"]:
+            u, s, g = r["us"], r["speedup_vs_fp16"], r["GBps"]
+            lines.append(f"{r['shape']:<13}{r['batch']:>6}{r['context']:>7}{r['splits']:>7} | {u['fp16']:>9.1f}"
+                         f"{u['int8']:>9.1f}{u['k8v4']:>9.1f}{u['int8_unfused']:>9.1f}{u['sdpa_fp16_contiguous']:>9.1f} | "
+                         f"{s['int8']:>7.2f}{s['k8v4']:>7.2f}{s['int8_unfused']:>7.2f} | {g['fp16']:>10.0f}"
+                         f"{g['int8']:>7.0f}{g['k8v4']:>7.0f}")
+    lines.append(result["projection"]["label"])
+    lines.append(f"{'shape':<13}{'batch':>6}{'ctx':>7} | {'fp16 MB':>9}{'int8':>9}{'k8v4':>9}{'unfused':>9} | "
+                 + "".join(f"{g + ' fp16/int8 ms':>20}" for g in GPU_BANDWIDTH))
+    for r in result["projection"]["rows"]:
+        b = r["bytes_per_step"]
+        lines.append(f"{r['shape']:<13}{r['batch']:>6}{r['context']:>7} | {b['fp16'] / 1e6:>9.1f}{b['int8'] / 1e6:>9.1f}"
+                     f"{b['k8v4'] / 1e6:>9.1f}{r['bytes_per_step_int8_unfused'] / 1e6:>9.1f} | "
+                     + "".join(f"{p['fp16']:>12.3f} /{p['int8']:>6.3f}" for p in r["projection_ms"].values()))
+    lines.append(f"{result['seconds']:.1f} s")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """``python -m kvlab.kernels.bench`` (what the GPU run uses: no CLI dependencies)."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m kvlab.kernels.bench")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", default=None)
+    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=None)
+    args = p.parse_args(argv)
+    res = run(args.shapes, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    print(json.dumps(res, indent=1) if args.json else format_table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+def recorded_h200() -> dict:
+    """The result of one ``kvlab bench kernels`` run on an NVIDIA H200 (2026-11-30: triton 3.6.0, torch
+    2.11.0), shipped so that machines without a GPU can set measured points beside the projection."""
+    from importlib.resources import files
+
+    return json.loads(files("kvlab.kernels").joinpath("bench_h200.json").read_text())

@@ -1,0 +1,358 @@
+"""Paged decode attention in Triton, with the dequantization fused in (notebook 05).
+
+One query token per sequence attends over its cache, read through its block table straight from
+the pool, whatever the pool stores. The specification is :func:`kvlab.attention.paged_attention`
+(float pools) and :func:`kvlab.attention.quantized_batched_decode_attention` (quantized pools);
+``tests/test_05_kernels.py`` holds the kernel to both.
+
+One program = one sequence x one KV head (x one split of its context):
+
+1. **GQA grouping**: the G query heads that share a KV head ride in one program, so each K/V
+   byte is loaded once for all of them (``group_heads=False`` loads it G times, for comparison).
+   They are padded to 16 rows, the smallest ``tl.dot`` a GPU's tensor cores take: QK and P.V are
+   two small matmuls per tile.
+2. **Block-table walk**: the program reads ``PAGES`` block ids at a time from the table and loads
+   those pages; positions past the context are masked, nothing else of the pool is touched.
+3. **Online softmax** in fp32 (:func:`online_softmax_update`): a running max ``m``, sum ``l`` and
+   output ``acc``, so the scores never exist for the whole context at once.
+4. **Fused dequantization**: int8 pages are loaded as int8 (int4 as packed bytes) and widened in
+   registers. Scales are folded where they cost least: a static K scale into q once (q * s_k
+   before the loop), a per-slot K scale into the scores, a per-slot V scale into P before P.V, a
+   static V scale into the output once at the end; int4 group scales multiply their 32-channel
+   groups in registers. No dequantized copy of the cache exists anywhere.
+5. **Split-KV** (flash-decoding): with few sequences and long contexts, each sequence's context is
+   cut into ``num_splits`` ranges processed by separate programs; each writes its normalized
+   partial output and its log-sum-exp, and :func:`_merge_kernel` combines them exactly.
+
+For a quantized pool, the sequence's own new token is attended at full precision (``k_own``,
+``v_own``), as the PyTorch reference does: only what is stored is quantized.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kvlab.kernels import pool as O
+from kvlab.kernels.pool import Operand
+
+# format and scale codes as compile-time constants: a @triton.jit function reads globals only as tl.constexpr
+FLOAT, INT8, INT4 = tl.constexpr(O.FLOAT), tl.constexpr(O.INT8), tl.constexpr(O.INT4)
+NO_SCALE, STATIC, PER_SLOT = tl.constexpr(O.NO_SCALE), tl.constexpr(O.STATIC), tl.constexpr(O.PER_SLOT)
+
+
+@triton.jit
+def dot(a, b):
+    """a @ b with fp32 accumulation, in b's dtype: fp16/bf16 operands run on tensor cores, fp32 operands
+    stay exact (IEEE, not TF32) so the fp32 engine reproduces the PyTorch reference."""
+    if b.dtype == tl.float32:
+        return tl.dot(a.to(tl.float32), b, input_precision="ieee")
+    else:
+        return tl.dot(a.to(b.dtype), b)
+
+
+@triton.jit
+def online_softmax_update(m, l, acc, s, v, v_scale):
+    """Fold one tile of scores into the running softmax state (FlashAttention's recurrence).
+
+    m, l: (G,) running max and running sum of exp(score - m); acc: (G, D) running sum of
+    exp(score - m) * value; s: (G, N) this tile's scores, -inf where a position does not exist;
+    v: (N, D) this tile's stored values; v_scale: (N,) the scale of each position's value row,
+    folded into P before P.V (ones when there is none). Returns the new (m, l, acc).
+    """
+    m_new = tl.maximum(m, tl.max(s, axis=1))  # (G,)
+    alpha = tl.exp(m - m_new)  # how much the old state shrinks; exp(-inf) = 0 on the first tile
+    p = tl.exp(s - m_new[:, None])  # (G, N); masked positions give exp(-inf) = 0
+    l = l * alpha + tl.sum(p, axis=1)  # the sum uses P itself, not the scaled P
+    pv = p * v_scale[None, :]  # sum_n p_n (s_n v_n) == sum_n (p_n s_n) v_n: G*N multiplies, not N*D
+    acc = acc * alpha[:, None] + dot(pv, v)  # (G, N) @ (N, D) -> (G, D)
+    return m_new, l, acc
+
+
+@triton.jit
+def _load_pages(ptr, scale_ptr, blk, offs_t, tok_mask, head,
+                s_blk, s_tok, s_head, c_blk, c_tok, c_head, c_grp,
+                FMT: tl.constexpr, SCALE: tl.constexpr, PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, DTYPE: tl.constexpr):
+    """PAGES pages of one KV head -> (PAGES * BLOCK_SIZE, D) values in DTYPE (the matmul dtype) and
+    (PAGES * BLOCK_SIZE,) fp32 per-slot scales still to apply (1.0 where there are none or they were
+    applied here). int8 values widen straight to DTYPE: every int8 is exact in fp16 and bf16.
+
+    blk (PAGES,) int64 block ids; offs_t (BLOCK_SIZE,) offsets in a block; tok_mask (PAGES, BLOCK_SIZE).
+    """
+    N: tl.constexpr = PAGES * BLOCK_SIZE
+    base = blk[:, None] * s_blk + offs_t[None, :] * s_tok + head * s_head  # (PAGES, BS) int64 element offsets
+    sc = tl.full((N,), 1.0, tl.float32)
+    if FMT == INT4:
+        offs_j = tl.arange(0, HEAD_DIM // 2)  # packed bytes: channel 2j in the low nibble, 2j+1 in the high
+        packed = tl.load(ptr + base[:, :, None] + offs_j[None, None, :], mask=tok_mask[:, :, None], other=0)
+        lo = (packed & 0x0F).to(tl.float32)
+        hi = (packed >> 4).to(tl.float32)
+        x = tl.reshape(tl.interleave(lo, hi), (N, HEAD_DIM)) - 8.0  # symmetric: stored q + 8
+        NG: tl.constexpr = HEAD_DIM // GROUP_SIZE
+        offs_g = tl.arange(0, NG)
+        sbase = blk[:, None] * c_blk + offs_t[None, :] * c_tok + head * c_head  # (PAGES, BS)
+        gs = tl.load(scale_ptr + sbase[:, :, None] + offs_g[None, None, :] * c_grp, mask=tok_mask[:, :, None],
+                     other=0.0)
+        gs = tl.reshape(gs, (N, NG))
+        x = tl.reshape(tl.reshape(x, (N, NG, GROUP_SIZE)) * gs[:, :, None], (N, HEAD_DIM)).to(DTYPE)  # group scales
+    else:
+        offs_d = tl.arange(0, HEAD_DIM)
+        x = tl.load(ptr + base[:, :, None] + offs_d[None, None, :], mask=tok_mask[:, :, None], other=0)
+        x = tl.reshape(x.to(DTYPE), (N, HEAD_DIM))  # int8 -> DTYPE in registers
+        if SCALE == PER_SLOT:
+            sc = tl.load(scale_ptr + blk[:, None] * c_blk + offs_t[None, :] * c_tok + head * c_head, mask=tok_mask,
+                         other=0.0)
+            sc = tl.reshape(sc, (N,))
+    return x, sc
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, out_ptr, lse_ptr,  # q, out (B, H_q, D); with splits out/lse are the partials (B, H_q, S, D) / (B, H_q, S)
+    k_ptr, v_ptr, ks_ptr, vs_ptr,  # pool pages and their scales (static [H, D] or per-slot pages)
+    kown_ptr, vown_ptr,  # (B, H_kv, D) the own new token at full precision (HAS_OWN)
+    table_ptr, ctx_ptr,  # (B, max_blocks) block ids; (B,) context lengths incl. the own token
+    sm_scale, iters_per_split,
+    s_qb, s_qh, s_ob, s_oh, s_os, s_lb, s_lh,
+    sk_blk, sk_tok, sk_head, sv_blk, sv_tok, sv_head,
+    ck_blk, ck_tok, ck_head, ck_grp, cv_blk, cv_tok, cv_head, cv_grp,
+    s_own_b, s_own_h, s_tab,
+    K_FMT: tl.constexpr, K_SCALE: tl.constexpr, V_FMT: tl.constexpr, V_SCALE: tl.constexpr,
+    K_GROUP: tl.constexpr, V_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
+    QPP: tl.constexpr, QPP_PAD: tl.constexpr, GQA: tl.constexpr, HAS_OWN: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    pid_h = tl.program_id(1)  # a KV head (grouped) or a query head (QPP == 1)
+    split = tl.program_id(2)
+    kv_head = (pid_h * QPP) // GQA
+    offs_g = tl.arange(0, QPP_PAD)
+    heads = pid_h * QPP + offs_g  # query heads of this program
+    g_mask = offs_g < QPP
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_t = tl.arange(0, BLOCK_SIZE)
+    offs_p = tl.arange(0, PAGES)
+    N: tl.constexpr = PAGES * BLOCK_SIZE
+
+    q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+    q = q.to(tl.float32)  # (QPP_PAD, D)
+    q_pool = q * sm_scale
+    if K_SCALE == STATIC:  # fold the K scale into q once: (q * s_k) . k_int8 == q . (s_k * k_int8)
+        q_pool = q_pool * tl.load(ks_ptr + kv_head * HEAD_DIM + offs_d)[None, :]
+
+    ctx = tl.load(ctx_ptr + b).to(tl.int32)
+    n_pool = ctx - HAS_OWN  # tokens read from the pool
+    n_iters = tl.cdiv(n_pool, N)
+    it_start = split * iters_per_split
+    it_end = tl.minimum(it_start + iters_per_split, n_iters)
+
+    m = tl.full((QPP_PAD,), float("-inf"), tl.float32)
+    l = tl.zeros((QPP_PAD,), tl.float32)
+    acc = tl.zeros((QPP_PAD, HEAD_DIM), tl.float32)
+    for it in range(it_start, it_end):
+        page = it * PAGES + offs_p  # (PAGES,) logical block numbers
+        blk = tl.load(table_ptr + b * s_tab + page, mask=page * BLOCK_SIZE < n_pool, other=0).to(tl.int64)
+        pos = page[:, None] * BLOCK_SIZE + offs_t[None, :]  # (PAGES, BS) token positions
+        tok_mask = pos < n_pool
+        k, k_sc = _load_pages(k_ptr, ks_ptr, blk, offs_t, tok_mask, kv_head, sk_blk, sk_tok, sk_head,
+                              ck_blk, ck_tok, ck_head, ck_grp, K_FMT, K_SCALE, PAGES, BLOCK_SIZE, HEAD_DIM, K_GROUP,
+                              DOT_DTYPE)
+        v, v_sc = _load_pages(v_ptr, vs_ptr, blk, offs_t, tok_mask, kv_head, sv_blk, sv_tok, sv_head,
+                              cv_blk, cv_tok, cv_head, cv_grp, V_FMT, V_SCALE, PAGES, BLOCK_SIZE, HEAD_DIM, V_GROUP,
+                              DOT_DTYPE)
+        s = dot(q_pool, tl.trans(k))  # (QPP_PAD, D) @ (D, N) -> (QPP_PAD, N) scores
+        if K_SCALE == PER_SLOT and K_FMT == INT8:
+            s = s * k_sc[None, :]  # per-slot K scale folded into QK
+        s = tl.where(tl.reshape(tok_mask, (N,))[None, :], s, float("-inf"))
+        m, l, acc = online_softmax_update(m, l, acc, s, v, v_sc)  # a per-slot V scale is folded into P
+
+    if V_SCALE == STATIC:  # the static V scale multiplies the output once, not every tile
+        acc = acc * tl.load(vs_ptr + kv_head * HEAD_DIM + offs_d)[None, :]
+    if HAS_OWN:
+        if split == tl.num_programs(2) - 1:  # the last split also takes the own token, at full precision
+            k_own = tl.load(kown_ptr + b * s_own_b + kv_head * s_own_h + offs_d).to(tl.float32)
+            v_own = tl.load(vown_ptr + b * s_own_b + kv_head * s_own_h + offs_d).to(tl.float32)
+            s_own = tl.sum(q * k_own[None, :], axis=1) * sm_scale  # (QPP_PAD,)
+            m_new = tl.maximum(m, s_own)  # the same recurrence for a tile of one position
+            alpha = tl.exp(m - m_new)
+            p_own = tl.exp(s_own - m_new)
+            l = l * alpha + p_own
+            acc = acc * alpha[:, None] + p_own[:, None] * v_own[None, :]
+            m = m_new
+
+    if SPLIT:
+        # normalized partial output + log-sum-exp; an empty split has l = 0: lse -inf, output 0
+        safe_l = tl.where(l > 0, l, 1.0)
+        tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + split * s_os + offs_d[None, :],
+                 acc / safe_l[:, None], mask=g_mask[:, None])
+        lse = tl.where(l > 0, m + tl.log(safe_l), float("-inf"))
+        tl.store(lse_ptr + b * s_lb + heads * s_lh + split, lse, mask=g_mask)
+    else:
+        tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + offs_d[None, :], acc / l[:, None],
+                 mask=g_mask[:, None])
+
+
+@triton.jit
+def _merge_kernel(part_ptr, lse_ptr, out_ptr, num_splits, s_pb, s_ph, s_ps, s_lb, s_lh, s_ob, s_oh,
+                  HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """out = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max lse): the exact softmax over the
+    union of the splits, since each o_s is normalized by its own sum exp(lse_s)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < num_splits
+    lse = tl.load(lse_ptr + b * s_lb + h * s_lh + offs_s, mask=s_mask, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, axis=0))  # (S,); empty splits weigh 0
+    o = tl.load(part_ptr + b * s_pb + h * s_ph + offs_s[:, None] * s_ps + offs_d[None, :], mask=s_mask[:, None],
+                other=0.0)
+    tl.store(out_ptr + b * s_ob + h * s_oh + offs_d, tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0))
+
+
+# ---- host side ------------------------------------------------------------------------------------
+
+# the matmuls run in q's dtype: fp16/bf16 on tensor cores on a GPU, fp32 exact on the CPU
+_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def default_pages(block_size: int) -> int:
+    """Pages per loop iteration: 128 tokens per tile, the best of 32/64/128 for FP16, INT8 and K8V4 at
+    batch 32 x 16K tokens on an H200 (fewer, larger loads; also fewer interpreted steps on a CPU)."""
+    return max(1, 128 // block_size)
+
+
+def default_splits(batch: int, programs_per_split: int, max_blocks: int, pages: int) -> int:
+    """Split the context only when there are too few programs to fill the GPU (flash-decoding); never
+    under the interpreter, where more programs only cost time."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1" or not torch.cuda.is_available():
+        return 1
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    want = -(-2 * sms // max(programs_per_split, 1))
+    return int(max(1, min(want, -(-max_blocks // (4 * pages)))))  # each split keeps >= 4 iterations
+
+
+def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 scale: float, k_own: torch.Tensor | None = None, v_own: torch.Tensor | None = None,
+                 num_splits: int | None = None, pages: int | None = None, group_heads: bool = True,
+                 out: torch.Tensor | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """Decode attention of one query token per sequence over a paged pool.
+
+    q (B, H_q, D); k, v operands (:func:`kvlab.kernels.pool`); block_tables (B, max_blocks)
+    int32/int64 physical block ids; context_lens (B,) tokens per sequence INCLUDING the new one.
+    ``k_own, v_own`` (B, H_kv, D): give them to attend the new token at full precision (it is then
+    not read from the pool). Returns (B, H_q, D) in q's dtype.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be (B, H_q, D), got shape {tuple(q.shape)}")
+    bsz, h_q, d = q.shape
+    h_kv, block_size = k.data.shape[2], k.data.shape[1]
+    if k.head_dim != d or v.head_dim != d:
+        raise ValueError(f"head_dim mismatch: q has {d}, K pages {k.head_dim}, V pages {v.head_dim}")
+    if d & (d - 1) or block_size & (block_size - 1):
+        raise ValueError(f"the kernel needs power-of-two head_dim and block_size, got {d} and {block_size}")
+    if h_q % h_kv:
+        raise ValueError(f"query heads ({h_q}) must be a multiple of KV heads ({h_kv})")
+    if block_tables.dim() != 2 or block_tables.shape[0] != bsz or context_lens.shape != (bsz,):
+        raise ValueError(f"block_tables must be (B={bsz}, max_blocks) and context_lens (B,), got "
+                         f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}")
+    if (k_own is None) != (v_own is None):
+        raise ValueError("give both k_own and v_own, or neither")
+    for t, name in ((q, "q"), (k.data, "K pages"), (v.data, "V pages")):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous along head_dim")
+    gqa = h_q // h_kv
+    qpp = gqa if group_heads else 1
+    pages = pages or default_pages(block_size)
+    max_blocks = block_tables.shape[1]
+    if num_splits is None:
+        num_splits = default_splits(bsz, bsz * (h_q // qpp), max_blocks, pages)
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive integer, got {num_splits!r}")
+    n_iters = -(-max_blocks // pages)
+    iters_per_split = max(1, -(-n_iters // num_splits))
+    has_own = k_own is not None
+    own_k = k_own if has_own else q  # unused placeholders keep the signature fixed
+    own_v = v_own if has_own else q
+    if has_own and own_k.stride(-1) != 1:
+        own_k, own_v = own_k.contiguous(), own_v.contiguous()
+    out = torch.empty_like(q) if out is None else out
+    split = num_splits > 1
+    if split:
+        part = torch.empty((bsz, h_q, num_splits, d), dtype=torch.float32, device=q.device)
+        lse = torch.empty((bsz, h_q, num_splits), dtype=torch.float32, device=q.device)
+        dst, s_o = part, (part.stride(0), part.stride(1), part.stride(2))
+    else:
+        part = lse = None
+        dst, s_o = out, (out.stride(0), out.stride(1), 0)
+    lse_arg = lse if split else out
+    s_l = (lse.stride(0), lse.stride(1)) if split else (0, 0)
+    ks = k.static_scale if k.scale_kind == O.STATIC else k.slot_scale if k.slot_scale is not None else q
+    vs = v.static_scale if v.scale_kind == O.STATIC else v.slot_scale if v.slot_scale is not None else q
+    kd, vd = k.data, v.data
+    grid = (bsz, h_q // qpp, num_splits)
+    _paged_decode_kernel[grid](
+        q, dst, lse_arg, kd, vd, ks, vs, own_k, own_v, block_tables, context_lens,
+        float(scale), iters_per_split,
+        q.stride(0), q.stride(1), *s_o, *s_l,
+        kd.stride(0), kd.stride(1), kd.stride(2), vd.stride(0), vd.stride(1), vd.stride(2),
+        *k.scale_strides(), *v.scale_strides(),
+        own_k.stride(0), own_k.stride(1), block_tables.stride(0),
+        K_FMT=k.fmt, K_SCALE=k.scale_kind, V_FMT=v.fmt, V_SCALE=v.scale_kind,
+        K_GROUP=k.group_size or 1, V_GROUP=v.group_size or 1,
+        HEAD_DIM=d, BLOCK_SIZE=block_size, PAGES=pages,
+        QPP=qpp, QPP_PAD=max(16, _pow2(qpp)), GQA=gqa, HAS_OWN=has_own, SPLIT=split,
+        DOT_DTYPE=_DOT_DTYPES.get(q.dtype, tl.float32), **({"num_warps": num_warps} if num_warps else {}),
+    )
+    if split:
+        _merge_kernel[(bsz, h_q)](part, lse, out, num_splits, part.stride(0), part.stride(1), part.stride(2),
+                                  lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+                                  HEAD_DIM=d, SPLITS_PAD=_pow2(num_splits))
+    return out
+
+
+# ---- the online-softmax recurrence alone: notebook 05's exercise runs a learner's update here ----------
+
+@triton.jit
+def _softmax_harness_kernel(s_ptr, v_ptr, vs_ptr, out_ptr, num_tiles, UPDATE: tl.constexpr, G: tl.constexpr,
+                            TILE: tl.constexpr, D: tl.constexpr):
+    """out (G, D) = softmax(s) @ (v * v_scale) over num_tiles tiles of TILE positions, folded one tile at a
+    time by UPDATE(m, l, acc, s, v, v_scale) -> (m, l, acc), as the decode kernel's loop does."""
+    offs_g = tl.arange(0, G)
+    offs_n = tl.arange(0, TILE)
+    offs_d = tl.arange(0, D)
+    m = tl.full((G,), float("-inf"), tl.float32)
+    l = tl.zeros((G,), tl.float32)
+    acc = tl.zeros((G, D), tl.float32)
+    for t in range(num_tiles):
+        n = t * TILE + offs_n
+        s = tl.load(s_ptr + offs_g[:, None] * (num_tiles * TILE) + n[None, :])  # (G, TILE), -inf = masked
+        v = tl.load(v_ptr + n[:, None] * D + offs_d[None, :])  # (TILE, D)
+        vs = tl.load(vs_ptr + n)  # (TILE,)
+        m, l, acc = UPDATE(m, l, acc, s, v, vs)
+    tl.store(out_ptr + offs_g[:, None] * D + offs_d[None, :], acc / l[:, None])
+
+
+def run_online_softmax(update, s: torch.Tensor, v: torch.Tensor, v_scale: torch.Tensor, tile: int) -> torch.Tensor:
+    """Run a ``@triton.jit`` update function (the signature of :func:`online_softmax_update`) over the
+    scores ``s`` (G, N) in tiles of ``tile`` positions; v (N, D), v_scale (N,). Returns (G, D)."""
+    g, n = s.shape
+    if n % tile or v.shape[0] != n or v_scale.shape != (n,):
+        raise ValueError(f"need N a multiple of tile and v (N, D), v_scale (N,): got s {tuple(s.shape)}, "
+                         f"v {tuple(v.shape)}, v_scale {tuple(v_scale.shape)}, tile {tile}")
+    out = torch.full((g, v.shape[1]), float("nan"), dtype=torch.float32, device=s.device)
+    _softmax_harness_kernel[(1,)](s.float().contiguous(), v.float().contiguous(), v_scale.float().contiguous(), out,
+                                  n // tile, UPDATE=update, G=g, TILE=tile, D=v.shape[1])
+    return out
+
+
+__all__ = ["run_online_softmax", "online_softmax_update", "paged_decode", "default_splits", "default_pages"]

@@ -1,0 +1,164 @@
+"""Bytes a decode step moves, predicted and counted (notebook 05).
+
+Decode is memory-bound: every step reads each sequence's whole cache to produce one token, so the
+bytes read ARE the step time on a GPU, to first order. :func:`decode_traffic` predicts, for one
+launch of :func:`~kvlab.kernels.decode.paged_decode`, every byte it loads and stores, by part (K, V,
+scales, block tables, q, out, split partials). :func:`count_traffic` counts what a launch really
+loads and stores under Triton's interpreter, so a test can hold the prediction to the kernel.
+:func:`step_bytes` and :func:`project` turn the prediction into whole-model numbers per format and
+GPU for the benchmark and the widget.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from kvlab.kernels.pool import FLOAT, INT4, INT8, NO_SCALE, PER_SLOT, STATIC
+
+#: peak HBM bandwidth, bytes/s (vendor datasheets: A100 80GB SXM, H100 SXM, H200 SXM)
+GPU_BANDWIDTH = {"A100": 2.039e12, "H100": 3.35e12, "H200": 4.8e12}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """How one of K/V is stored, without the tensors: enough to count bytes."""
+
+    fmt: int = FLOAT  # FLOAT, INT8, INT4
+    elem: int = 2  # bytes per stored value (FLOAT: 2 or 4; INT8: 1; INT4: half a byte, see value_bytes)
+    scale_kind: int = NO_SCALE
+    scale_width: int = 1  # INT8 PER_SLOT: 1 scale per token-head (per-token pages are read per head too)
+    group_size: int = 32  # INT4
+
+    def value_bytes(self, d: int) -> int:
+        """Bytes of one token-head's data."""
+        return d // 2 if self.fmt == INT4 else d * self.elem
+
+    def scale_bytes(self, d: int) -> int:
+        """Bytes of per-slot scales read with one token-head."""
+        if self.scale_kind != PER_SLOT:
+            return 0
+        return 4 * (d // self.group_size if self.fmt == INT4 else 1)
+
+
+#: the formats the lab compares; int8 = per-head static scales, k8v4 = K int8 per-head, V int4 g32
+FORMATS = {
+    "fp16": (Spec(FLOAT, 2), Spec(FLOAT, 2)),
+    "fp32": (Spec(FLOAT, 4), Spec(FLOAT, 4)),
+    "int8": (Spec(INT8, 1, STATIC), Spec(INT8, 1, STATIC)),
+    "int8-per-token-head": (Spec(INT8, 1, PER_SLOT), Spec(INT8, 1, PER_SLOT)),
+    "k8v4": (Spec(INT8, 1, STATIC), Spec(INT4, 1, PER_SLOT, group_size=32)),
+}
+
+
+def spec_of(op) -> Spec:
+    """The :class:`Spec` of a :class:`~kvlab.kernels.pool.Operand`."""
+    return Spec(op.fmt, op.data.element_size(), op.scale_kind, 1, op.group_size or 32)
+
+
+def decode_traffic(context_lens, h_q: int, h_kv: int, d: int, k: Spec, v: Spec, *, block_size: int = 16,
+                   num_splits: int = 1, group_heads: bool = True, has_own: bool = False,
+                   q_bytes: int = 2, table_bytes: int = 8, ctx_bytes: int = 8) -> dict:
+    """Bytes one ``paged_decode`` launch reads and writes, by part, exactly as the kernel loads them
+    (masked lanes move nothing; how the context is cut into splits and tiles moves no extra bytes).
+
+    context_lens: tokens per sequence including the new one. Returns ``{"read": {...}, "write": {...},
+    "total": n}`` with parts k, v, k_scales, v_scales, block_tables, q, context_lens, own, partials, out.
+    """
+    g = h_q // h_kv
+    qpp = g if group_heads else 1
+    programs_per_seq = h_q // qpp  # head groups per sequence
+    copies = g // qpp  # how many programs read each KV head's pages
+    read = dict.fromkeys(["k", "v", "k_scales", "v_scales", "block_tables", "q", "context_lens", "own",
+                          "partials"], 0)
+    write = {"partials": 0, "out": 0}
+    for ctx in context_lens:
+        n_pool = ctx - (1 if has_own else 0)
+        tokens = n_pool * h_kv * copies  # token-heads read from the pool
+        read["k"] += tokens * k.value_bytes(d)
+        read["v"] += tokens * v.value_bytes(d)
+        read["k_scales"] += tokens * k.scale_bytes(d)
+        read["v_scales"] += tokens * v.scale_bytes(d)
+        read["block_tables"] += -(-n_pool // block_size) * table_bytes * programs_per_seq
+        programs = programs_per_seq * num_splits
+        read["q"] += programs * qpp * d * q_bytes
+        read["context_lens"] += programs * ctx_bytes
+        # static scales: K's folded into q before the loop, V's into the output after it, in every program
+        read["k_scales"] += programs * d * 4 * (k.scale_kind == STATIC)
+        read["v_scales"] += programs * d * 4 * (v.scale_kind == STATIC)
+        if has_own:
+            read["own"] += programs_per_seq * 2 * d * q_bytes
+        if num_splits > 1:
+            write["partials"] += programs * qpp * (d + 1) * 4  # fp32 partial output + log-sum-exp
+            read["partials"] += h_q * num_splits * (d + 1) * 4  # the merge reads them back
+        write["out"] += h_q * d * q_bytes
+    total = sum(read.values()) + sum(write.values())
+    return {"read": read, "write": write, "total": total}
+
+
+def step_bytes(fmt: str, batch: int, context: int, num_layers: int, h_q: int, h_kv: int, d: int,
+               block_size: int = 16, fused: bool = True) -> int:
+    """Bytes the attention of one whole-model decode step moves: ``batch`` sequences of ``context``
+    tokens, every layer, fp16 q/out. ``fused=False``: dequantize the cache to an fp16 copy first,
+    then attend over the copy (the seed's warning: the copy costs more than the quantization saves)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
+    k, v = FORMATS[fmt]
+    ctx = [context] * batch
+    t = decode_traffic(ctx, h_q, h_kv, d, k, v, block_size=block_size)["total"]
+    if not fused and fmt != "fp16":
+        cache_read = sum(decode_traffic(ctx, h_q, h_kv, d, k, v, block_size=block_size)["read"][p]
+                         for p in ("k", "v", "k_scales", "v_scales"))
+        copy = 2 * batch * context * h_kv * d * 2  # the fp16 copy of K and V, written once
+        t = cache_read + copy + decode_traffic(ctx, h_q, h_kv, d, *FORMATS["fp16"], block_size=block_size)["total"]
+    return t * num_layers
+
+
+#: shapes the benchmark and the widget use: (layers, query heads, KV heads, head_dim)
+SHAPES = {"smollm2-135m": (30, 9, 3, 64), "llama-3-8b": (32, 32, 8, 128)}
+
+
+def project(shape: str, batch: int, context: int, gpu: str = "H100", fused: bool = True) -> dict:
+    """Bytes per decode step by format and the step time they imply at the GPU's peak bandwidth
+    (a projection: a lower bound, no kernel reaches peak)."""
+    if shape not in SHAPES:
+        raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
+    if gpu not in GPU_BANDWIDTH:
+        raise ValueError(f"gpu must be one of {sorted(GPU_BANDWIDTH)}, got {gpu!r}")
+    layers, h_q, h_kv, d = SHAPES[shape]
+    out = {}
+    for fmt in ("fp16", "int8", "k8v4"):
+        b = step_bytes(fmt, batch, context, layers, h_q, h_kv, d, fused=fused)
+        out[fmt] = {"bytes_per_step": b, "projected_ms": 1e3 * b / GPU_BANDWIDTH[gpu]}
+    return out
+
+
+# ---- counting under the interpreter -----------------------------------------------------------------
+
+@contextmanager
+def count_traffic():
+    """Count the bytes every ``tl.load`` / ``tl.store`` really touches (masked-off lanes excluded) while
+    kernels run under ``TRITON_INTERPRET=1``. Yields a dict with running totals "read" and "write"."""
+    from kvlab.kernels import triton_mode
+
+    if triton_mode() != "interpreter":
+        raise RuntimeError("count_traffic counts through Triton's interpreter; run with TRITON_INTERPRET=1")
+    from triton.runtime import interpreter as I
+
+    b = I.interpreter_builder
+    counts = {"read": 0, "write": 0}
+    load, store = b.create_masked_load, b.create_masked_store
+
+    def counted_load(ptrs, mask, *args):
+        counts["read"] += int(mask.data.sum()) * ptrs.get_element_ty().primitive_bitwidth // 8
+        return load(ptrs, mask, *args)
+
+    def counted_store(ptrs, value, mask, *args):
+        counts["write"] += int(mask.data.sum()) * ptrs.get_element_ty().primitive_bitwidth // 8
+        return store(ptrs, value, mask, *args)
+
+    b.create_masked_load, b.create_masked_store = counted_load, counted_store
+    try:
+        yield counts
+    finally:
+        del b.create_masked_load, b.create_masked_store  # back to the class's methods

@@ -1,0 +1,115 @@
+"""Bandwidth savings, made visible (notebook 05): bytes one decode step moves by KV format and
+context, the step time those bytes imply on a chosen GPU, and measured kernel times beside them.
+
+Only reads :mod:`kvlab.kernels.traffic` (the byte model the tests hold to the kernel's real loads)
+and, when given, the JSON of ``kvlab bench kernels`` run on a GPU.
+"""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from kvlab.kernels.traffic import GPU_BANDWIDTH, SHAPES, step_bytes
+from kvlab.viz import COLORS
+from kvlab.viz.paged import PALETTE
+
+FORMAT_COLORS = {"fp16": COLORS["weights"], "int8": COLORS["tokens"], "k8v4": PALETTE[0],
+                 "int8_unfused": COLORS["kv"]}
+FORMAT_NAMES = {"fp16": "FP16", "int8": "INT8 (fused)", "k8v4": "K8V4 (fused)",
+                "int8_unfused": "INT8, dequantized copy first"}
+CONTEXTS = [2**k for k in range(8, 16)]  # 256 ... 32768 tokens per sequence
+
+
+def _bytes(shape: str, fmt: str, batch: int, context: int) -> int:
+    layers, h_q, h_kv, d = SHAPES[shape]
+    if fmt == "int8_unfused":
+        return step_bytes("int8", batch, context, layers, h_q, h_kv, d, fused=False)
+    return step_bytes(fmt, batch, context, layers, h_q, h_kv, d)
+
+
+def measured_points(bench: dict | None, shape: str, batch: int, fmt: str) -> tuple[list, list]:
+    """(contexts, whole-model step ms) measured by ``kvlab bench kernels`` on a GPU for one batch and
+    format: per-layer kernel time x layers. Empty when there is no GPU result."""
+    if not bench or "measured" not in bench:
+        return [], []
+    layers = SHAPES[shape][0]
+    rows = sorted((r for r in bench["measured"] if r["shape"] == shape and r["batch"] == batch),
+                  key=lambda r: r["context"])
+    return [r["context"] for r in rows], [r["us"][fmt] * layers / 1e3 for r in rows]
+
+
+def bandwidth_figure(shape: str = "llama-3-8b", batch: int = 32, context: int = 16384, gpu: str = "H100",
+                     bench: dict | None = None, widget: bool = False):
+    """Left: bytes per whole-model decode step (attention only) by format at one context. Right: the
+    step time those bytes take at the GPU's peak bandwidth, by context, with measured points."""
+    if shape not in SHAPES:
+        raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
+    if gpu not in GPU_BANDWIDTH:
+        raise ValueError(f"gpu must be one of {sorted(GPU_BANDWIDTH)}, got {gpu!r}")
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.38, 0.62], horizontal_spacing=0.12,
+                        subplot_titles=("bytes per decode step", "projected step time (attention only)"))
+    fig = go.FigureWidget(fig) if widget else go.Figure(fig)
+    fmts = list(FORMAT_NAMES)
+    fig.add_bar(x=[FORMAT_NAMES[f] for f in fmts], y=[0] * len(fmts), marker_color=[FORMAT_COLORS[f] for f in fmts],
+                textposition="outside", showlegend=False, row=1, col=1)
+    for f in fmts:
+        fig.add_scatter(x=CONTEXTS, y=[0] * len(CONTEXTS), mode="lines", name=FORMAT_NAMES[f],
+                        line=dict(color=FORMAT_COLORS[f], dash="dot" if f == "int8_unfused" else "solid"),
+                        row=1, col=2)
+    for f in ("fp16", "int8", "k8v4", "int8_unfused"):
+        fig.add_scatter(x=[], y=[], mode="markers", name=f"{FORMAT_NAMES[f]}, measured",
+                        marker=dict(color=FORMAT_COLORS[f], size=10, symbol="diamond", line=dict(width=1, color="black")),
+                        row=1, col=2)
+    fig.update_layout(height=440, legend=dict(orientation="h", y=-0.22), margin=dict(t=70, b=40))
+    fig.update_yaxes(title_text="MB", row=1, col=1)
+    fig.update_xaxes(title_text="context (tokens per sequence)", type="log", row=1, col=2)
+    fig.update_yaxes(title_text="ms per decode step", type="log", row=1, col=2)
+    update_bandwidth_figure(fig, shape, batch, context, gpu, bench)
+    return fig
+
+
+def update_bandwidth_figure(fig, shape: str, batch: int, context: int, gpu: str, bench: dict | None = None) -> dict:
+    """Redraw in place; returns the numbers drawn (bytes and projected ms by format at ``context``)."""
+    bw = GPU_BANDWIDTH[gpu]
+    fmts = list(FORMAT_NAMES)
+    at = {f: _bytes(shape, f, batch, context) for f in fmts}
+    n = len(fmts)
+    with fig.batch_update():
+        fig.data[0].y = [at[f] / 1e6 for f in fmts]
+        fig.data[0].text = [f"{at[f] / at['fp16']:.0%}" for f in fmts]
+        for i, f in enumerate(fmts):
+            fig.data[1 + i].y = [1e3 * _bytes(shape, f, batch, c) / bw for c in CONTEXTS]
+        for i, f in enumerate(fmts):
+            xs, ys = measured_points(bench, shape, batch, f)
+            fig.data[1 + n + i].x, fig.data[1 + n + i].y = xs, ys
+        device = f" · diamonds: measured on {bench['device']}" if bench and "measured" in bench else ""
+        fig.layout.title = dict(text=f"{shape}, batch {batch}, {context:,} tokens per sequence, lines: {gpu} at "
+                                     f"{bw / 1e12:.2f} TB/s (projection){device}", font=dict(size=14))
+    return {f: {"bytes": at[f], "projected_ms": 1e3 * at[f] / bw} for f in fmts}
+
+
+def bandwidth_widget(shape: str = "llama-3-8b", batch: int = 32, context: int = 16384, gpu: str = "H100",
+                     bench: dict | None = None):
+    """Sliders for batch and context, dropdowns for the shape and the GPU, over :func:`bandwidth_figure`."""
+    import ipywidgets as W
+
+    fig = bandwidth_figure(shape, batch, context, gpu, bench, widget=True)
+    w_shape = W.Dropdown(options=sorted(SHAPES), value=shape, description="shape")
+    w_gpu = W.Dropdown(options=list(GPU_BANDWIDTH), value=gpu, description="GPU")
+    w_batch = W.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64, 128], value=batch, description="batch")
+    w_ctx = W.SelectionSlider(options=CONTEXTS, value=context, description="context")
+    out = W.HTML()
+
+    def refresh(_=None):
+        nums = update_bandwidth_figure(fig, w_shape.value, w_batch.value, w_ctx.value, w_gpu.value, bench)
+        f16, i8, kv4, unf = (nums[f] for f in ("fp16", "int8", "k8v4", "int8_unfused"))
+        out.value = (f"FP16 moves <b>{f16['bytes'] / 1e6:,.0f} MB</b> per step: at least "
+                     f"<b>{f16['projected_ms']:.2f} ms</b> on {w_gpu.value}. INT8 fused: {i8['projected_ms']:.2f} ms "
+                     f"({f16['bytes'] / i8['bytes']:.2f}x fewer bytes); K8V4: {kv4['projected_ms']:.2f} ms; INT8 "
+                     f"through a dequantized FP16 copy: {unf['projected_ms']:.2f} ms, slower than FP16 itself.")
+
+    for c in (w_shape, w_gpu, w_batch, w_ctx):
+        c.observe(refresh, names="value")
+    refresh()
+    return W.VBox([W.HBox([w_shape, w_gpu]), W.HBox([w_batch, w_ctx]), out, fig])

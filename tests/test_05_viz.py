@@ -1,0 +1,52 @@
+"""Notebook 05's bandwidth picture: built from the byte model the kernel tests check, live controls."""
+
+import pytest
+
+from kvlab.kernels import bench
+from kvlab.kernels.traffic import GPU_BANDWIDTH, project, step_bytes
+from kvlab.viz import bandwidth as bv
+
+
+def test_figure_draws_the_byte_model():
+    fig = bv.bandwidth_figure("llama-3-8b", batch=32, context=16384, gpu="H100")
+    bars = fig.data[0]
+    fp16 = step_bytes("fp16", 32, 16384, 32, 32, 8, 128)
+    assert bars.y[0] == pytest.approx(fp16 / 1e6)
+    assert bars.y[1] < 0.52 * bars.y[0] and bars.y[3] > bars.y[0]  # fused int8 halves, the copy doubles
+    line = fig.data[1]  # fp16 projected step time across contexts
+    assert line.y[list(bv.CONTEXTS).index(16384)] == pytest.approx(project("llama-3-8b", 32, 16384, "H100")["fp16"]["projected_ms"])
+    assert all(len(t.x) == 0 for t in fig.data[5:])  # no measurements given, none drawn
+
+
+def test_figure_shows_recorded_gpu_points():
+    rec = bench.recorded_h200()
+    assert rec["mode"] == "gpu" and "H200" in rec["device"] and len(rec["measured"]) == 18
+    fig = bv.bandwidth_figure("llama-3-8b", batch=32, context=4096, gpu="H200", bench=rec)
+    measured_fp16 = fig.data[5]
+    assert list(measured_fp16.x) == [1024, 4096, 16384]
+    row = next(r for r in rec["measured"] if r["shape"] == "llama-3-8b" and r["batch"] == 32 and r["context"] == 4096)
+    assert measured_fp16.y[1] == pytest.approx(row["us"]["fp16"] * 32 / 1e3)
+    assert "measured on NVIDIA H200" in fig.layout.title.text
+
+
+def test_widget_controls_redraw():
+    w = bv.bandwidth_widget(bench=bench.recorded_h200())
+    (shape, gpu), (batch, ctx) = w.children[0].children, w.children[1].children
+    text, fig = w.children[2], w.children[3]
+    before = fig.data[0].y[0]
+    batch.value = 8
+    assert fig.data[0].y[0] == pytest.approx(before / 4, rel=1e-3)
+    gpu.value = "A100"
+    assert "A100" in fig.layout.title.text and "A100" in text.value
+    shape.value = "smollm2-135m"
+    assert fig.data[0].y[0] == pytest.approx(step_bytes("fp16", 8, 16384, 30, 9, 3, 64) / 1e6)
+
+
+def test_bad_names_are_refused():
+    with pytest.raises(ValueError, match="shape must be one of"):
+        bv.bandwidth_figure("gpt-5")
+    with pytest.raises(ValueError, match="gpu must be one of"):
+        bv.bandwidth_figure(gpu="B200")
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        step_bytes("int3", 1, 1, 1, 1, 1, 64)
+    assert set(GPU_BANDWIDTH) == {"A100", "H100", "H200"}
