@@ -2,6 +2,9 @@
 
 import pytest
 
+import triton
+import triton.language as tl  # a @triton.jit function must see `tl` among its module's globals
+
 from kvlab import check, sizing
 
 
@@ -109,9 +112,6 @@ def test_admission_rule(capsys):
 
 
 def test_online_softmax_update(capsys):
-    import triton
-    import triton.language as tl
-
     from kvlab.kernels.decode import online_softmax_update
 
     @triton.jit
