@@ -16,8 +16,7 @@ from kvlab.viz.paged import PALETTE
 
 FORMAT_COLORS = {"fp16": COLORS["weights"], "int8": COLORS["tokens"], "k8v4": PALETTE[0],
                  "int8_unfused": COLORS["kv"]}
-FORMAT_NAMES = {"fp16": "FP16", "int8": "INT8 (fused)", "k8v4": "K8V4 (fused)",
-                "int8_unfused": "INT8, dequantized copy first"}
+FORMAT_NAMES = {"fp16": "FP16", "int8": "INT8", "k8v4": "K8V4", "int8_unfused": "INT8 via FP16 copy"}
 CONTEXTS = [2**k for k in range(8, 16)]  # 256 ... 32768 tokens per sequence
 
 
@@ -48,25 +47,28 @@ def bandwidth_figure(shape: str = "llama-3-8b", batch: int = 32, context: int = 
     if gpu not in GPU_BANDWIDTH:
         raise ValueError(f"gpu must be one of {sorted(GPU_BANDWIDTH)}, got {gpu!r}")
     fig = make_subplots(rows=1, cols=2, column_widths=[0.38, 0.62], horizontal_spacing=0.12,
-                        subplot_titles=("bytes per decode step", "projected step time (attention only)"))
-    fig = go.FigureWidget(fig) if widget else go.Figure(fig)
+                        subplot_titles=("bytes per decode step", "step time (attention only)"))
     fmts = list(FORMAT_NAMES)
-    fig.add_bar(x=[FORMAT_NAMES[f] for f in fmts], y=[0] * len(fmts), marker_color=[FORMAT_COLORS[f] for f in fmts],
+    fig.add_bar(x=[FORMAT_NAMES[f].replace(" via ", " via<br>") for f in fmts], y=[0] * len(fmts), marker_color=[FORMAT_COLORS[f] for f in fmts],
                 textposition="outside", showlegend=False, row=1, col=1)
-    for f in fmts:
-        fig.add_scatter(x=CONTEXTS, y=[0] * len(CONTEXTS), mode="lines", name=FORMAT_NAMES[f],
+    for f in fmts:  # fused INT8 / K8V4 read their pages directly; "via FP16 copy" dequantizes first
+        fig.add_scatter(x=CONTEXTS, y=[0] * len(CONTEXTS), mode="lines", name=FORMAT_NAMES[f], legendgroup=f,
                         line=dict(color=FORMAT_COLORS[f], dash="dot" if f == "int8_unfused" else "solid"),
                         row=1, col=2)
-    for f in ("fp16", "int8", "k8v4", "int8_unfused"):
-        fig.add_scatter(x=[], y=[], mode="markers", name=f"{FORMAT_NAMES[f]}, measured",
-                        marker=dict(color=FORMAT_COLORS[f], size=10, symbol="diamond", line=dict(width=1, color="black")),
-                        row=1, col=2)
-    fig.update_layout(height=440, legend=dict(orientation="h", y=-0.22), margin=dict(t=70, b=40))
+    for f in fmts:
+        fig.add_scatter(x=[], y=[], mode="markers", name=f"{FORMAT_NAMES[f]}, measured", legendgroup=f,
+                        showlegend=False, row=1, col=2,
+                        marker=dict(color=FORMAT_COLORS[f], size=10, symbol="diamond", line=dict(width=1, color="black")))
+    fig.update_layout(height=440, legend=dict(orientation="h", y=-0.2, x=0.3), margin=dict(t=90, b=40))
     fig.update_yaxes(title_text="MB", row=1, col=1)
-    fig.update_xaxes(title_text="context (tokens per sequence)", type="log", row=1, col=2)
-    fig.update_yaxes(title_text="ms per decode step", type="log", row=1, col=2)
+    fig.update_xaxes(tickangle=0, row=1, col=1)
+    fig.update_xaxes(title_text="context (tokens per sequence)", type="log", tickvals=CONTEXTS,
+                     ticktext=[f"{c // 1024}K" if c >= 1024 else str(c) for c in CONTEXTS], row=1, col=2)
+    fig.update_yaxes(title_text="ms per decode step", type="log", dtick=1, row=1, col=2)
     update_bandwidth_figure(fig, shape, batch, context, gpu, bench)
-    return fig
+    # a FigureWidget built from the finished figure: traces added to a live FigureWidget one by one lose
+    # their x values in the browser (plotly 7 + anywidget), later updates of existing traces do not
+    return go.FigureWidget(fig) if widget else fig
 
 
 def update_bandwidth_figure(fig, shape: str, batch: int, context: int, gpu: str, bench: dict | None = None) -> dict:
@@ -84,8 +86,9 @@ def update_bandwidth_figure(fig, shape: str, batch: int, context: int, gpu: str,
             xs, ys = measured_points(bench, shape, batch, f)
             fig.data[1 + n + i].x, fig.data[1 + n + i].y = xs, ys
         device = f" · diamonds: measured on {bench['device']}" if bench and "measured" in bench else ""
-        fig.layout.title = dict(text=f"{shape}, batch {batch}, {context:,} tokens per sequence, lines: {gpu} at "
-                                     f"{bw / 1e12:.2f} TB/s (projection){device}", font=dict(size=14))
+        fig.layout.title = dict(text=f"{shape}, batch {batch}, {context:,} tokens per sequence<br><sup>lines: "
+                                     f"bytes / {gpu} peak {bw / 1e12:.2f} TB/s (projection){device}</sup>",
+                                font=dict(size=14))
     return {f: {"bytes": at[f], "projected_ms": 1e3 * at[f] / bw} for f in fmts}
 
 
