@@ -119,7 +119,7 @@ def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
 def time_case(shape: str, batch: int, context: int, device) -> dict:
     from triton.testing import do_bench
 
-    from kvlab.kernels.decode import default_splits, paged_decode
+    from kvlab.kernels.decode import default_pages, default_splits, paged_decode
 
     layers, h_q, h_kv, d = SHAPES[shape]
     n_blocks = batch * -(-context // BLOCK_SIZE)
@@ -127,7 +127,7 @@ def time_case(shape: str, batch: int, context: int, device) -> dict:
     q = torch.randn(batch, h_q, d, device=device, dtype=torch.float16)
     scale = d ** -0.5
     row = {"shape": shape, "batch": batch, "context": context, "us": {}, "GBps": {}, "bytes_per_layer": {}}
-    splits = default_splits(batch, batch * h_kv, table.shape[1], 4)
+    splits = default_splits(batch * h_kv, table.shape[1], default_pages(BLOCK_SIZE))
     row["splits"] = splits
     for fmt in ("fp16", "int8", "k8v4"):
         k_op, v_op = random_operands(fmt, n_blocks, h_kv, d, device)

@@ -231,7 +231,7 @@ def default_pages(block_size: int) -> int:
     return max(1, 128 // block_size)
 
 
-def default_splits(batch: int, programs_per_split: int, max_blocks: int, pages: int) -> int:
+def default_splits(programs_per_split: int, max_blocks: int, pages: int) -> int:
     """Split the context only when there are too few programs to fill the GPU (flash-decoding); never
     under the interpreter, where more programs only cost time."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1" or not torch.cuda.is_available():
@@ -275,7 +275,7 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
     pages = pages or default_pages(block_size)
     max_blocks = block_tables.shape[1]
     if num_splits is None:
-        num_splits = default_splits(bsz, bsz * (h_q // qpp), max_blocks, pages)
+        num_splits = default_splits(bsz * (h_q // qpp), max_blocks, pages)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive integer, got {num_splits!r}")
     n_iters = -(-max_blocks // pages)

@@ -21,9 +21,12 @@ def write_to_cache(cache, layer: int, k: torch.Tensor, v: torch.Tensor, slot_map
     if not quantized:
         write_kv(k, v, slot_mapping, *operands(cache, layer))
         return
+    from kvlab.kernels.pool import _check_format
     from kvlab.quant import core
     from kvlab.quant.rotation import rotate
 
+    _check_format(cache.k[layer].fmt, f"layer {layer}'s K")  # refuse before any scale or page changes
+    _check_format(cache.v[layer].fmt, f"layer {layer}'s V")
     core.check_finite(k, f"keys (layer {layer})")  # before anything is touched, as cache.write does
     core.check_finite(v, f"values (layer {layer})")
     if cache.config.rotate_k:

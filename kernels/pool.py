@@ -61,9 +61,21 @@ def _static(scale: torch.Tensor | None, h: int, d: int, what: str) -> torch.Tens
     return scale.float().expand(1, h, d)[0].contiguous()  # (1,1,1) | (1,H,1) | (1,H,D) -> (H, D)
 
 
+def _check_format(fmt, where: str) -> None:
+    """ValueError unless the kernels can read and write this TensorFormat."""
+    ok = fmt.dtype in ("fp32", "fp16", "bf16", "int8") or (fmt.dtype == "int4" and fmt.symmetric)
+    if not ok:
+        raise ValueError(f"{where} is stored as {fmt.label()!r}; attn_backend='triton' handles "
+                         f"{', '.join(KERNEL_FORMATS)}; use attn_backend='torch' or 'reference'")
+    if fmt.dtype == "int4" and (fmt.group_size < 2 or fmt.group_size & (fmt.group_size - 1)):
+        raise ValueError(f"{where}: attn_backend='triton' needs an int4 group_size that is a power of two >= 2, "
+                         f"got {fmt.group_size}")
+
+
 def operand_of_store(store, what: str = "K") -> Operand:
     """An operand for one ``kvlab.quant.cache._Store`` (one of K/V of one quantized layer)."""
     fmt = store.fmt
+    _check_format(fmt, what)
     if fmt.dtype in ("fp32", "fp16", "bf16"):
         return Operand(store.data, FLOAT, label=fmt.label())
     if fmt.dtype == "int8":
@@ -71,35 +83,21 @@ def operand_of_store(store, what: str = "K") -> Operand:
             return Operand(store.data, INT8, STATIC, static_scale=_static(store.scale, store.h, store.d, what),
                            label=fmt.label())
         return Operand(store.data, INT8, PER_SLOT, slot_scale=store.token_scale, label=fmt.label())
-    if fmt.dtype == "int4" and fmt.symmetric:
-        if fmt.group_size % 2 or fmt.group_size & (fmt.group_size - 1):
-            raise ValueError(f"the Triton kernels need an int4 group_size that is an even power of two, "
-                             f"got {fmt.group_size}")
-        return Operand(store.data, INT4, PER_SLOT, slot_scale=store.token_scale, group_size=fmt.group_size,
-                       label=fmt.label())
-    raise ValueError(f"{what} is stored as {fmt.label()!r}; the Triton kernels read {', '.join(KERNEL_FORMATS)} "
-                     "(use attn_backend='torch' for the others)")
+    return Operand(store.data, INT4, PER_SLOT, slot_scale=store.token_scale, group_size=fmt.group_size,
+                   label=fmt.label())
 
 
 def operands(cache, layer: int) -> tuple[Operand, Operand]:
     """(K, V) operands of one layer of a float or quantized paged pool."""
     if hasattr(cache, "config"):  # QuantizedPagedKVCache
-        return operand_of_store(cache.k[layer], "K"), operand_of_store(cache.v[layer], "V")
+        return operand_of_store(cache.k[layer], f"layer {layer}'s K"), operand_of_store(cache.v[layer], f"layer {layer}'s V")
     label = str(cache.dtype).replace("torch.", "").replace("float", "fp")
     return (Operand(cache.k_cache[layer], FLOAT, label=label), Operand(cache.v_cache[layer], FLOAT, label=label))
 
 
 def check_cache_supported(cache) -> None:
     """Raise ValueError up front when a pool holds a format the kernels cannot read or write."""
-    if not hasattr(cache, "config"):
-        return
-    for layer in range(cache.num_layers):
-        for st, what in ((cache.k[layer], "K"), (cache.v[layer], "V")):
-            fmt = st.fmt
-            ok = fmt.dtype in ("fp32", "fp16", "bf16", "int8") or (fmt.dtype == "int4" and fmt.symmetric)
-            if not ok:
-                raise ValueError(f"layer {layer} stores {what} as {fmt.label()!r}; attn_backend='triton' handles "
-                                 f"{', '.join(KERNEL_FORMATS)}; use attn_backend='torch' or 'reference'")
-            if fmt.dtype == "int4" and (fmt.group_size % 2 or fmt.group_size & (fmt.group_size - 1)):
-                raise ValueError(f"attn_backend='triton' needs an int4 group_size that is a power of two >= 2, "
-                                 f"got {fmt.group_size}")
+    if hasattr(cache, "config"):
+        for layer in range(cache.num_layers):
+            _check_format(cache.k[layer].fmt, f"layer {layer}'s K")
+            _check_format(cache.v[layer].fmt, f"layer {layer}'s V")

@@ -140,9 +140,10 @@ def test_plain_triton_cast_truncates_and_wraps_which_is_why_the_kernel_rounds():
 def test_write_kernel_rejects_what_it_cannot_store_and_touches_nothing():
     cache = QuantizedPagedKVCache(1, 4, 4, 2, 16, named_config("fp8", policy="dynamic"))
     before = cache.k[0].data.clone()
-    with pytest.raises(ValueError, match="Triton kernels read"):
+    with pytest.raises(ValueError, match="stored as .fp8 per-tensor.; attn_backend=.triton. handles"):
         K.write_to_cache(cache, 0, torch.randn(2, 2, 16), torch.randn(2, 2, 16), torch.tensor([0, 1]))
     assert torch.equal(cache.k[0].data.view(torch.uint8), before.view(torch.uint8))
+    assert cache.k[0].scale is None and int(cache.k[0].counts["values"].sum()) == 0  # no scale set, nothing counted
     asym = QuantizedPagedKVCache(1, 4, 4, 2, 16, KVQuantConfig(TensorFormat("int8"), TensorFormat("int4", group_size=8, symmetric=False),
                                                                policy="dynamic"))
     with pytest.raises(ValueError, match="attn_backend='triton' handles"):
