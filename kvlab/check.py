@@ -263,4 +263,5 @@ def online_softmax_update(fn) -> bool:
     def close(a, b):
         return isinstance(a, torch.Tensor) and a.shape == b.shape and bool(torch.allclose(a, b, rtol=1e-4, atol=1e-5))
 
-    return _run("online_softmax_update", call, cases, same=close)
+    return _run("online_softmax_update (whole run over all tiles: s, v, v_scale, tile -> softmax(s) @ (v * v_scale))",
+                call, cases, same=close)

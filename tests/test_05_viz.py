@@ -11,7 +11,7 @@ def test_figure_draws_the_byte_model():
     fig = bv.bandwidth_figure("llama-3-8b", batch=32, context=16384, gpu="H100")
     bars = fig.data[0]
     fp16 = step_bytes("fp16", 32, 16384, 32, 32, 8, 128)
-    assert bars.y[0] == pytest.approx(fp16 / 1e6)
+    assert bars.y[0] == pytest.approx(fp16 / 1e9)
     assert bars.y[1] < 0.52 * bars.y[0] and bars.y[3] > bars.y[0]  # fused int8 halves, the copy doubles
     line = fig.data[1]  # fp16 projected step time across contexts
     assert line.y[list(bv.CONTEXTS).index(16384)] == pytest.approx(project("llama-3-8b", 32, 16384, "H100")["fp16"]["projected_ms"])
@@ -23,7 +23,7 @@ def test_figure_shows_recorded_gpu_points():
     assert rec["mode"] == "gpu" and "H200" in rec["device"] and len(rec["measured"]) == 18
     fig = bv.bandwidth_figure("llama-3-8b", batch=32, context=4096, gpu="H200", bench=rec)
     measured_fp16 = fig.data[5]
-    assert list(measured_fp16.x) == [1024, 4096, 16384]
+    assert [round(x) for x in measured_fp16.x] == [round(c * 1.07 ** -1.5) for c in (1024, 4096, 16384)]
     row = next(r for r in rec["measured"] if r["shape"] == "llama-3-8b" and r["batch"] == 32 and r["context"] == 4096)
     assert measured_fp16.y[1] == pytest.approx(row["us"]["fp16"] * 32 / 1e3)
     assert "measured on NVIDIA H200" in fig.layout.title.text
@@ -39,7 +39,9 @@ def test_widget_controls_redraw():
     gpu.value = "A100"
     assert "A100" in fig.layout.title.text and "A100" in text.value
     shape.value = "smollm2-135m"
-    assert fig.data[0].y[0] == pytest.approx(step_bytes("fp16", 8, 16384, 30, 9, 3, 64) / 1e6)
+    assert fig.data[0].y[0] == pytest.approx(step_bytes("fp16", 8, 16384, 30, 9, 3, 64) / 1e9)
+    ctx.value = 4096
+    assert fig.layout.shapes[0].x0 == 4096  # the chosen context marked on the time panel
 
 
 def test_bad_names_are_refused():

@@ -55,12 +55,13 @@ def bandwidth_figure(shape: str = "llama-3-8b", batch: int = 32, context: int = 
         fig.add_scatter(x=CONTEXTS, y=[0] * len(CONTEXTS), mode="lines", name=FORMAT_NAMES[f], legendgroup=f,
                         line=dict(color=FORMAT_COLORS[f], dash="dot" if f == "int8_unfused" else "solid"),
                         row=1, col=2)
-    for f in fmts:
-        fig.add_scatter(x=[], y=[], mode="markers", name=f"{FORMAT_NAMES[f]}, measured", legendgroup=f,
-                        showlegend=False, row=1, col=2,
+    for i, f in enumerate(fmts):
+        fig.add_scatter(x=[], y=[], mode="markers", name="measured (diamonds)", legendgroup="measured",
+                        showlegend=i == 0, row=1, col=2,
                         marker=dict(color=FORMAT_COLORS[f], size=10, symbol="diamond", line=dict(width=1, color="black")))
+    fig.add_vline(x=context, line=dict(color="black", width=1, dash="dash"), row=1, col=2)  # the chosen context
     fig.update_layout(height=440, legend=dict(orientation="h", y=-0.2, x=0.3), margin=dict(t=90, b=40))
-    fig.update_yaxes(title_text="MB", row=1, col=1)
+    fig.update_yaxes(title_text="GB", row=1, col=1)
     fig.update_xaxes(tickangle=0, row=1, col=1)
     fig.update_xaxes(title_text="context (tokens per sequence)", type="log", tickvals=CONTEXTS,
                      ticktext=[f"{c // 1024}K" if c >= 1024 else str(c) for c in CONTEXTS], row=1, col=2)
@@ -78,14 +79,17 @@ def update_bandwidth_figure(fig, shape: str, batch: int, context: int, gpu: str,
     at = {f: _bytes(shape, f, batch, context) for f in fmts}
     n = len(fmts)
     with fig.batch_update():
-        fig.data[0].y = [at[f] / 1e6 for f in fmts]
+        fig.data[0].y = [at[f] / 1e9 for f in fmts]
         fig.data[0].text = [f"{at[f] / at['fp16']:.0%}" for f in fmts]
         for i, f in enumerate(fmts):
             fig.data[1 + i].y = [1e3 * _bytes(shape, f, batch, c) / bw for c in CONTEXTS]
-        for i, f in enumerate(fmts):
+        for i, f in enumerate(fmts):  # diamonds nudged apart along x so the formats do not hide each other
             xs, ys = measured_points(bench, shape, batch, f)
-            fig.data[1 + n + i].x, fig.data[1 + n + i].y = xs, ys
-        device = f" · diamonds: measured on {bench['device']}" if bench and "measured" in bench else ""
+            fig.data[1 + n + i].x, fig.data[1 + n + i].y = [x * 1.07 ** (i - 1.5) for x in xs], ys
+        fig.layout.shapes[0].x0 = fig.layout.shapes[0].x1 = context
+        batches = sorted({r["batch"] for r in bench["measured"]}) if bench and "measured" in bench else []
+        device = (f" · diamonds: one layer's kernel time x layers, measured on {bench['device']} at batch "
+                  f"{', '.join(map(str, batches))}" if batches else "")
         fig.layout.title = dict(text=f"{shape}, batch {batch}, {context:,} tokens per sequence<br><sup>lines: "
                                      f"bytes / {gpu} peak {bw / 1e12:.2f} TB/s (projection){device}</sup>",
                                 font=dict(size=14))
@@ -107,10 +111,11 @@ def bandwidth_widget(shape: str = "llama-3-8b", batch: int = 32, context: int = 
     def refresh(_=None):
         nums = update_bandwidth_figure(fig, w_shape.value, w_batch.value, w_ctx.value, w_gpu.value, bench)
         f16, i8, kv4, unf = (nums[f] for f in ("fp16", "int8", "k8v4", "int8_unfused"))
-        out.value = (f"FP16 moves <b>{f16['bytes'] / 1e6:,.0f} MB</b> per step: at least "
+        out.value = (f"FP16 moves <b>{f16['bytes'] / 1e9:,.1f} GB</b> per step: at least "
                      f"<b>{f16['projected_ms']:.2f} ms</b> on {w_gpu.value}. INT8 fused: {i8['projected_ms']:.2f} ms "
                      f"({f16['bytes'] / i8['bytes']:.2f}x fewer bytes); K8V4: {kv4['projected_ms']:.2f} ms; INT8 "
-                     f"through a dequantized FP16 copy: {unf['projected_ms']:.2f} ms, slower than FP16 itself.")
+                     f"through a dequantized FP16 copy: {unf['projected_ms']:.2f} ms "
+                     f"({unf['bytes'] / f16['bytes']:.1f}x the bytes of FP16).")
 
     for c in (w_shape, w_gpu, w_batch, w_ctx):
         c.observe(refresh, names="value")
