@@ -238,7 +238,7 @@ def default_splits(programs_per_split: int, max_blocks: int, pages: int) -> int:
         return 1
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     want = -(-2 * sms // max(programs_per_split, 1))
-    return int(max(1, min(want, -(-max_blocks // (4 * pages)))))  # each split keeps >= 4 iterations
+    return int(max(1, min(want, -(-max_blocks // (4 * pages)))))  # at most one split per ~4 tiles of the longest context
 
 
 def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Tensor, context_lens: torch.Tensor,
