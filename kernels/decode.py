@@ -247,10 +247,13 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
                  out: torch.Tensor | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Decode attention of one query token per sequence over a paged pool.
 
-    q (B, H_q, D); k, v operands (:func:`kvlab.kernels.pool`); block_tables (B, max_blocks)
-    int32/int64 physical block ids; context_lens (B,) tokens per sequence INCLUDING the new one.
+    q (B, H_q, D); k, v operands (:func:`kvlab.kernels.operands`); block_tables (B, max_blocks)
+    int32/int64 physical block ids; context_lens (B,) tokens per sequence INCLUDING the new one, each
+    at most max_blocks * block_size (checked when the tensors are on the CPU; on a GPU the check would
+    cost a synchronization per layer, and the engine's ``DecodeIndex`` guarantees it).
     ``k_own, v_own`` (B, H_kv, D): give them to attend the new token at full precision (it is then
-    not read from the pool). Returns (B, H_q, D) in q's dtype.
+    not read from the pool). ``out``: write the result here (same shape as q). Returns (B, H_q, D)
+    in q's dtype.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be (B, H_q, D), got shape {tuple(q.shape)}")
@@ -267,6 +270,16 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
                          f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}")
     if (k_own is None) != (v_own is None):
         raise ValueError("give both k_own and v_own, or neither")
+    if out is not None and (out.shape != q.shape or out.stride(-1) != 1):
+        raise ValueError(f"out must have q's shape {tuple(q.shape)} and be contiguous along head_dim, "
+                         f"got {tuple(out.shape)}")
+    if block_tables.stride(1) != 1 or context_lens.stride(0) != 1:
+        raise ValueError("block_tables rows and context_lens must be contiguous")
+    if context_lens.device.type == "cpu" and bsz:
+        lo, hi = int(context_lens.min()), int(context_lens.max())
+        if lo < 1 or hi > block_tables.shape[1] * block_size:
+            raise ValueError(f"context_lens must be in 1..{block_tables.shape[1] * block_size} (max_blocks x "
+                             f"block_size), got {lo}..{hi}")
     for t, name in ((q, "q"), (k.data, "K pages"), (v.data, "V pages")):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous along head_dim")

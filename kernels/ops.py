@@ -12,7 +12,7 @@ import torch
 
 from kvlab.kernels.decode import paged_decode
 from kvlab.kernels.pool import INT8, operands
-from kvlab.kernels.write import write_kv
+from kvlab.kernels.write import check_slots, write_kv
 
 
 def write_to_cache(cache, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -27,6 +27,7 @@ def write_to_cache(cache, layer: int, k: torch.Tensor, v: torch.Tensor, slot_map
 
     _check_format(cache.k[layer].fmt, f"layer {layer}'s K")  # refuse before any scale or page changes
     _check_format(cache.v[layer].fmt, f"layer {layer}'s V")
+    check_slots(slot_mapping, cache.num_blocks * cache.block_size)
     core.check_finite(k, f"keys (layer {layer})")  # before anything is touched, as cache.write does
     core.check_finite(v, f"values (layer {layer})")
     if cache.config.rotate_k:

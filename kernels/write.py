@@ -116,6 +116,16 @@ def _write_kv_kernel(k_ptr, v_ptr, slot_ptr, num_tokens,
                s_stat_t, TOKENS, H, H_PAD, V_FMT, V_SCALE, V_PER_HEAD, HEAD_DIM, V_GROUP)
 
 
+def check_slots(slot_mapping: torch.Tensor, n_slots: int) -> None:
+    """ValueError unless every slot is in 0..n_slots-1 or -1. Checked where the slots live on the CPU
+    (on a GPU it would cost a synchronization per layer; the engine's slot mappings are valid by
+    construction): an out-of-range slot would be a write outside the pool."""
+    if slot_mapping.device.type == "cpu" and slot_mapping.numel():
+        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+        if lo < -1 or hi >= n_slots:
+            raise ValueError(f"slot_mapping must hold slots in 0..{n_slots - 1} or -1 (padding), got {lo}..{hi}")
+
+
 def _slot_strides(op: Operand) -> tuple[int, int, int]:
     """(slot, head, group) strides of an operand's per-slot scale pages; slot = block * bs + offset."""
     if op.slot_scale is None:
@@ -148,6 +158,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_op:
         n_blk, bs = op.data.shape[:2]
         if op.data.stride(0) != bs * op.data.stride(1) or op.data.stride(-1) != 1:
             raise ValueError(f"{name} pages must be contiguous across a block's slots and along head_dim")
+    check_slots(slot_mapping, k_op.data.shape[0] * k_op.data.shape[1])
     k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
     stats = [torch.zeros((t, h, 2), dtype=torch.int32, device=k.device) if op.fmt == O.INT8 else None
              for op in (k_op, v_op)]
@@ -200,4 +211,4 @@ def cast_demo(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return trunc[:n], rnd[:n]
 
 
-__all__ = ["write_kv", "round_half_even", "cast_demo"]
+__all__ = ["write_kv", "check_slots", "round_half_even", "cast_demo"]

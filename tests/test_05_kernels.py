@@ -151,10 +151,17 @@ def test_write_kernel_rejects_what_it_cannot_store_and_touches_nothing():
     pool = PagedKVCache(1, 4, 4, 2, 16)
     with pytest.raises(ValueError, match="slot_mapping must have one slot per token"):
         K.write_to_cache(pool, 0, torch.randn(3, 2, 16), torch.randn(3, 2, 16), torch.tensor([0, 1]))
+    before = pool.k_cache[0].clone()
+    with pytest.raises(ValueError, match=r"slots in 0\.\.15 or -1"):
+        K.write_to_cache(pool, 0, torch.randn(2, 2, 16), torch.randn(2, 2, 16), torch.tensor([3, 16]))
+    assert torch.equal(pool.k_cache[0], before)  # nothing written
     with pytest.raises(ValueError, match="NaN/Inf"):
         K.write_to_cache(cache_q := QuantizedPagedKVCache(1, 4, 4, 2, 16, named_config("int8", policy="dynamic")), 0,
                          torch.full((1, 2, 16), float("nan")), torch.zeros(1, 2, 16), torch.tensor([0]))
     assert cache_q.k[0].scale is None  # rejected before any scale was set
+    with pytest.raises(ValueError, match="slot_mapping must hold slots"):
+        K.write_to_cache(cache_q, 0, torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), torch.tensor([99]))
+    assert cache_q.k[0].scale is None
 
 
 # ---- paged decode attention -----------------------------------------------------------------------
@@ -286,6 +293,10 @@ def test_decode_kernel_argument_errors():
         K.paged_decode(q[0], ko, vo, idx.table, idx.context_lens, 0.25)
     with pytest.raises(ValueError, match="k_own and v_own"):
         K.paged_decode(q, ko, vo, idx.table, idx.context_lens, 0.25, k_own=torch.randn(1, 2, 16))
+    with pytest.raises(ValueError, match=r"context_lens must be in 1\.\.4"):
+        K.paged_decode(q, ko, vo, idx.table, torch.tensor([5]), 0.25)  # one block of 4 slots holds 4 tokens
+    with pytest.raises(ValueError, match="out must have q's shape"):
+        K.paged_decode(q, ko, vo, idx.table, idx.context_lens, 0.25, out=torch.empty(1, 4, 8))
     with pytest.raises(ValueError, match="power-of-two"):
         odd = PagedKVCache(1, 4, 4, 2, 12)
         K.paged_decode(torch.randn(1, 4, 12), *K.operands(odd, 0), idx.table, idx.context_lens, 0.25)
