@@ -155,7 +155,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_op:
             raise ValueError(f"{name} pages hold {op.data.shape[2]} heads x {op.head_dim} channels, got {h} x {d}")
         if d & (d - 1):
             raise ValueError(f"the kernel needs a power-of-two head_dim, got {d}")
-        n_blk, bs = op.data.shape[:2]
+        bs = op.data.shape[1]
         if op.data.stride(0) != bs * op.data.stride(1) or op.data.stride(-1) != 1:
             raise ValueError(f"{name} pages must be contiguous across a block's slots and along head_dim")
     check_slots(slot_mapping, k_op.data.shape[0] * k_op.data.shape[1])
