@@ -194,8 +194,8 @@ def _paged_decode_kernel(
         lse = tl.where(l > 0, m + tl.log(safe_l), float("-inf"))
         tl.store(lse_ptr + b * s_lb + heads * s_lh + split, lse, mask=g_mask)
     else:
-        tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + offs_d[None, :], acc / l[:, None],
-                 mask=g_mask[:, None])
+        tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + offs_d[None, :],
+                 acc / tl.where(l > 0, l, 1.0)[:, None], mask=g_mask[:, None])  # 0, not NaN, for an empty context
 
 
 @triton.jit
@@ -217,8 +217,19 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, num_splits, s_pb, s_ph, s_ps, s_lb
 
 # ---- host side ------------------------------------------------------------------------------------
 
-# the matmuls run in q's dtype: fp16/bf16 on tensor cores on a GPU, fp32 exact on the CPU
+# the matmuls run in q's dtype on a GPU (fp16/bf16 on tensor cores), in fp32 under the interpreter
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_interpretable(*tensors: torch.Tensor) -> None:
+    """Triton's interpreter keeps bf16 as raw 16-bit integers (its dots and casts on them are wrong), so
+    bf16 tensors are refused there; on a CPU use fp32 or fp16 pools and models."""
+    if _interpreting() and any(t.dtype == torch.bfloat16 for t in tensors):
+        raise ValueError("bf16 tensors cannot run in Triton's interpreter (CPU); use fp32 or fp16")
 
 
 def _pow2(n: int) -> int:
@@ -234,7 +245,7 @@ def default_pages(block_size: int) -> int:
 def default_splits(programs_per_split: int, max_blocks: int, pages: int) -> int:
     """Split the context only when there are too few programs to fill the GPU (flash-decoding); never
     under the interpreter, where more programs only cost time."""
-    if os.environ.get("TRITON_INTERPRET", "0") == "1" or not torch.cuda.is_available():
+    if _interpreting() or not torch.cuda.is_available():
         return 1
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     want = -(-2 * sms // max(programs_per_split, 1))
@@ -261,8 +272,13 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
     h_kv, block_size = k.data.shape[2], k.data.shape[1]
     if k.head_dim != d or v.head_dim != d:
         raise ValueError(f"head_dim mismatch: q has {d}, K pages {k.head_dim}, V pages {v.head_dim}")
-    if d & (d - 1) or block_size & (block_size - 1):
-        raise ValueError(f"the kernel needs power-of-two head_dim and block_size, got {d} and {block_size}")
+    if d & (d - 1) or d < 16 or block_size & (block_size - 1):
+        raise ValueError(f"the kernel needs a power-of-two head_dim >= 16 (tl.dot's smallest) and a power-of-two "
+                         f"block_size, got {d} and {block_size}")
+    if v.data.shape[:3] != k.data.shape[:3] or v.data.device != q.device or k.data.device != q.device:
+        raise ValueError(f"K and V pools must share (blocks, block_size, heads) and q's device, got K "
+                         f"{tuple(k.data.shape[:3])} and V {tuple(v.data.shape[:3])}")
+    check_interpretable(q, k.data, v.data)
     if h_q % h_kv:
         raise ValueError(f"query heads ({h_q}) must be a multiple of KV heads ({h_kv})")
     if block_tables.dim() != 2 or block_tables.shape[0] != bsz or context_lens.shape != (bsz,):
@@ -280,12 +296,17 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
         if lo < 1 or hi > block_tables.shape[1] * block_size:
             raise ValueError(f"context_lens must be in 1..{block_tables.shape[1] * block_size} (max_blocks x "
                              f"block_size), got {lo}..{hi}")
+        if block_tables.numel() and (int(block_tables.min()) < 0 or int(block_tables.max()) >= k.data.shape[0]):
+            raise ValueError(f"block_tables must hold block ids in 0..{k.data.shape[0] - 1}")
     for t, name in ((q, "q"), (k.data, "K pages"), (v.data, "V pages")):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous along head_dim")
     gqa = h_q // h_kv
     qpp = gqa if group_heads else 1
     pages = pages or default_pages(block_size)
+    if isinstance(pages, bool) or not isinstance(pages, int) or pages < 1 or pages & (pages - 1):
+        raise ValueError(f"pages must be a power of two >= 1, got {pages!r}")
+    pages = max(pages, 16 // block_size)  # a tile of >= 16 tokens: tl.dot's smallest dimension on a GPU
     max_blocks = block_tables.shape[1]
     if num_splits is None:
         num_splits = default_splits(bsz * (h_q // qpp), max_blocks, pages)
@@ -294,10 +315,14 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
     n_iters = -(-max_blocks // pages)
     iters_per_split = max(1, -(-n_iters // num_splits))
     has_own = k_own is not None
-    own_k = k_own if has_own else q  # unused placeholders keep the signature fixed
-    own_v = v_own if has_own else q
-    if has_own and own_k.stride(-1) != 1:
-        own_k, own_v = own_k.contiguous(), own_v.contiguous()
+    if has_own:
+        for t, name in ((k_own, "k_own"), (v_own, "v_own")):
+            if t.shape != (bsz, h_kv, d) or t.device != q.device:
+                raise ValueError(f"{name} must be (B={bsz}, H_kv={h_kv}, D={d}) on {q.device}, got "
+                                 f"{tuple(t.shape)} on {t.device}")
+        own_k, own_v = k_own.contiguous(), v_own.contiguous()  # one (H_kv * D, D, 1) stride set for both
+    else:
+        own_k = own_v = q  # unused placeholders keep the signature fixed
     out = torch.empty_like(q) if out is None else out
     split = num_splits > 1
     if split:
@@ -319,12 +344,13 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
         q.stride(0), q.stride(1), *s_o, *s_l,
         kd.stride(0), kd.stride(1), kd.stride(2), vd.stride(0), vd.stride(1), vd.stride(2),
         *k.scale_strides(), *v.scale_strides(),
-        own_k.stride(0), own_k.stride(1), block_tables.stride(0),
+        h_kv * d, d, block_tables.stride(0),
         K_FMT=k.fmt, K_SCALE=k.scale_kind, V_FMT=v.fmt, V_SCALE=v.scale_kind,
         K_GROUP=k.group_size or 1, V_GROUP=v.group_size or 1,
         HEAD_DIM=d, BLOCK_SIZE=block_size, PAGES=pages,
         QPP=qpp, QPP_PAD=max(16, _pow2(qpp)), GQA=gqa, HAS_OWN=has_own, SPLIT=split,
-        DOT_DTYPE=_DOT_DTYPES.get(q.dtype, tl.float32), **({"num_warps": num_warps} if num_warps else {}),
+        DOT_DTYPE=tl.float32 if _interpreting() else _DOT_DTYPES.get(q.dtype, tl.float32),
+        **({"num_warps": num_warps} if num_warps else {}),
     )
     if split:
         _merge_kernel[(bsz, h_q)](part, lse, out, num_splits, part.stride(0), part.stride(1), part.stride(2),

@@ -10,18 +10,25 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.kernels.decode import paged_decode
-from kvlab.kernels.pool import INT8, operands
+from kvlab.kernels.decode import check_interpretable, paged_decode
+from kvlab.kernels.pool import INT8, _check_format, check_head_dim, operands
 from kvlab.kernels.write import check_slots, write_kv
 
 
 def write_to_cache(cache, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """k, v (T, H_kv, D) post-RoPE values of new tokens -> their slots (-1: skipped) of ``cache``."""
     quantized = hasattr(cache, "config")
+    check_head_dim(cache.head_dim)
+    if k.dim() != 3 or k.shape != v.shape or k.shape[1:] != (cache.num_kv_heads, cache.head_dim):
+        raise ValueError(f"k and v must both be (T, {cache.num_kv_heads}, {cache.head_dim}), got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"slot_mapping must have one slot per token: {tuple(slot_mapping.shape)} vs "
+                         f"{k.shape[0]} tokens")
+    check_interpretable(k, v)
     if not quantized:
         write_kv(k, v, slot_mapping, *operands(cache, layer))
         return
-    from kvlab.kernels.pool import _check_format
     from kvlab.quant import core
     from kvlab.quant.rotation import rotate
 

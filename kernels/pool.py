@@ -95,8 +95,16 @@ def operands(cache, layer: int) -> tuple[Operand, Operand]:
     return (Operand(cache.k_cache[layer], FLOAT, label=label), Operand(cache.v_cache[layer], FLOAT, label=label))
 
 
+def check_head_dim(d: int) -> None:
+    """The kernels tile head_dim with tl.arange (a power of two) and tl.dot (at least 16 on a GPU)."""
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"attn_backend='triton' needs a power-of-two head_dim >= 16, the model has {d}; "
+                         "use attn_backend='torch'")
+
+
 def check_cache_supported(cache) -> None:
-    """Raise ValueError up front when a pool holds a format the kernels cannot read or write."""
+    """Raise ValueError up front when a pool holds a format or shape the kernels cannot read or write."""
+    check_head_dim(cache.head_dim)
     if hasattr(cache, "config"):
         for layer in range(cache.num_layers):
             _check_format(cache.k[layer].fmt, f"layer {layer}'s K")

@@ -58,12 +58,14 @@ def spec_of(op) -> Spec:
 
 def decode_traffic(context_lens, h_q: int, h_kv: int, d: int, k: Spec, v: Spec, *, block_size: int = 16,
                    num_splits: int = 1, group_heads: bool = True, has_own: bool = False,
-                   q_bytes: int = 2, table_bytes: int = 8, ctx_bytes: int = 8) -> dict:
+                   q_bytes: int = 2, own_bytes: int | None = None, table_bytes: int = 8, ctx_bytes: int = 8) -> dict:
     """Bytes one ``paged_decode`` launch reads and writes, by part, exactly as the kernel loads them
     (masked lanes move nothing; how the context is cut into splits and tiles moves no extra bytes).
 
-    context_lens: tokens per sequence including the new one. Returns ``{"read": {...}, "write": {...},
-    "total": n}`` with parts k, v, k_scales, v_scales, block_tables, q, context_lens, own, partials, out.
+    context_lens: tokens per sequence including the new one; ``*_bytes``: element sizes of q (and out),
+    of the own token's k/v (default: q's), of block-table ids and of context lengths. Returns
+    ``{"read": {...}, "write": {...}, "total": n}`` with parts k, v, k_scales, v_scales, block_tables,
+    q, context_lens, own, partials, out.
     """
     g = h_q // h_kv
     qpp = g if group_heads else 1
@@ -87,7 +89,7 @@ def decode_traffic(context_lens, h_q: int, h_kv: int, d: int, k: Spec, v: Spec, 
         read["k_scales"] += programs * d * 4 * (k.scale_kind == STATIC)
         read["v_scales"] += programs * d * 4 * (v.scale_kind == STATIC)
         if has_own:
-            read["own"] += programs_per_seq * 2 * d * q_bytes
+            read["own"] += programs_per_seq * 2 * d * (q_bytes if own_bytes is None else own_bytes)
         if num_splits > 1:
             write["partials"] += programs * qpp * (d + 1) * 4  # fp32 partial output + log-sum-exp
             read["partials"] += h_q * num_splits * (d + 1) * 4  # the merge reads them back

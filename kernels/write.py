@@ -20,6 +20,7 @@ import triton.language as tl
 from kvlab.kernels.decode import _pow2
 from kvlab.kernels import pool as O
 from kvlab.kernels.decode import FLOAT, INT8, STATIC  # compile-time constants (tl.constexpr)
+from kvlab.kernels.decode import check_interpretable
 from kvlab.kernels.pool import Operand
 
 ZERO_GUARD = tl.constexpr(1e-6)  # kvlab.quant.core.ZERO_GUARD: an all-zero group gets scale 1.0
@@ -153,12 +154,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_op:
     for op, name in ((k_op, "K"), (v_op, "V")):
         if op.data.shape[2] != h or op.head_dim != d:
             raise ValueError(f"{name} pages hold {op.data.shape[2]} heads x {op.head_dim} channels, got {h} x {d}")
-        if d & (d - 1):
-            raise ValueError(f"the kernel needs a power-of-two head_dim, got {d}")
+        if d & (d - 1) or d < 16:
+            raise ValueError(f"the kernel needs a power-of-two head_dim >= 16, got {d}")
         bs = op.data.shape[1]
         if op.data.stride(0) != bs * op.data.stride(1) or op.data.stride(-1) != 1:
             raise ValueError(f"{name} pages must be contiguous across a block's slots and along head_dim")
     check_slots(slot_mapping, k_op.data.shape[0] * k_op.data.shape[1])
+    check_interpretable(k, v, k_op.data, v_op.data)
+    slot_mapping = slot_mapping.contiguous()  # the kernel reads slot t at offset t
     k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
     stats = [torch.zeros((t, h, 2), dtype=torch.int32, device=k.device) if op.fmt == O.INT8 else None
              for op in (k_op, v_op)]

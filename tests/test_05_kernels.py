@@ -172,7 +172,7 @@ DECODE_CASES = [
     (9, 3, 64, 16, [1, 15, 17, 100], 1),  # GQA 3 (SmolLM2)
     (8, 2, 128, 8, [33, 7, 200], 3),  # GQA 4, head_dim 128, splits
     (8, 1, 64, 32, [5, 250], 7),  # GQA 8, more splits than a short context has tiles: empty splits
-    (4, 2, 128, 32, [300], 4),  # one long sequence cut in four
+    (4, 2, 128, 32, [300], 3),  # one long sequence cut in three: every split holds tokens
     (6, 2, 64, 8, [64, 63, 65], 16),  # more splits than tiles for everyone
 ]
 
@@ -208,6 +208,7 @@ def test_decode_kernel_equals_paged_attention_on_a_float_pool(h_q, h_kv, d, bloc
 QUANT_CASES = {
     "int8 per-head": (named_config("int8"), 0.05),
     "int8 per-token-head": (named_config("int8", granularity="per-token-head", policy="dynamic"), 0.03),
+    "int8 per-token": (named_config("int8", granularity="per-token", policy="dynamic"), 0.05),  # [.., 1, 1] pages
     "int8 per-channel": (named_config("int8", granularity="per-channel"), 0.05),
     "k8v4": (named_config("k8v4"), 0.15),
     "int4": (named_config("int4"), 0.3),
@@ -216,7 +217,7 @@ QUANT_CASES = {
 
 
 @pytest.mark.parametrize("name", list(QUANT_CASES))
-@pytest.mark.parametrize("h_q,h_kv,d,block_size,ctx,splits", [DECODE_CASES[1], DECODE_CASES[2], DECODE_CASES[3]])
+@pytest.mark.parametrize("h_q,h_kv,d,block_size,ctx,splits", [DECODE_CASES[i] for i in (1, 2, 3, 4)])
 def test_decode_kernel_equals_the_quantized_reference(name, h_q, h_kv, d, block_size, ctx, splits):
     config, full_tol = QUANT_CASES[name]
     g = torch.Generator().manual_seed(3)
@@ -236,16 +237,38 @@ def test_decode_kernel_equals_the_quantized_reference(name, h_q, h_kv, d, block_
     assert (out - full).abs().max() < full_tol, (name, (out - full).abs().max())
 
 
-def test_decode_kernel_handles_all_zero_keys_and_values():
+def test_decode_kernel_handles_all_zero_keys():
+    # all-zero keys (zero-guarded scales, scale 1.0): every score 0, uniform weights: the mean of V
     h, d, bs = 2, 64, 16
-    cache = QuantizedPagedKVCache(1, 8, bs, h, d, named_config("k8v4", policy="dynamic"))
-    z = torch.zeros(20, h, d)
-    cache.k[0].scale = torch.ones(1, h, 1)  # a zero-guarded scale
-    K.write_to_cache(cache, 0, z, z, torch.arange(20))
-    idx = DecodeIndex([[0, 1]], [20], bs)
-    q = torch.randn(1, 4, d)
-    out = K.decode_from_cache(q, cache, 0, idx, 0.125, z[:1], z[:1], out=_nan_out(q))
-    assert torch.equal(out, torch.zeros_like(out))  # uniform weights over zero values
+    g = torch.Generator().manual_seed(4)
+    for name in ("k8v4", "int8"):
+        cache = QuantizedPagedKVCache(1, 8, bs, h, d, named_config(name, granularity="per-token-head", policy="dynamic"))
+        z, v = torch.zeros(20, h, d), torch.randn(20, h, d, generator=g)
+        K.write_to_cache(cache, 0, z, v, torch.arange(20))
+        idx = DecodeIndex([[0, 1]], [20], bs)
+        q = torch.randn(1, 4, d, generator=g)
+        out = K.decode_from_cache(q, cache, 0, idx, 0.125, z[-1:], v[-1:], out=_nan_out(q))
+        ref = quantized_batched_decode_attention(q, z[-1:], v[-1:], cache, 0, idx, 0.125)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+        mean_v = torch.cat([cache.read(0, torch.tensor([0, 1]))[1].flatten(0, 1)[:19], v[-1:]]).mean(0)  # (H, D)
+        torch.testing.assert_close(out[0], mean_v.repeat_interleave(2, dim=0), atol=2e-5, rtol=0)
+
+
+def test_decode_kernel_fp16_queries_over_a_quantized_pool():
+    g = torch.Generator().manual_seed(6)
+    h_q, h_kv, d, bs, ctx = 8, 2, 64, 16, [40, 130]
+    tables, slots = _layout(ctx, bs, 32, seed=3)
+    k, v = torch.randn(len(slots), h_kv, d, generator=g), torch.randn(len(slots), h_kv, d, generator=g)
+    cache = _quant_cache(named_config("k8v4"), h_kv, d, bs, 32, k, v, slots)
+    last = torch.tensor([39, 169])
+    idx = DecodeIndex(tables, ctx, bs)
+    q = torch.randn(2, h_q, d, generator=g)
+    ref = quantized_batched_decode_attention(q, k[last], v[last], cache, 0, idx, d ** -0.5)
+    q16 = q.half()
+    out = K.decode_from_cache(q16, cache, 0, idx, d ** -0.5, k[last].half(), v[last].half(), num_splits=2,
+                              out=_nan_out(q16))
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), ref, atol=3e-3, rtol=0)
 
 
 def test_decode_kernel_uses_64_bit_offsets_for_large_block_ids():
@@ -297,6 +320,16 @@ def test_decode_kernel_argument_errors():
         K.paged_decode(q, ko, vo, idx.table, torch.tensor([5]), 0.25)  # one block of 4 slots holds 4 tokens
     with pytest.raises(ValueError, match="out must have q's shape"):
         K.paged_decode(q, ko, vo, idx.table, idx.context_lens, 0.25, out=torch.empty(1, 4, 8))
+    with pytest.raises(ValueError, match="k_own must be"):
+        K.paged_decode(q, ko, vo, idx.table, idx.context_lens, 0.25, k_own=torch.randn(1, 4, 16),
+                       v_own=torch.randn(1, 4, 16))
+    with pytest.raises(ValueError, match="pages must be a power of two"):
+        K.paged_decode(q, ko, vo, idx.table, idx.context_lens, 0.25, pages=3)
+    with pytest.raises(ValueError, match="block ids in 0..3"):
+        K.paged_decode(q, ko, vo, torch.tensor([[7]]), idx.context_lens, 0.25)
+    if INTERPRETER:
+        with pytest.raises(ValueError, match="bf16 tensors cannot run in Triton's interpreter"):
+            K.paged_decode(q.bfloat16(), ko, vo, idx.table, idx.context_lens, 0.25)
     with pytest.raises(ValueError, match="power-of-two"):
         odd = PagedKVCache(1, 4, 4, 2, 12)
         K.paged_decode(torch.randn(1, 4, 12), *K.operands(odd, 0), idx.table, idx.context_lens, 0.25)
@@ -307,6 +340,9 @@ def test_decode_kernel_argument_errors():
 def _traffic_cache(fmt, h, d, bs, n_blocks):
     if fmt == "fp16":
         return PagedKVCache(1, n_blocks, bs, h, d, dtype=torch.float16)
+    if fmt == "int8-per-token-head":
+        return QuantizedPagedKVCache(1, n_blocks, bs, h, d, named_config("int8", granularity="per-token-head",
+                                                                         policy="dynamic"))
     cache = QuantizedPagedKVCache(1, n_blocks, bs, h, d, named_config(fmt, policy="dynamic"))
     for st in _stores(cache):
         if st.fmt.static_scales:
@@ -324,22 +360,24 @@ def test_bytes_the_kernel_loads_match_the_prediction_and_int8_halves_them(d):
     q = torch.randn(len(ctx), h_q, d, dtype=torch.float16)
     own = torch.randn(len(ctx), h_kv, d, dtype=torch.float16)
     totals = {}
-    for fmt in ("fp16", "int8", "k8v4"):
+    for fmt in ("fp16", "int8", "k8v4", "int8-per-token-head"):
         cache = _traffic_cache(fmt, h_kv, d, bs, 128)
         k_op, v_op = K.operands(cache, 0)
         has_own = fmt != "fp16"
-        for splits in (1, 3):
+        for splits, grouped in ((1, True), (3, True), (1, False)):
             with count_traffic() as n:
                 K.paged_decode(q, k_op, v_op, idx.table, idx.context_lens, 0.1, num_splits=splits,
-                               **(dict(k_own=own, v_own=own) if has_own else {}))
+                               group_heads=grouped, **(dict(k_own=own, v_own=own) if has_own else {}))
             pred = decode_traffic(ctx, h_q, h_kv, d, spec_of(k_op), spec_of(v_op), block_size=bs, num_splits=splits,
-                                  has_own=has_own, q_bytes=2, table_bytes=idx.table.element_size())
-            counted = n["read"] + n["write"]
-            assert abs(counted - pred["total"]) <= 0.05 * pred["total"], (fmt, splits, counted, pred)
-            if splits == 1:
-                totals[fmt] = counted
+                                  group_heads=grouped, has_own=has_own, q_bytes=2,
+                                  table_bytes=idx.table.element_size())
+            # the interpreter counts exactly, so the model must match exactly (the issue asks for 5 %)
+            assert (n["read"], n["write"]) == (sum(pred["read"].values()), sum(pred["write"].values())), (fmt, splits)
+            if splits == 1 and grouped:
+                totals[fmt] = n["read"] + n["write"]
     assert totals["int8"] <= 0.54 * totals["fp16"], totals
     assert totals["k8v4"] <= 0.42 * totals["fp16"], totals
+    assert totals["int8"] < totals["int8-per-token-head"] < 0.56 * totals["fp16"], totals  # + 4 B per token-head
 
 
 def test_unfused_dequantization_moves_more_bytes_than_fp16():
