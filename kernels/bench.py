@@ -63,10 +63,9 @@ def dequantize(op: Operand, dtype=torch.float16) -> torch.Tensor:
         return op.data.to(dtype)
     if op.fmt == INT8:  # the cheapest PyTorch route: widen to the target dtype, scale in place
         return op.data.to(dtype).mul_(op.static_scale.to(dtype)[None, None])
-    lo, hi = (op.data & 0x0F).to(torch.float32), (op.data >> 4).to(torch.float32)
-    q = torch.stack([lo, hi], dim=-1).flatten(-2) - 8.0  # (N, bs, H, D)
-    g = q.reshape(*q.shape[:3], -1, op.group_size) * op.slot_scale
-    return g.flatten(-2).to(dtype)
+    from kvlab.quant import core
+
+    return core.dequantize_int4(core.Int4Tensor(op.data, op.slot_scale, None, op.group_size), dtype)
 
 
 def _tables(batch: int, context: int, num_blocks: int, device, seed: int = 0):
@@ -231,21 +230,12 @@ def format_table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    """``python -m kvlab.kernels.bench`` (what the GPU run uses: no CLI dependencies)."""
-    import argparse
+    """``python -m kvlab.kernels.bench [args]`` = ``kvlab bench kernels [args]`` (the GPU run used this form)."""
     import sys
 
-    p = argparse.ArgumentParser(prog="python -m kvlab.kernels.bench")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--out", default=None)
-    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=None)
-    args = p.parse_args(argv)
-    res = run(args.shapes, progress=lambda m: print(m, file=sys.stderr, flush=True))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
-    print(json.dumps(res, indent=1) if args.json else format_table(res))
-    return 0
+    from kvlab.cli import main as cli_main
+
+    return cli_main(["bench", "kernels", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

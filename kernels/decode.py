@@ -31,13 +31,13 @@ For a quantized pool, the sequence's own new token is attended at full precision
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from kvlab.kernels import pool as O
+from kvlab.kernels import triton_mode
 from kvlab.kernels.pool import Operand
 
 # format and scale codes as compile-time constants: a @triton.jit function reads globals only as tl.constexpr
@@ -221,14 +221,10 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, num_splits, s_pb, s_ph, s_ps, s_lb
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def check_interpretable(*tensors: torch.Tensor) -> None:
     """Triton's interpreter keeps bf16 as raw 16-bit integers (its dots and casts on them are wrong), so
     bf16 tensors are refused there; on a CPU use fp32 or fp16 pools and models."""
-    if _interpreting() and any(t.dtype == torch.bfloat16 for t in tensors):
+    if triton_mode() == "interpreter" and any(t.dtype == torch.bfloat16 for t in tensors):
         raise ValueError("bf16 tensors cannot run in Triton's interpreter (CPU); use fp32 or fp16")
 
 
@@ -245,7 +241,7 @@ def default_pages(block_size: int) -> int:
 def default_splits(programs_per_split: int, max_blocks: int, pages: int) -> int:
     """Split the context only when there are too few programs to fill the GPU (flash-decoding); never
     under the interpreter, where more programs only cost time."""
-    if _interpreting() or not torch.cuda.is_available():
+    if triton_mode() == "interpreter" or not torch.cuda.is_available():
         return 1
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     want = -(-2 * sms // max(programs_per_split, 1))
@@ -349,7 +345,7 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
         K_GROUP=k.group_size or 1, V_GROUP=v.group_size or 1,
         HEAD_DIM=d, BLOCK_SIZE=block_size, PAGES=pages,
         QPP=qpp, QPP_PAD=max(16, _pow2(qpp)), GQA=gqa, HAS_OWN=has_own, SPLIT=split,
-        DOT_DTYPE=tl.float32 if _interpreting() else _DOT_DTYPES.get(q.dtype, tl.float32),
+        DOT_DTYPE=tl.float32 if triton_mode() == "interpreter" else _DOT_DTYPES.get(q.dtype, tl.float32),
         **({"num_warps": num_warps} if num_warps else {}),
     )
     if split:

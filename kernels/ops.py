@@ -1,7 +1,8 @@
 """The kernels applied to kvlab's caches: what the engine's ``attn_backend="triton"`` calls (notebook 05).
 
 :func:`write_to_cache` does what ``cache.write`` does (rotation, scale policy, saturation counters)
-with the scatter and quantization in :func:`~kvlab.kernels.write.write_kv`;
+with the scatter and quantization in the write kernel (:mod:`kvlab.kernels.write`), after
+:func:`~kvlab.kernels.write.check_write` and before any scale changes;
 :func:`decode_from_cache` is :func:`kvlab.attention.batched_decode_attention` /
 :func:`~kvlab.attention.quantized_batched_decode_attention` in one kernel launch per layer.
 """
@@ -10,31 +11,22 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.kernels.decode import check_interpretable, paged_decode
-from kvlab.kernels.pool import INT8, _check_format, check_head_dim, operands
-from kvlab.kernels.write import check_slots, write_kv
+from kvlab.kernels.decode import paged_decode
+from kvlab.kernels.pool import INT8, _check_format, operands
+from kvlab.kernels.write import _launch_write, check_write
 
 
 def write_to_cache(cache, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """k, v (T, H_kv, D) post-RoPE values of new tokens -> their slots (-1: skipped) of ``cache``."""
-    quantized = hasattr(cache, "config")
-    check_head_dim(cache.head_dim)
-    if k.dim() != 3 or k.shape != v.shape or k.shape[1:] != (cache.num_kv_heads, cache.head_dim):
-        raise ValueError(f"k and v must both be (T, {cache.num_kv_heads}, {cache.head_dim}), got "
-                         f"{tuple(k.shape)} and {tuple(v.shape)}")
-    if slot_mapping.shape != (k.shape[0],):
-        raise ValueError(f"slot_mapping must have one slot per token: {tuple(slot_mapping.shape)} vs "
-                         f"{k.shape[0]} tokens")
-    check_interpretable(k, v)
-    if not quantized:
-        write_kv(k, v, slot_mapping, *operands(cache, layer))
+    check_write(k, v, slot_mapping, cache.num_kv_heads, cache.head_dim, cache.num_blocks * cache.block_size)
+    if not hasattr(cache, "config"):
+        _launch_write(k, v, slot_mapping, *operands(cache, layer))
         return
     from kvlab.quant import core
     from kvlab.quant.rotation import rotate
 
     _check_format(cache.k[layer].fmt, f"layer {layer}'s K")  # refuse before any scale or page changes
     _check_format(cache.v[layer].fmt, f"layer {layer}'s V")
-    check_slots(slot_mapping, cache.num_blocks * cache.block_size)
     core.check_finite(k, f"keys (layer {layer})")  # before anything is touched, as cache.write does
     core.check_finite(v, f"values (layer {layer})")
     if cache.config.rotate_k:
@@ -45,7 +37,7 @@ def write_to_cache(cache, layer: int, k: torch.Tensor, v: torch.Tensor, slot_map
         if st.fmt.static_scales:  # the policy (first write, correction) sees only real tokens
             st.settle_scale(x[keep] if not bool(keep.all()) else x, cache.config.policy)
     k_op, v_op = operands(cache, layer)
-    stats = write_kv(k, v, slot_mapping, k_op, v_op)
+    stats = _launch_write(k, v, slot_mapping, k_op, v_op)
     n_real = int(keep.sum())
     for st, op, stat in zip(stores, (k_op, v_op), stats):
         if st.fmt.quantized:

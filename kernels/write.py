@@ -137,6 +137,21 @@ def _slot_strides(op: Operand) -> tuple[int, int, int]:
     return tok, head, grp
 
 
+def check_write(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, h: int, d: int, n_slots: int) -> None:
+    """ValueError unless k, v are (T, h, d), slot_mapping (T,) holds valid slots, and the interpreter
+    can run them: everything a write is checked for, before anything (scales included) changes."""
+    from kvlab.kernels.pool import check_head_dim
+
+    if k.dim() != 3 or k.shape != v.shape or k.shape[1:] != (h, d):
+        raise ValueError(f"k and v must both be (T, {h}, {d}), got {tuple(k.shape)} and {tuple(v.shape)}")
+    if slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"slot_mapping must have one slot per token: {tuple(slot_mapping.shape)} vs "
+                         f"{k.shape[0]} tokens")
+    check_head_dim(d)
+    check_slots(slot_mapping, n_slots)
+    check_interpretable(k, v)
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_op: Operand, v_op: Operand):
     """Write new K/V (T, H, D) to ``slot_mapping`` (T,) of the pools behind ``k_op`` / ``v_op``.
 
@@ -144,23 +159,23 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_op:
     Returns ``(k_stats, v_stats)``: (T, H, 2) int32 counts of [clipped, at +-qmax] per token and
     head for int8 operands, None for the others.
     """
-    if k.dim() != 3 or k.shape != v.shape:
-        raise ValueError(f"k and v must both be (T, H, D), got {tuple(k.shape)} and {tuple(v.shape)}")
-    t, h, d = k.shape
-    if slot_mapping.shape != (t,):
-        raise ValueError(f"slot_mapping must have one slot per token: {tuple(slot_mapping.shape)} vs {t} tokens")
-    if t == 0:
-        return None, None
+    n_blocks, bs, h = k_op.data.shape[:3]
     for op, name in ((k_op, "K"), (v_op, "V")):
-        if op.data.shape[2] != h or op.head_dim != d:
-            raise ValueError(f"{name} pages hold {op.data.shape[2]} heads x {op.head_dim} channels, got {h} x {d}")
-        if d & (d - 1) or d < 16:
-            raise ValueError(f"the kernel needs a power-of-two head_dim >= 16, got {d}")
-        bs = op.data.shape[1]
+        if op.data.shape[:3] != (n_blocks, bs, h) or op.head_dim != k_op.head_dim:
+            raise ValueError(f"K and V pages must have the same geometry, got {tuple(k_op.data.shape)} and "
+                             f"{tuple(v_op.data.shape)}")
         if op.data.stride(0) != bs * op.data.stride(1) or op.data.stride(-1) != 1:
             raise ValueError(f"{name} pages must be contiguous across a block's slots and along head_dim")
-    check_slots(slot_mapping, k_op.data.shape[0] * k_op.data.shape[1])
-    check_interpretable(k, v, k_op.data, v_op.data)
+    check_write(k, v, slot_mapping, h, k_op.head_dim, n_blocks * bs)
+    check_interpretable(k_op.data, v_op.data)
+    return _launch_write(k, v, slot_mapping, k_op, v_op)
+
+
+def _launch_write(k, v, slot_mapping, k_op: Operand, v_op: Operand):
+    """The launch behind :func:`write_kv`, for callers that ran :func:`check_write` already."""
+    t, h, d = k.shape
+    if t == 0:
+        return None, None
     slot_mapping = slot_mapping.contiguous()  # the kernel reads slot t at offset t
     k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
     stats = [torch.zeros((t, h, 2), dtype=torch.int32, device=k.device) if op.fmt == O.INT8 else None
@@ -214,4 +229,4 @@ def cast_demo(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return trunc[:n], rnd[:n]
 
 
-__all__ = ["write_kv", "check_slots", "round_half_even", "cast_demo"]
+__all__ = ["write_kv", "check_write", "check_slots", "round_half_even", "cast_demo"]
