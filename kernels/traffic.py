@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from kvlab.kernels.pool import FLOAT, INT4, INT8, NO_SCALE, PER_SLOT, STATIC
+from kvlab.sizing import kv_config
 
 #: peak HBM bandwidth, bytes/s (vendor datasheets: A100 80GB SXM, H100 SXM, H200 SXM)
 GPU_BANDWIDTH = {"A100": 2.039e12, "H100": 3.35e12, "H200": 4.8e12}
@@ -116,8 +117,13 @@ def step_bytes(fmt: str, batch: int, context: int, num_layers: int, h_q: int, h_
     return t * num_layers
 
 
-#: shapes the benchmark and the widget use: (layers, query heads, KV heads, head_dim)
-SHAPES = {"smollm2-135m": (30, 9, 3, 64), "llama-3-8b": (32, 32, 8, 128)}
+def _shape(name: str) -> tuple[int, int, int, int]:
+    c = kv_config(name)
+    return c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim
+
+
+#: shapes the benchmark and the widget use, from kvlab.sizing's presets: (layers, query heads, KV heads, head_dim)
+SHAPES = {name: _shape(name) for name in ("smollm2-135m", "llama-3-8b")}
 
 
 def project(shape: str, batch: int, context: int, gpu: str = "H100", fused: bool = True) -> dict:
