@@ -61,7 +61,9 @@ class _Store:
 
     def _count(self, x: torch.Tensor, scale: torch.Tensor, q: torch.Tensor) -> None:
         r = (x.float() / scale).abs()  # (T, H, D) in units of one quantization step
-        limit = self.qmax + (0.5 if self.fmt.dtype == "int8" else 0.0)
+        # beyond what rounding would do anyway: half a step past the largest code (int8: 127.5; e4m3:
+        # 448 + 16, the step there being 32; the abs-max itself lands at 448.00003 and is not clipped)
+        limit = self.qmax + (0.5 if self.fmt.dtype == "int8" else 16.0)
         self.counts["clipped"] += (r > limit).sum(dim=(0, 2)).cpu()
         self.counts["at_qmax"] += (q.float().abs() >= self.qmax).sum(dim=(0, 2)).cpu()
 

@@ -1,0 +1,243 @@
+"""The bridge to production: kvlab's calibrated FP8 scales in vLLM's checkpoint form (notebook 06).
+
+vLLM (and llm-compressor, which writes such checkpoints) keep one dequantization scale per
+attention layer for K and one for V, as ordinary checkpoint tensors beside the weights:
+
+| strategy    | tensors per layer ``i``                                  | shape              | dtype   |
+|-------------|----------------------------------------------------------|--------------------|---------|
+| "tensor"    | ``model.layers.{i}.self_attn.k_scale`` / ``.v_scale``    | ``[1]``            | float32 |
+| "attn_head" | the same names                                           | ``[num_kv_heads]`` | float32 |
+
+and declare them in ``config.json`` under ``quantization_config`` (compressed-tensors format)::
+
+    "quantization_config": {"quant_method": "compressed-tensors", "format": "dense",
+        "quantization_status": "frozen", "config_groups": {}, "ignore": [],
+        "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                            "dynamic": false, "symmetric": true}}
+
+A stored value is ``fp8_e4m3(clamp(x / scale, -448, 448))``, so the scale that uses the whole
+range without clipping is ``absmax / 448``: exactly the scale of kvlab's own static FP8 cache
+(``named_config("fp8")``, :mod:`kvlab.quant.cache`), which is what the tests check bit for bit.
+When a checkpoint declares a ``kv_cache_scheme``, vLLM turns ``kv_cache_dtype="auto"`` into "fp8"
+and switches ``calculate_kv_scales`` off; per-head scales need its FlashAttention backend.
+
+Sources checked: vLLM docs "Quantized KV Cache"
+(https://docs.vllm.ai/en/latest/features/quantization/quantized_kvcache/,
+vllm-project/vllm ``docs/features/quantization/quantized_kvcache.md``: per-tensor ``k/v_scale = [1]``,
+per-attention-head ``[num_kv_heads]``, FlashAttention only); vLLM's attention layer, which turns a
+``kv_cache_scheme`` into an fp8 cache and ``strategy == "attn_head"`` into per-head scales;
+compressed-tensors ``src/compressed_tensors/quantization/quant_config.py`` (``QuantizationConfig``:
+``config_groups``, ``quant_method="compressed-tensors"``, ``kv_cache_scheme``, ``format``,
+``quantization_status``); llm-compressor-format exports tested in intel/auto-round (``[num_kv_heads]``
+per-head scales; ``num_bits 8, type float, strategy tensor, dynamic false, symmetric true``).
+Not run against a vLLM install here (none offline): the format is checked against those sources.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+from collections.abc import Mapping
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from kvlab.quant.core import FP8_MAX
+
+STRATEGIES = ("tensor", "attn_head")
+SCALES_FILE = "kv_cache_scales.safetensors"
+CONFIG_FILE = "config.json"
+_GRANULARITY = {"tensor": "per-tensor", "attn_head": "per-head"}  # vLLM's strategy -> kvlab's granularity
+
+
+def scale_name(layer: int, which: str) -> str:
+    """The checkpoint name vLLM loads a scale from (Llama-family layout: SmolLM2, Llama, Qwen, Mistral)."""
+    return f"model.layers.{layer}.self_attn.{which}_scale"
+
+
+def _check_strategy(strategy: str) -> str:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    return strategy
+
+
+def kv_cache_scheme(strategy: str = "tensor") -> dict:
+    """compressed-tensors' ``kv_cache_scheme``: static (calibrated), symmetric FP8."""
+    return {"num_bits": 8, "type": "float", "strategy": _check_strategy(strategy), "dynamic": False,
+            "symmetric": True}
+
+
+def quantization_config(strategy: str = "tensor") -> dict:
+    """A KV-cache-only ``quantization_config``: no weight groups, weights stay dense."""
+    return {"quant_method": "compressed-tensors", "format": "dense", "quantization_status": "frozen",
+            "config_groups": {}, "ignore": [], "kv_cache_scheme": kv_cache_scheme(strategy)}
+
+
+def vllm_scales(calibration, strategy: str = "tensor", stat: str = "absmax") -> dict[str, torch.Tensor]:
+    """``{name: float32 scale}`` for every layer's K and V, ``stat / 448`` (``absmax / 448`` by default).
+
+    The values come from :meth:`Calibration.scales` with ``qmax=448``, the very call kvlab's FP8
+    cache makes, so exporting cannot drift from what the lab measured.
+    """
+    gran = _GRANULARITY[_check_strategy(strategy)]
+    out = {}
+    for which in ("k", "v"):
+        for layer, s in enumerate(calibration.scales(which, stat, gran, FP8_MAX)):  # (1,1,1) or (1,H,1)
+            out[scale_name(layer, which)] = s.reshape(-1).float().contiguous()  # [1] or [H]
+    return out
+
+
+def _model_config(model) -> dict | None:
+    """The config.json a model (or its config, or a dict) would be saved with."""
+    if model is None:
+        return None
+    cfg = model.config if hasattr(model, "config") and not isinstance(model, Mapping) else model
+    if isinstance(cfg, Mapping):
+        return json.loads(json.dumps(dict(cfg)))
+    return json.loads(cfg.to_json_string())  # what save_pretrained writes
+
+
+def export_vllm(out_dir, calibration=None, *, strategy: str = "tensor", stat: str = "absmax", model=None,
+                tokenizer=None, model_name: str = "smollm2-135m") -> dict:
+    """Write ``out_dir/kv_cache_scales.safetensors`` and ``out_dir/config.json`` for vLLM.
+
+    ``calibration``: a :class:`~kvlab.quant.calibrate.Calibration` (``kvlab calibrate`` output); when
+    None, the lab's cached default calibration of ``model`` (needs ``tokenizer``). ``model``: a model,
+    its HF config or a dict. With it, ``config.json`` is the model's own config with
+    ``quantization_config`` added (and layers / KV heads are checked against the calibration);
+    without it, ``config.json`` is a fragment holding only ``{"quantization_config": ...}`` to merge.
+
+    To serve: copy the model folder, add these two files (the scales file is one more shard: vLLM
+    reads every ``*.safetensors``; a sharded checkpoint with ``model.safetensors.index.json`` also
+    needs these names in its ``weight_map``). Both files are written under temporary names and
+    renamed, so a failed export leaves no half-written file. Returns a small summary.
+    """
+    _check_strategy(strategy)
+    if calibration is None:
+        if model is None or tokenizer is None:
+            raise ValueError("export_vllm needs calibration=... or model= and tokenizer= to calibrate the default text")
+        from kvlab.quant.calibrate import default_calibration
+
+        calibration = default_calibration(model, tokenizer, model_name, progress=False)
+    scales = vllm_scales(calibration, strategy, stat)
+    num_layers = calibration.num_layers
+    num_kv_heads = calibration.stats["k"]["per-head"]["absmax"].shape[1]
+    config = _model_config(model)
+    if config is None:
+        config = {"quantization_config": quantization_config(strategy)}
+    else:
+        from kvlab.sizing import kv_config
+
+        c = kv_config(model)
+        if (c.num_layers, c.num_kv_heads) != (num_layers, num_kv_heads):
+            raise ValueError(f"calibration has {num_layers} layers x {num_kv_heads} KV heads but the model has "
+                             f"{c.num_layers} x {c.num_kv_heads}: scales from another model?")
+        old = config.get("quantization_config")
+        if old and old.get("quant_method") != "compressed-tensors":
+            raise ValueError(f"model config already has quant_method {old.get('quant_method')!r}; only "
+                             "compressed-tensors can carry a kv_cache_scheme")
+        config["quantization_config"] = {**quantization_config(strategy), **(old or {}),
+                                         "kv_cache_scheme": kv_cache_scheme(strategy)}
+
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"out_dir {str(out)!r} is not a folder that can be written: {e.strerror or e}") from None
+    final = {"scales": out / SCALES_FILE, "config": out / CONFIG_FILE}
+    tmp = {k: p.with_name(f".{p.name}.{os.getpid()}.tmp") for k, p in final.items()}
+    meta = {**calibration.meta, "strategy": strategy, "stat": stat, "fp8_max": FP8_MAX}
+    try:
+        from safetensors.torch import save  # bytes, written with the usual file mode (save_file makes 0600)
+
+        tmp["scales"].write_bytes(save(scales, metadata={"kvlab": json.dumps(meta)}))
+        tmp["config"].write_text(json.dumps(config, indent=2) + "\n")
+        for key in ("scales", "config"):
+            os.replace(tmp[key], final[key])
+    except Exception as e:  # OSError, safetensors' own error: one line naming the folder
+        raise ValueError(f"cannot write the export into {str(out)!r}: {e}") from e
+    finally:
+        for p in tmp.values():
+            p.unlink(missing_ok=True)
+
+    ks = torch.cat([v for n, v in scales.items() if n.endswith("k_scale")])
+    vs = torch.cat([v for n, v in scales.items() if n.endswith("v_scale")])
+    return {"out_dir": str(out), "scales_file": str(final["scales"]), "config_file": str(final["config"]),
+            "config": "fragment" if model is None else "model", "strategy": strategy, "stat": stat,
+            "layers": num_layers, "num_kv_heads": num_kv_heads, "tensors": len(scales),
+            "k_scale_min": float(ks.min()), "k_scale_max": float(ks.max()),
+            "v_scale_min": float(vs.min()), "v_scale_max": float(vs.max())}
+
+
+# ---- every kvlab knob, and what vLLM and HF transformers call it ------------------------------------
+
+class Knob(NamedTuple):
+    what: str
+    kvlab: str  # as named in kvlab.engine.LLM / BlockManager / Scheduler / KVQuantConfig / the kvlab CLI
+    vllm: str  # engine argument (LLM(...) keyword) and CLI flag
+    hf: str  # transformers 5.24: "CB" = ContinuousBatchingConfig (generate_batch), GenerationConfig, caches
+    note: str
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("block size", "block_size=16 (LLM, BlockManager); --block-size", "block_size, --block-size (16 on CUDA)",
+         "CB page_size=256", "same idea, tokens per page; HF's pages are 16x larger"),
+    Knob("pool size", "num_blocks=256 (LLM, BlockManager); --num-blocks",
+         "gpu_memory_utilization=0.9 and --gpu-memory-utilization (or num_gpu_blocks_override)",
+         "CB num_blocks, max_memory_percent",
+         "vLLM sizes the pool from free GPU memory after a profiling run; kvlab takes a count"),
+    Knob("prefix caching", "enable_prefix_caching=True (LLM, BlockManager)",
+         "enable_prefix_caching, --enable-prefix-caching (on by default in V1)", "CB allow_block_sharing=True",
+         "all share full blocks by a chained hash; kvlab hashes with hashlib"),
+    Knob("running at once", "max_num_seqs=32 (LLM, Scheduler); --max-num-seqs", "max_num_seqs, --max-num-seqs",
+         "CB max_requests_per_batch", "vLLM's default depends on the GPU and entry point (256 or more)"),
+    Knob("tokens per step", "max_num_batched_tokens=512 (LLM, Scheduler); --max-num-batched-tokens",
+         "max_num_batched_tokens, --max-num-batched-tokens", "CB max_batch_tokens",
+         "decodes first, then prefill chunks, in all three"),
+    Knob("KV storage dtype", "kv_dtype='auto' (LLM), also fp16, int8, fp8, int4, k8v4; --kv-dtype",
+         "kv_cache_dtype, --kv-cache-dtype: auto, fp8, fp8_e4m3, fp8_e5m2",
+         "cache_implementation 'quantized' (GenerationConfig) with cache_config backend fp8, quanto or hqq",
+         "vLLM: FP8 only; HF's QuantizedCache serves generate(), generate_batch's paged cache is unquantized"),
+    Knob("scales from first batch", "KVQuantConfig policy='dynamic': the first write sets the scale",
+         "calculate_kv_scales, --calculate-kv-scales", "QuantizedCache backend fp8: scale frozen at first update",
+         "vLLM: absmax/200 (K), /100 (V), once; wrong when the first traffic is unrepresentative"),
+    Knob("calibrated scales", "kvlab calibrate --out F; --scales-file F; calibration= (LLM)",
+         "k_scale, v_scale in the checkpoint + kv_cache_scheme (kvlab export-vllm)",
+         "none: HF's quantized caches compute scales on the fly",
+         "kvlab's policy='corrected' (widen on overflow) has no equivalent"),
+    Knob("chunked prefill", "always on: the Scheduler chunks a prompt past the step's budget",
+         "enable_chunked_prefill, --enable-chunked-prefill (on in V1)",
+         "always on: the scheduler splits prompts over max_batch_tokens",
+         "vLLM can also cap one long prompt's share of a step: long_prefill_token_threshold"),
+    Knob("preemption", "recompute: Scheduler.preempt frees the blocks, requeues at the front",
+         "recompute only in V1 (V0's --preemption-mode swap is gone)",
+         "CB cpu_offload_space=0: offload to CPU if > 0, else restart the request",
+         "recompute is cheap while the prefix cache still holds the blocks"),
+    Knob("free-block reserve", "watermark=0.01 (LLM, Scheduler)", "internal (V0 block manager watermark 0.01)",
+         "CB safety_margin", "keeps admissions from starving running decodes"),
+    Knob("batching policy", "policy='continuous' or 'static' (LLM, Scheduler)",
+         "continuous only; --scheduling-policy fcfs or priority", "CB scheduler_type='fifo' or 'prefill_first'",
+         "'static' is kvlab's baseline to measure against"),
+    Knob("attention backend", "attn_backend='torch' (LLM, ModelRunner), also reference, triton; --attn-backend",
+         "--attention-backend FLASH_ATTN, FLASHINFER, TRITON_ATTN (was env VLLM_ATTENTION_BACKEND)",
+         "attn_implementation sdpa, paged|eager or flash_attention_2/3 (CB auto_switch_to_flash=True picks flash)",
+         "per-head FP8 scales need vLLM's FLASH_ATTN"),
+)
+
+
+def knob_table(width: int = 28) -> str:
+    """The knobs as a fixed-width text table, each cell wrapped to ``width`` characters (notebook 06).
+    "CB" in the HF column is transformers' ``ContinuousBatchingConfig`` (``model.generate_batch``)."""
+    head = Knob("knob", "kvlab", "vLLM", "HF transformers 5.24", "difference")
+    widths = (18, width, width, width, width)
+    lines = []
+    for i, row in enumerate((head,) + KNOBS):
+        cells = [textwrap.wrap(c, w, break_on_hyphens=False) or [""] for c, w in zip(row, widths)]
+        for k in range(max(map(len, cells))):
+            lines.append("  ".join(f"{(c[k] if k < len(c) else ''):<{w}}" for c, w in zip(cells, widths)).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append("CB = transformers' ContinuousBatchingConfig, passed to model.generate_batch(...)")
+    return "\n".join(lines)
