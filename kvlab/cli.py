@@ -331,6 +331,27 @@ def cmd_ppl(args) -> None:
                            f"KL {c['kl']:.4f}, top-1 {c['top1']:.1%}, {obj['bytes_per_token']:.0f} B/token"])
 
 
+def cmd_export_vllm(args) -> None:
+    """``kvlab export-vllm``: the calibrated scales as vLLM checkpoint tensors + config (kvlab/export.py)."""
+    from kvlab.export import export_vllm
+    from kvlab.models import load_model
+
+    model, tokenizer = load_model(args.model)
+    cal = _calibration(args, model, tokenizer)  # --scales-file, else the cached default calibration
+    res = export_vllm(args.out, cal, strategy=args.strategy, stat=args.calib, model=model)
+    _emit(res, args.json, [json.dumps(res, indent=2)])
+
+
+def cmd_claims(args) -> None:
+    """``kvlab claims``: every numeric claim of the source articles, measured now (kvlab/claims.py)."""
+    from kvlab import claims
+
+    ids = [x.strip() for x in args.only.split(",") if x.strip()] if args.only else None
+    say = None if args.json else (lambda cid: print(f"measuring {cid} ...", file=sys.stderr, flush=True))
+    rows = claims.run(ids=ids, progress=say)
+    _emit({"claims": rows, "counts": claims.counts(rows)}, args.json, [claims.format_table(rows)])
+
+
 def cmd_convert(args) -> None:
     from kvlab.models import convert_smollm2
 
@@ -439,6 +460,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stride", type=_positive_int("--stride"), default=256)
     s.add_argument("--chunk", type=_positive_int("--chunk"), default=32)
     s.set_defaults(func=cmd_ppl)
+
+    s = sub.add_parser("export-vllm", help="write calibrated FP8 KV scales as vLLM checkpoint tensors + config.json")
+    s.add_argument("--model", default="smollm2-135m")
+    s.add_argument("--out", required=True, help="output folder (kv_cache_scales.safetensors, config.json)")
+    s.add_argument("--scales-file", default=None, help="a kvlab calibrate file (default: calibrate once, cached)")
+    s.add_argument("--strategy", default="tensor", choices=["tensor", "attn_head"],
+                   help="one scale per layer, or one per KV head (vLLM's FlashAttention backend only)")
+    s.add_argument("--calib", default="absmax", choices=["absmax", "p99", "p99.9", "p99.99"],
+                   help="calibration statistic; FP8 scale = statistic / 448")
+    s.set_defaults(func=cmd_export_vllm)
+
+    s = sub.add_parser("claims", help="every numeric claim of the three source articles, measured now, with a verdict")
+    s.add_argument("--only", default=None, metavar="ID,ID", help="measure only these claims (ids as in the table)")
+    s.set_defaults(func=cmd_claims)
 
     s = sub.add_parser("convert", help="convert the bundled SmolLM2 GGUF to safetensors (once)")
     s.add_argument("--force", action="store_true")

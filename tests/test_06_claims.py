@@ -1,0 +1,107 @@
+"""The claims table (kvlab/claims.py): verdicts follow measurements, every claim points to a section
+that exists, and the CLI prints the same rows."""
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from kvlab import claims
+from kvlab.cli import main
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NO_MODEL = ["kv-7b", "weights-7b", "kv-1mb", "a100-half", "kv-70b", "decode-1ms", "int8-half", "int4-quarter",
+            "24-to-16gb", "b32-16k-fits", "22ms-step", "int8-39pct", "unfused", "static-30", "static-50", "paged-90",
+            "frag-5-10", "util-30-80", "zero-guard"]
+
+
+def _headings(notebook: str) -> set[str]:
+    nb = json.loads((NOTEBOOKS / f"{notebook}.ipynb").read_text())
+    out = set()
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "markdown":
+            for line in "".join(cell["source"]).splitlines():
+                m = re.match(r"#+\s+(.*)", line)
+                if m:
+                    out.add(m.group(1).strip())
+    return out
+
+
+def test_at_least_twenty_claims_with_unique_ids_from_the_three_articles():
+    assert len(claims.CLAIMS) >= 20
+    assert len({c.id for c in claims.CLAIMS}) == len(claims.CLAIMS)
+    assert {c.article for c in claims.CLAIMS} == {"000", "003", "004"}
+
+
+@pytest.mark.parametrize("claim", claims.CLAIMS, ids=lambda c: c.id)
+def test_every_claim_points_to_a_section_that_exists(claim):
+    assert (NOTEBOOKS / f"{claim.notebook}.ipynb").exists(), claim.notebook
+    assert claim.section in _headings(claim.notebook), f"{claim.notebook} has no heading {claim.section!r}"
+
+
+def test_verdict_rules():
+    assert claims.ratio(512, 512) == "holds"
+    assert claims.ratio(2**20, 2**19) == "off by 2.0×"
+    assert claims.ratio(1.0, 1.1) == "holds"  # within 15 %
+    assert claims.in_range(5, 20, 12) == "holds"
+    assert claims.in_range(5, 20, 2.5) == "off by 2.0×"
+    assert claims.in_range(5, 20, 60) == "off by 3.0×"
+    assert claims.in_range(0.5, 1.5, -0.3) == "wrong"
+    assert claims.truth(True) == "holds" and claims.truth(False) == "wrong"
+    assert claims.corrected("off by 2.0×") and claims.corrected("wrong") and not claims.corrected("holds")
+    with pytest.raises(ValueError, match="positive"):
+        claims.ratio(0, 1)
+    with pytest.raises(ValueError, match="lo <= hi"):
+        claims.in_range(3, 1, 2)
+
+
+def _lab(kl_absmax, kl_p999, kl_k4v8=0.02, kl_k8v4=0.003, delta=0.3, top1=0.995):
+    """A stand-in for the SmolLM2 measurements: the verdicts must follow whatever is measured."""
+    cfg = lambda kl, **kw: dict(kl=kl, ppl=10.0, delta_ppl_pct=kw.get("delta", 0.0), top1=kw.get("top1", 1.0),
+                                k_clip_rate=0.0)
+    return SimpleNamespace(quality={"ppl_fp": 10.0, "scored": 100, "configs": {
+        "int8": cfg(kl_absmax, delta=delta, top1=top1), "int8 p99.9": cfg(kl_p999),
+        "k4v8": cfg(kl_k4v8), "k8v4": cfg(kl_k8v4)}}, sensitivity=[0.9, 0.1, 0.2, 0.3, 0.05, 0.8])
+
+
+def test_verdicts_are_computed_from_the_measurements_not_typed_in():
+    by_id = {c.id: c for c in claims.CLAIMS}
+    assert by_id["p999"].measure(_lab(0.002, 0.001))[1] == "holds"
+    assert by_id["p999"].measure(_lab(0.001, 0.002))[1] == "wrong"
+    assert by_id["k-over-v"].measure(_lab(0.001, 0.002))[1] == "holds"
+    assert by_id["k-over-v"].measure(_lab(0.001, 0.002, kl_k4v8=0.001, kl_k8v4=0.01))[1] == "wrong"
+    assert by_id["ppl-0.5-1.5"].measure(_lab(0.001, 0.002, delta=1.0))[1] == "holds"
+    assert by_id["ppl-0.5-1.5"].measure(_lab(0.001, 0.002, delta=0.1))[1] == "off by 5.0×"
+    assert by_id["ppl-0.1"].measure(_lab(0.001, 0.002, delta=2.0))[1] == "wrong"
+    assert by_id["negligible"].measure(_lab(0.001, 0.002, top1=0.9))[1] == "wrong"
+    assert by_id["first-last"].measure(_lab(0.001, 0.002))[1] == "holds"  # layers 0 and 5 rank 1 and 2 of 6
+
+
+def test_model_free_claims_run_and_count():
+    rows = claims.run(ids=NO_MODEL)
+    assert [r["id"] for r in rows] == NO_MODEL
+    verdict = {r["id"]: r["verdict"] for r in rows}
+    assert verdict["kv-7b"] == "holds" and verdict["kv-1mb"] == "off by 2.0×" and verdict["b32-16k-fits"] == "wrong"
+    c = claims.counts(rows)
+    assert c["holds"] + c["corrected"] == c["claims"] == len(NO_MODEL) and c["off"] + c["wrong"] == c["corrected"]
+    text = claims.format_table(rows)
+    assert text.count("verdict") == len(NO_MODEL) and "claims:" in text.splitlines()[-1]
+
+
+def test_run_refuses_unknown_ids():
+    with pytest.raises(ValueError, match="unknown claim id"):
+        claims.run(ids=["kv-7b", "nope"])
+
+
+def test_cli_claims_json(capsys):
+    assert main(["claims", "--json", "--only", "kv-7b,static-30,unfused"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["id"] for r in out["claims"]] == ["kv-7b", "unfused", "static-30"]  # in table order
+    assert out["counts"]["claims"] == 3 and {"measured", "verdict", "why", "notebook", "section"} <= set(out["claims"][0])
+
+
+def test_cli_claims_bad_id(capsys):
+    assert main(["claims", "--only", "nope"]) == 2
+    assert "unknown claim id" in capsys.readouterr().err
