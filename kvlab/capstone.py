@@ -1,0 +1,214 @@
+"""The whole system on one workload, in four configurations (notebook 06).
+
+One fixed byte budget for the KV cache, one ShareGPT-like workload with a shared system prompt,
+served by the engine of notebook 04 four ways:
+
+* ``static FP16`` — static pre-allocation: every request gets a slab of ``max_len`` tokens the
+  moment it is admitted (what HF's ``StaticCache(max_batch, max_len)`` does, and what the
+  PagedAttention paper calls Orca (Max)). So the budget holds ``budget // slab`` requests, however
+  short they turn out. Run on the same engine as a pool with exactly that many seats, each slab's
+  blocks reserved by the seat count, prefix caching off (a slab is private).
+* ``paged FP16`` — the same bytes as a block pool: a request holds only the blocks its tokens fill,
+  and the shared system prompt's full blocks are stored once.
+* ``paged INT8`` — the same bytes as INT8 blocks with calibrated per-head scales: ~2x the blocks.
+* ``paged INT8 + Triton`` — the same pool read and written by the kernels of notebook 05 (compiled
+  on a GPU; in the interpreter on a CPU, where it serves a few requests only: it is a correctness
+  check there, not a speed).
+
+Everything measured comes from the engine's own counters (``step_stats``, ``trace``, the cache's
+saturation counters) and from a hook that records, for every step, the context each decoding
+request reads.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+CONFIGS = ("static FP16", "paged FP16", "paged INT8", "paged INT8 + Triton")
+_SPEC = {  # kv_dtype, attention backend, reservation
+    "static FP16": ("fp16", "torch", "static"),
+    "paged FP16": ("fp16", "torch", "paged"),
+    "paged INT8": ("int8", "torch", "paged"),
+    "paged INT8 + Triton": ("int8", "triton", "paged"),
+}
+
+
+def _check_config(name: str) -> tuple[str, str, str]:
+    if name not in _SPEC:
+        raise ValueError(f"config must be one of {CONFIGS}, got {name!r}")
+    return _SPEC[name]
+
+
+def pool_bytes(cache) -> tuple[int, int]:
+    """(bytes per block, fixed bytes) of a pool: pages and per-token scales grow with the blocks; static
+    scale tables (one per layer x head, notebook 03) do not."""
+    stores = getattr(cache, "k", None)
+    if isinstance(stores, list):  # a QuantizedPagedKVCache: one store per layer for K and for V
+        per = fixed = 0
+        for st in stores + cache.v:
+            per += sum(t.nbytes for t in (st.data, st.token_scale, st.token_zero) if t is not None)
+            fixed += st.scale.nbytes if st.scale is not None else 0
+        return per // cache.num_blocks, fixed
+    return cache.bytes_per_block, cache.bytes_reserved - cache.bytes_per_block * cache.num_blocks
+
+
+def block_bytes(model, kv_dtype: str, block_size: int = 16, calibration=None) -> tuple[int, int]:
+    """(bytes per block, fixed bytes) of a ``kv_dtype`` pool for ``model``."""
+    from kvlab.engine.llm import _make_cache
+
+    return pool_bytes(_make_cache(model, None, 1, block_size, kv_dtype, None, calibration, "smollm2-135m"))
+
+
+@dataclass
+class Plan:
+    """How one configuration spends the budget."""
+
+    config: str
+    kv_dtype: str
+    attn_backend: str
+    num_blocks: int
+    max_num_seqs: int
+    prefix_caching: bool
+    bytes_per_block: int
+    bytes_reserved: int  # what the pool really allocates (<= budget)
+    seats: int | None  # static: requests the budget can hold; paged: None (it depends on the lengths)
+    block_size: int = 16
+
+
+def plan(model, name: str, budget_bytes: int, max_len: int = 512, block_size: int = 16, max_num_seqs: int = 64,
+         calibration=None) -> Plan:
+    """Blocks and seats for config ``name`` within ``budget_bytes``."""
+    kv_dtype, backend, reservation = _check_config(name)
+    if max_len < block_size:
+        raise ValueError(f"max_len must be >= block_size ({block_size}), got {max_len}")
+    per_block, fixed = block_bytes(model, kv_dtype, block_size, calibration)
+    blocks = (budget_bytes - fixed) // per_block
+    if reservation == "static":
+        slab = -(-max_len // block_size)  # blocks per request, reserved at admission
+        seats = blocks // slab
+        if seats < 1:
+            raise ValueError(f"budget_bytes={budget_bytes:,} holds no {max_len}-token slab "
+                             f"({slab * per_block:,} bytes): raise the budget or lower max_len")
+        return Plan(name, kv_dtype, backend, seats * slab, seats, False, per_block, seats * slab * per_block + fixed,
+                    seats, block_size)
+    if blocks < 1:
+        raise ValueError(f"budget_bytes={budget_bytes:,} holds no block of {per_block:,} bytes")
+    return Plan(name, kv_dtype, backend, int(blocks), max_num_seqs, True, per_block, int(blocks) * per_block + fixed,
+                None, block_size)
+
+
+def make_engine(model, tokenizer, p: Plan, calibration=None, max_num_batched_tokens: int = 256):
+    from kvlab.engine import LLM
+
+    return LLM(model, tokenizer, num_blocks=p.num_blocks, block_size=p.block_size, max_num_seqs=p.max_num_seqs,
+               max_num_batched_tokens=max_num_batched_tokens, attn_backend=p.attn_backend, kv_dtype=p.kv_dtype,
+               calibration=calibration, enable_prefix_caching=p.prefix_caching)
+
+
+class DecodeReads:
+    """Records, per step, the context tokens every decoding request attends to (its KV read)."""
+
+    def __init__(self, llm):
+        self.per_step: dict[int, int] = {}  # step -> sum of decode contexts (tokens)
+        self.rows: dict[int, int] = {}  # step -> decoding requests
+        self._previous = llm.on_scheduled
+        llm.on_scheduled = self
+
+    def __call__(self, batch) -> None:
+        if self._previous is not None:
+            self._previous(batch)
+        # decodes come first; a decode reads the whole context, its own new token included
+        seqs = batch.seqs[:batch.num_decodes]
+        if seqs:
+            self.per_step[batch.step] = sum(s.num_tokens for s in seqs)
+            self.rows[batch.step] = len(seqs)
+
+
+def serve(llm, prompts, output_lens, p: Plan, max_len: int = 512) -> dict:
+    """Serve every prompt (all arriving at once, exact output lengths) and measure the run."""
+    from kvlab.engine import SamplingParams
+
+    if any(len(x) + o > max_len for x, o in zip(prompts, output_lens)):
+        raise ValueError(f"a request is longer than max_len={max_len} tokens")
+    reads = DecodeReads(llm)
+    ids = llm.add_requests(prompts, [SamplingParams(max_tokens=o, ignore_eos=True) for o in output_lens])
+    while llm.has_unfinished():
+        llm.step()
+    return measure(llm, ids, reads, p, max_len)
+
+
+def measure(llm, ids, reads: DecodeReads, p: Plan, max_len: int = 512) -> dict:
+    s = llm.summary(ids)
+    steps = llm.step_stats
+    # the steps in which the budget turned a request away: a deferral for lack of blocks or seats, or a
+    # preemption. The requests running then are what the budget holds (not the token budget per step)
+    bound = {e.step for e in llm.trace
+             if (e.action == "deferred" and e.reason in ("no blocks", "seq limit")) or e.action == "preempted"}
+    held = [st.running for st in steps if st.step in bound]
+    deferred = Counter(e.reason for e in llm.trace if e.action == "deferred")
+    per_token = p.bytes_per_block / llm.block_manager.block_size
+    if p.seats is not None:  # a static cache's attention reads its whole slab, every row, every step
+        kv_read = [reads.rows[k] * max_len * per_token for k in reads.rows]
+    else:
+        kv_read = [t * per_token for t in reads.per_step.values()]
+    out = dict(config=p.config, num_blocks=p.num_blocks, bytes_reserved=p.bytes_reserved,
+               requests=len(ids), peak_running=max(st.running for st in steps),
+               held_at_limit=statistics.mean(held) if held else float(len(ids)),
+               limit_steps=len(held), deferred=dict(deferred), preemptions=s["preemptions"],
+               output_tok_s=s["output_tok_s"], ttft_p50_s=s["ttft_p50_s"], tpot_p50_s=s["tpot_p50_s"],
+               steps=s["steps"], wall_s=s["wall_s"],
+               kv_read_per_decode_step=statistics.mean(kv_read) if kv_read else 0.0,
+               kv_read_per_token=sum(kv_read) / max(sum(reads.rows.values()), 1),  # per generated token
+               tokens=[llm.seqs[i].output_token_ids for i in ids])
+    if quantized(llm.cache):
+        from kvlab.quant.cache import saturation_summary
+
+        out.update(saturation_summary(llm.cache.saturation()))
+    return out
+
+
+def quantized(cache) -> bool:
+    """Whether a pool has scales (and so saturation counters worth showing)."""
+    cfg = getattr(cache, "config", None)
+    return cfg is not None and any(f.quantized for layer in range(cache.num_layers) for f in cfg.formats(layer))
+
+
+def limit(row: dict) -> str:
+    """What capped the requests held at once, from the scheduler's own reasons."""
+    if not row["limit_steps"]:
+        return f"nothing: all {row['requests']} requests fit at once"
+    memory = {r: n for r, n in row["deferred"].items() if r in ("no blocks", "seq limit")}
+    if memory:
+        reason, n = max(memory.items(), key=lambda kv: kv[1])
+        return f"{reason} ({n} deferrals)" + (f", {row['preemptions']} preemptions" if row["preemptions"] else "")
+    return f"no blocks ({row['preemptions']} preemptions)"
+
+
+def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict:
+    """Greedy agreement with a reference run: requests identical, and the share of each answer generated
+    before its first difference (positions after a divergence are not compared: the contexts differ)."""
+    same, shares = 0, []
+    for a, b in zip(tokens, reference):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        same += a == b
+        shares.append(n / max(len(b), 1))
+    return {"identical": same, "requests": len(reference), "prefix_share": statistics.mean(shares)}
+
+
+@torch.inference_mode()
+def count_step_bytes(llm) -> dict:
+    """Bytes the Triton kernels really load and store in ONE engine step (interpreter only), and the
+    decode contexts of that step: the measured side of the byte model."""
+    from kvlab.kernels.traffic import count_traffic
+
+    reads = DecodeReads(llm)
+    with count_traffic() as n:
+        llm.step()
+    step = max(reads.per_step) if reads.per_step else None
+    llm.on_scheduled = reads._previous
+    return {"read": n["read"], "write": n["write"], "context_tokens": reads.per_step.get(step, 0),
+            "rows": reads.rows.get(step, 0)}

@@ -1,0 +1,160 @@
+"""One dashboard for a running engine (notebook 06): the block pool, the queues, the bytes each decode
+step reads, and, for a quantized pool, the saturation counters per layer x head.
+
+Only reads: an :class:`~kvlab.viz.engine.EngineRecorder` copies a frame off the engine at every step;
+this module adds, per frame, the KV bytes the step's decodes read (their contexts x the pool's bytes
+per token) and a copy of the cache's saturation counters. Live while the engine runs; afterwards the
+step slider replays any step.
+"""
+
+from __future__ import annotations
+
+import html
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from kvlab.viz import COLORS
+from kvlab.viz.engine import EngineRecorder, _frame_html
+from kvlab.viz.paged import _grid, block_table_figure
+
+
+def _bytes_per_token(cache) -> float:
+    from kvlab.capstone import pool_bytes
+
+    return pool_bytes(cache)[0] / cache.block_size
+
+
+def _clipped(cache):
+    """(L, 2H) clipped-value counts, K heads then V heads, or None for a float pool."""
+    from kvlab.capstone import quantized
+
+    if not quantized(cache):
+        return None
+    import torch
+
+    sat = cache.saturation()
+    return torch.cat([sat["k"]["clipped"], sat["v"]["clipped"]], dim=1).tolist()
+
+
+class Dashboard:
+    """The widget and its per-frame numbers. ``Dashboard(llm).widget`` is what a notebook displays."""
+
+    def __init__(self, llm, columns: int = 32, title: str = ""):
+        import ipywidgets as W
+
+        self.llm, self.columns, self.title = llm, columns, title
+        self.recorder = EngineRecorder(llm)
+        self.kv_read: list[float] = []  # per frame: bytes the step's decodes read
+        self.clipped: list = []  # per frame: (L, 2H) counts, or None
+        if not self.recorder.frames:
+            self.recorder.capture()
+        for i in range(len(self.recorder.frames)):
+            self._note(i)
+        frame = self.recorder.frames[-1]
+        self.pool = block_table_figure(frame["pool"], columns, widget=True)
+        self.pool.update_layout(title="the block pool (colour = request, dark = shared prefix, white = free)")
+        self.chart = go.FigureWidget(self._figure())
+        self.info = W.HTML()
+        self.play = W.Play(min=0, max=0, value=0, interval=400, description="play")
+        self.step = W.IntSlider(min=0, max=0, value=0, description="frame")
+        W.jslink((self.play, "value"), (self.step, "value"))
+        self.step.observe(lambda change: self.draw(change["new"]), names="value")
+        self.recorder.listeners.append(self._follow)
+        self.widget = W.VBox([W.HTML(f"<b>{html.escape(title)}</b>") if title else W.HTML(),
+                              W.HBox([self.play, self.step]), self.info, self.chart, self.pool])
+        self.widget.dashboard = self
+        self._sync_range()
+        self.draw(len(self.recorder.frames) - 1)
+
+    # ---- numbers per frame ------------------------------------------------------------------------
+
+    def _note(self, index: int) -> None:
+        frame = self.recorder.frames[index]
+        ctx = sum(s["total"] for s in frame["scheduled"] if s["kind"] == "decode")  # tokens read by decodes
+        value = ctx * _bytes_per_token(self.llm.cache)
+        clipped = _clipped(self.llm.cache)
+        if index < len(self.kv_read):
+            self.kv_read[index], self.clipped[index] = value, clipped
+        else:
+            self.kv_read.append(value)
+            self.clipped.append(clipped)
+
+    def _series(self):
+        frames = self.recorder.frames
+        x = list(range(len(frames)))
+        return (x, [len(f["running"]) for f in frames], [len(f["waiting"]) for f in frames],
+                [b / 2**20 for b in self.kv_read])
+
+    # ---- drawing ----------------------------------------------------------------------------------
+
+    def _figure(self) -> go.Figure:
+        x, running, waiting, mib = self._series()
+        fig = make_subplots(rows=1, cols=3, column_widths=[0.34, 0.33, 0.33], horizontal_spacing=0.08,
+                            subplot_titles=("requests running / waiting", "KV MiB read per decode step",
+                                            "clipped values: layer x (K heads | V heads)"))
+        fig.add_trace(go.Scatter(x=x, y=running, name="running", line_color=COLORS["tokens"]), 1, 1)
+        fig.add_trace(go.Scatter(x=x, y=waiting, name="waiting", line_color=COLORS["padding"]), 1, 1)
+        fig.add_trace(go.Bar(x=x, y=mib, name="KV read", marker_color=COLORS["kv"]), 1, 2)
+        fig.add_trace(go.Scatter(x=[x[-1]], y=[running[-1]], mode="markers", name="this frame",
+                                 marker=dict(size=11, color="#1b2631", symbol="diamond")), 1, 1)
+        fig.add_trace(go.Scatter(x=[x[-1]], y=[mib[-1]], mode="markers", showlegend=False,
+                                 marker=dict(size=11, color="#1b2631", symbol="diamond")), 1, 2)
+        z = self.clipped[-1]
+        if z is None:
+            fig.add_trace(go.Heatmap(z=[[0]], showscale=False, colorscale="Greys"), 1, 3)
+            fig.add_annotation(text="float pool: no scales, nothing clips", showarrow=False, row=1, col=3,
+                               x=0, y=0)
+        else:
+            fig.add_trace(go.Heatmap(z=z, colorscale="Reds", zmin=0, colorbar=dict(title="clipped", x=1.0)), 1, 3)
+        fig.update_xaxes(title_text="frame (one per engine step)", row=1, col=1)
+        fig.update_xaxes(title_text="frame", row=1, col=2)
+        fig.update_yaxes(title_text="requests", rangemode="tozero", row=1, col=1)
+        fig.update_yaxes(title_text="MiB", rangemode="tozero", row=1, col=2)
+        fig.update_xaxes(title_text="KV head (K 0.., then V 0..)", row=1, col=3)
+        fig.update_yaxes(title_text="layer", row=1, col=3)
+        fig.update_layout(height=330, margin=dict(l=50, r=20, t=50, b=50), legend=dict(orientation="h", y=-0.25))
+        return fig
+
+    def draw(self, index: int) -> None:
+        frames = self.recorder.frames
+        index = max(0, min(index, len(frames) - 1))
+        frame = frames[index]
+        x, running, waiting, mib = self._series()
+        z, text, scale, n = _grid(frame["pool"], self.columns)
+        with self.pool.batch_update():
+            self.pool.data[0].z, self.pool.data[0].text = z, text
+            self.pool.data[0].colorscale, self.pool.data[0].zmax = scale, n
+        with self.chart.batch_update():
+            self.chart.data[0].x, self.chart.data[0].y = x, running
+            self.chart.data[1].x, self.chart.data[1].y = x, waiting
+            self.chart.data[2].x, self.chart.data[2].y = x, mib
+            self.chart.data[3].x, self.chart.data[3].y = [index], [running[index]]
+            self.chart.data[4].x, self.chart.data[4].y = [index], [mib[index]]
+            if self.clipped[index] is not None:
+                self.chart.data[5].z = self.clipped[index]
+        s = self.llm.cache
+        sat = ""
+        if self.clipped[index] is not None:
+            total = sum(map(sum, self.clipped[index]))
+            sat = f" · clipped values so far: <b>{total:,}</b>"
+        self.info.value = (f"frame {index}: KV read by this step's decodes <b>{mib[index]:.2f} MiB</b> "
+                           f"({_bytes_per_token(s):,.0f} B per token){sat}<br>" + _frame_html(frame))
+
+    def _sync_range(self) -> None:
+        last = len(self.recorder.frames) - 1
+        self.play.max = self.step.max = last
+
+    def _follow(self, index: int, new: bool) -> None:
+        self._note(index)
+        self._sync_range()
+        if new and self.step.value != index:
+            self.step.value = index  # redraws through the observer
+        elif self.step.value == index:
+            self.draw(index)
+
+
+def engine_dashboard(llm, columns: int = 32, title: str = ""):
+    """Display this, then run the engine (``llm.step()`` / ``iter_steps`` / ``generate``): it follows
+    every step; afterwards move the slider to replay. ``widget.dashboard`` holds the numbers."""
+    return Dashboard(llm, columns, title).widget
