@@ -45,9 +45,11 @@ def _first_difference(got, expected) -> str:
     return ""
 
 
-def _run(name: str, fn: Callable, cases: Sequence[tuple[tuple, Any]], same=None) -> bool:
+def _run(name: str, fn: Callable, cases: Sequence[tuple[tuple, Any]], same=None, exercise: str | None = None,
+         learner=None) -> bool:
     if not callable(fn):
         raise TypeError(f"{name}: pass your function itself, got {type(fn).__name__}")
+    exercise = exercise or name
     same = same or (lambda a, b: a == b)
     for args, expected in cases:
         try:
@@ -63,6 +65,7 @@ def _run(name: str, fn: Callable, cases: Sequence[tuple[tuple, Any]], same=None)
                   f"{_first_difference(got, expected)}")
             return False
     print(f"[ok] {name}: {len(cases)} cases match")
+    _record(exercise, learner if learner is not None else fn)
     return True
 
 
@@ -216,6 +219,7 @@ def admission_rule(fn: Callable[[int, int, int, int, int, int], "str | None"]) -
               f"yours {got[i] if i < len(got) else 'nothing'}, expected {expected[i] if i < len(expected) else 'nothing'}")
         return False
     print(f"[ok] admission_rule: {len(cases)} decisions and a {len(expected)}-event scheduler trace match")
+    _record("admission_rule", fn)
     return True
 
 
@@ -264,4 +268,88 @@ def online_softmax_update(fn) -> bool:
         return isinstance(a, torch.Tensor) and a.shape == b.shape and bool(torch.allclose(a, b, rtol=1e-4, atol=1e-5))
 
     return _run("online_softmax_update (whole run over all tiles: s, v, v_scale, tile -> softmax(s) @ (v * v_scale))",
-                call, cases, same=close)
+                call, cases, same=close, exercise="online_softmax_update", learner=fn)
+
+
+# ---- progress across notebooks -----------------------------------------------------------------
+
+# checker -> (notebook, task, what the exercise is about); the order of the workshop
+EXERCISES = {
+    "kv_bytes_per_token": ("00_memory_wall", "Task 1", "bytes one token adds to a model's KV cache"),
+    "token_forwards": ("01_naive_cache", "Task 1", "work with and without a cache"),
+    "static_utilization": ("01_naive_cache", "Task 2", "what a static cache really uses"),
+    "slot_mapping": ("02_paged_blocks", "Task 1", "block table -> slots"),
+    "quantize_per_head": ("03_int8_quantization", "Task 1", "INT8 per-head quantizer"),
+    "pack_int4": ("03_int8_quantization", "Task 2", "two 4-bit values per byte"),
+    "admission_rule": ("04_continuous_batching", "Task 1", "the scheduler's admission rule"),
+    "online_softmax_update": ("05_fused_triton_kernel", "Task 1", "online softmax in a Triton kernel"),
+}
+
+
+def progress_file():
+    """Where passed exercises are kept: ``$KVLAB_PROGRESS``, else ``progress.json`` in the kvlab cache
+    folder (``$KVLAB_CACHE`` or ``~/.cache/kvlab``)."""
+    import os
+    from pathlib import Path
+
+    from kvlab.models import cache_dir
+
+    return Path(os.environ.get("KVLAB_PROGRESS") or cache_dir() / "progress.json")
+
+
+def _load_progress() -> dict:
+    import json
+
+    path = progress_file()
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError):  # unreadable or half-written: progress is a convenience, start over
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _is_learners(fn) -> bool:
+    """A learner's own function, not kvlab's reference (the notebooks check those too, in CI)."""
+    f = getattr(fn, "fn", fn)  # a @triton.jit function wraps the Python one
+    module = getattr(f, "__module__", None) or ""
+    return not module.startswith("kvlab") and getattr(f, "__name__", "") != "<lambda>"
+
+
+def _record(exercise: str, fn) -> None:
+    import datetime
+    import json
+    import os
+
+    if exercise not in EXERCISES or not _is_learners(fn):
+        return
+    data = _load_progress()
+    data[exercise] = {"passed": datetime.datetime.now().isoformat(timespec="minutes"),
+                      "function": getattr(getattr(fn, "fn", fn), "__name__", "?")}
+    path = progress_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+        os.replace(tmp, path)  # never a half-written file
+    except OSError as e:  # a read-only home must not break an exercise that passed
+        print(f"(progress not saved: {path}: {e.strerror or e})")
+
+
+def progress(reset: bool = False) -> dict:
+    """Print which exercises across notebooks 00-05 you have passed (with your own function), and
+    return ``{exercise: date or None}``. ``reset=True`` forgets them all first."""
+    path = progress_file()
+    if reset:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+    data = _load_progress()
+    done = {name: (data.get(name) or {}).get("passed") for name in EXERCISES}
+    print(f"exercises passed: {sum(v is not None for v in done.values())} of {len(EXERCISES)}  ({path})")
+    for name, (notebook, task, what) in EXERCISES.items():
+        mark = f"[x] {done[name]}" if done[name] else "[ ] not yet"
+        print(f"  {notebook[:2]} {task:<7} {name:<22} {what:<42} {mark}")
+    return done

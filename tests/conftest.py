@@ -13,3 +13,9 @@ def tiny():
 def smollm2():
     model, tok = kvlab.load_model("smollm2-135m")
     return model, tok
+
+
+@pytest.fixture(autouse=True)
+def _progress_elsewhere(tmp_path, monkeypatch):
+    """Checkers record passed exercises; tests must never write into the learner's own progress file."""
+    monkeypatch.setenv("KVLAB_PROGRESS", str(tmp_path / "progress.json"))

@@ -129,3 +129,65 @@ def test_online_softmax_update(capsys):
     assert not check.online_softmax_update(todo)
     out = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in out] == ["[ok]", "[fail]", "[todo]"]
+
+
+# ---- progress across notebooks ---------------------------------------------------------------------
+
+
+def test_progress_records_the_learners_function_only(capsys):
+    from kvlab import sizing
+
+    check.progress(reset=True)
+    assert check.kv_bytes_per_token(sizing.kv_token_bytes)  # kvlab's own reference: not the learner's pass
+    assert check.kv_bytes_per_token(lambda *a: sizing.kv_token_bytes(*a))  # a wrapped reference: neither
+    assert check.progress()["kv_bytes_per_token"] is None
+
+    def kv_bytes_per_token(num_layers, num_kv_heads, head_dim, bytes_per_element):
+        return 2 * num_layers * num_kv_heads * head_dim * bytes_per_element
+
+    assert check.kv_bytes_per_token(kv_bytes_per_token)
+    done = check.progress()
+    assert done["kv_bytes_per_token"] is not None and sum(v is not None for v in done.values()) == 1
+    assert "exercises passed: 1 of 8" in capsys.readouterr().out
+
+
+def test_progress_ignores_failures_and_resets(capsys):
+    check.progress(reset=True)
+    assert not check.kv_bytes_per_token(lambda *a: 0)
+
+    def slot_mapping(block_table, block_size, start, end):
+        return [block_table[t // block_size] * block_size + t % block_size for t in range(start, end)]
+
+    assert check.slot_mapping(slot_mapping)
+    assert check.progress()["slot_mapping"] is not None and check.progress()["kv_bytes_per_token"] is None
+    assert all(v is None for v in check.progress(reset=True).values())
+    assert not check.progress_file().exists()
+
+
+def test_progress_survives_a_corrupt_file_and_an_unwritable_folder(tmp_path, monkeypatch, capsys):
+    check.progress_file().write_text("{half-writ")
+    assert all(v is None for v in check.progress().values())  # starts over instead of failing
+
+    def token_forwards(prompt_len, new_tokens, cached):
+        return prompt_len + new_tokens - 1 if cached else sum(prompt_len + i for i in range(new_tokens))
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    monkeypatch.setenv("KVLAB_PROGRESS", str(blocker / "progress.json"))
+    assert check.token_forwards(token_forwards)  # still passes; says why it could not save
+    assert "progress not saved" in capsys.readouterr().out
+
+
+def test_progress_knows_every_notebooks_exercise():
+    import json
+    from pathlib import Path
+
+    nb_dir = Path(__file__).resolve().parent.parent / "notebooks"
+    calls = set()
+    for path in nb_dir.glob("*.ipynb"):
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] == "code":
+                import re
+
+                calls |= set(re.findall(r"check\.(\w+)\(", "".join(cell["source"])))
+    assert calls - {"progress"} == set(check.EXERCISES)
