@@ -28,7 +28,7 @@ from kvlab import sizing
 from kvlab.sizing import fmt_bytes
 
 GiB, KiB = 2**30, 2**10
-A100_BYTES, A100_BW = 80e9, 2.039e12  # an A100 80 GB: HBM bytes and bytes/s (seed 000 says 2 TB/s)
+A100_BYTES, A100_BW = 80 * GiB, 2.039e12  # an A100 80GB: 80 GiB of HBM; bytes/s (seed 000 says 2 TB/s)
 
 HOLDS = "holds"
 
@@ -41,7 +41,7 @@ def ratio(claimed: float, measured: float, tol: float = 0.15) -> str:
     if claimed <= 0 or measured <= 0:
         raise ValueError(f"ratio needs positive numbers, got claimed={claimed!r}, measured={measured!r}")
     r = max(claimed, measured) / min(claimed, measured)
-    return HOLDS if r <= 1 + tol else f"off by {r:.1f}×"
+    return HOLDS if r <= 1 + tol else f"off by {r:.1f}×" + (f" (±{tol:.0%} allowed)" if tol else "")
 
 
 def in_range(lo: float, hi: float, measured: float, tol: float = 0.0) -> str:
@@ -53,7 +53,8 @@ def in_range(lo: float, hi: float, measured: float, tol: float = 0.0) -> str:
         return HOLDS
     if measured <= 0:
         return "wrong"
-    return f"off by {(lo / measured if measured < lo else measured / hi):.1f}×"
+    off = f"off by {(lo / measured if measured < lo else measured / hi):.1f}×"
+    return off + (f" (±{tol:.0%} allowed)" if tol else "")
 
 
 def truth(ok: bool) -> str:
@@ -228,13 +229,15 @@ def c_7b_1mb(lab):
 
 def c_a100_half(lab):
     share = 10 * _kv7b(4096) / A100_BYTES
-    return f"10 x {fmt_bytes(_kv7b(4096))} = {share:.0%} of 80 GB", ratio(0.5, share), "follows from the 2x per-token error"
+    return (f"10 x {fmt_bytes(_kv7b(4096))} = {share:.0%} of the A100's 80 GiB", ratio(0.5, share),
+            "follows from the 2x per-token error")
 
 
 def c_70b(lab):
     per = sizing.kv_bytes_per_token("llama-2-70b", "fp16")
     return (f"{fmt_bytes(per)}/token, {fmt_bytes(4096 * per)} at 4,096", ratio(1.6e6, per),
-            "Llama-2-70B has GQA: 8 KV heads, not 64")
+            f"GQA, 8 KV heads: {fmt_bytes(per)}; even as MHA (64 KV heads) it would be "
+            f"{fmt_bytes(sizing.kv_token_bytes(80, 64, 128, 2))}: 1.6 MB fits neither")
 
 
 def c_decode_1ms(lab):
@@ -254,20 +257,21 @@ def c_int4_quarter(lab):
     s = sizing.kv_size("llama-2-7b", "int4", tokens=4096)
     share = s.total_bytes / _kv7b(4096)
     return (f"{share:.1%} of FP16 with group-32 fp32 scales", ratio(0.25, share, tol=0.1),
-            "each group of 32 4-bit values carries a 4-byte scale: +1 bit per value")
+            "the 4-bit data alone is 25 %; each group of 32 values carries a 4-byte scale (+1 bit per value); "
+            "fp16 scales on groups of 128 would make it 25.8 %")
 
 
 def c_24_to_16(lab):
     w = sizing.weight_bytes("llama-2-7b")
     fp16, int8 = w + _kv7b(4096), w + sizing.kv_size("llama-2-7b", "int8", tokens=4096).total_bytes
-    return (f"weights + KV: FP16 {fp16 / 1e9:.1f} GB, INT8 {int8 / 1e9:.1f} GB", ratio(24e9, fp16),
-            "a 4K cache is 2 GiB; going to INT8 saves 1 GiB, not 8 GB")
+    return (f"weights + KV: FP16 {fmt_bytes(fp16)}, INT8 {fmt_bytes(int8)}", truth(fp16 > 16 * GiB),
+            "FP16 already fits a 16 GB card (no room left for activations either way); INT8 saves 1 GiB")
 
 
 def c_fits(lab):
     kv = 32 * _kv7b(16384)
     kv8 = 32 * sizing.kv_size("llama-2-7b", "int8", tokens=16384).total_bytes
-    return (f"KV for 32 x 16K: {fmt_bytes(kv)} FP16, {fmt_bytes(kv8)} INT8", truth(kv8 < A100_BYTES),
+    return (f"KV for 32 x 16K: {kv / GiB:.0f} GiB FP16, {kv8 / GiB:.0f} GiB INT8", truth(kv8 < A100_BYTES),
             "the benchmark's setting cannot fit one 80 GB A100, in either format")
 
 
@@ -278,6 +282,21 @@ def c_22ms(lab):
             "22 ms would need >13 TB/s; 32 x 1/22 ms = 1,450 tok/s is at least self-consistent")
 
 
+def c_16ms(lab):
+    step = sizing.decode_step_bytes("llama-2-7b", context=16384, batch=32, kv_dtype="int8")
+    floor_ms = step["total"] / A100_BW * 1e3
+    return (f"INT8 reads {step['total'] / 1e9:.0f} GB per step: >= {floor_ms:.0f} ms at 2.04 TB/s",
+            ratio(16, floor_ms), "below the memory floor, like the FP16 figure")
+
+
+def c_12_7ms(lab):
+    kv16 = 32 * _kv7b(16384)
+    kv8 = 32 * sizing.kv_size("llama-2-7b", "int8", tokens=16384).total_bytes
+    ms16, ms8 = kv16 / A100_BW * 1e3, kv8 / A100_BW * 1e3
+    return (f"reading the KV takes >= {ms16:.0f} ms (FP16) and >= {ms8:.0f} ms (INT8) at 2.04 TB/s",
+            ratio(12, ms16), "the ratio (0.58) is plausible, the milliseconds are not")
+
+
 def c_39pct(lab):
     from kvlab.kernels.bench import recorded_h200
 
@@ -285,9 +304,10 @@ def c_39pct(lab):
     int8 = sizing.decode_step_bytes("llama-2-7b", context=16384, batch=32, kv_dtype="int8")["total"]
     h = next(r for r in recorded_h200()["measured"]
              if r["shape"] == "llama-3-8b" and r["batch"] == 32 and r["context"] == 16384)
-    return (f"bytes predict {fp16 / int8:.2f}x; our H200 kernels measured {h['speedup_vs_fp16']['int8']:.2f}x "
-            "(Llama-3-8B shape, attention only)", ratio(1.39, fp16 / int8),
-            "at that context the KV is 95% of the bytes: a bandwidth-bound step would nearly double")
+    return (f"bytes allow up to {fp16 / int8:.2f}x; our H200 kernels measured {h['speedup_vs_fp16']['int8']:.2f}x "
+            "(recorded run, Llama-3-8B shape, attention only)", truth(1.39 <= fp16 / int8),
+            "possible, not shown: the bytes bound the gain (the KV is 95 % of them at that context); reaching "
+            "it is a kernel's job, and ours did not on an H200")
 
 
 def c_unfused(lab):
@@ -353,7 +373,9 @@ def _prefix_saving(lab) -> tuple[float, int, float]:
 def c_prefix(lab):
     saving, shared, mean = _prefix_saving(lab)
     return (f"{saving:.0%} of prompt blocks saved ({shared}-token system prompt, prompts {mean:.0f} tokens)",
-            in_range(0.40, 0.60, saving), "the saving is the shared share of each prompt, rounded down to blocks")
+            in_range(0.40, 0.60, saving),
+            "it is the shared share of the prompt blocks: a 27-token system prompt in ~58-token prompts; 40-60 % "
+            "needs a system prompt about as long as the rest (and less once answers fill blocks too)")
 
 
 def c_utilization(lab):
@@ -368,9 +390,9 @@ def c_utilization(lab):
                            policy=policy, check=False)
         dec = [s for s in steps if s["decode_tokens"]]
         busy[policy] = sum(s["decode_tokens"] for s in dec) / (8 * len(dec))
-    gain = busy["continuous"] / busy["static"]
-    return (f"seats busy: static {busy['static']:.0%}, continuous {busy['continuous']:.0%} ({gain:.1f}x)",
-            ratio(0.80 / 0.35, gain, tol=0.2),
+    ends = [in_range(0.30, 0.40, busy["static"], tol=0.15), in_range(0.80, 1.0, busy["continuous"], tol=0.15)]
+    return (f"seats busy: static {busy['static']:.0%}, continuous {busy['continuous']:.0%}",
+            next((v for v in ends if v != HOLDS), HOLDS),
             "seat occupancy in decode steps, 8 seats, ShareGPT-like answers (utilization of the batch, not of the GPU)")
 
 
@@ -378,14 +400,16 @@ def c_10_30ms(lab):
     ms = lab.step_ms
     r = ms[16] / ms[1]
     return (f"batch 1 -> 16: {ms[1]:.0f} -> {ms[16]:.0f} ms ({r:.1f}x) on this machine", ratio(3.0, r, tol=0.25),
-            "a step reads the weights once for the whole batch; at short contexts the batch is nearly free")
+            f"here 16x the batch costs {r:.1f}x the step: the weights are read once per step, the compute grows "
+            "with the batch; the 3x is one GPU's, not a law")
 
 
 def c_5_20x(lab):
     rows = lab.speedups
     worst = next((in_range(5, 20, r["speedup"]) for r in rows if in_range(5, 20, r["speedup"]) != HOLDS), HOLDS)
     return (", ".join(f"{r['speedup']:.1f}x at {r['prompt_tokens']} tokens" for r in rows), worst,
-            "the gain grows with the prompt (quadratic work becomes linear): a range is the wrong shape")
+            "the gain grows with the prompt and the answer (8 new tokens here): quadratic work becomes linear, so "
+            "a range is the wrong shape")
 
 
 def c_zero_guard(lab):
@@ -410,6 +434,23 @@ def c_rounding(lab):
     t = core.error_metrics(k, trunc)
     return (f"SNR round-half-even {rounded['snr_db']:.1f} dB, truncation {t['snr_db']:.1f} dB (layer 5 keys)",
             truth(rounded["snr_db"] > t["snr_db"] + 3), "truncation moves every value towards zero")
+
+
+def c_three_bits(lab):
+    from kvlab.quant import core
+
+    keys, _ = lab.kv
+    worst = (float("inf"), 0, 0)
+    for layer, k in enumerate(keys):
+        for h in range(k.shape[1]):
+            x = k[:, h:h + 1]
+            snr = core.error_metrics(x, core.dequantize_int8(*core.int8_roundtrip(x, "per-head")))["snr_db"]
+            worst = min(worst, (snr, layer, h))
+    snr, layer, h = worst
+    bits = (snr - 1.76) / 6.02  # effective bits from the SNR of a uniform quantizer
+    return (f"worst key head (layer {layer}, head {h}): SNR {snr:.1f} dB = {bits:.1f} effective bits of 8",
+            truth(bits < 3), f"effective bits = (SNR - 1.76 dB) / 6.02 dB: the worst head's tails cost it "
+            f"{8 - bits:.1f} of its 8 bits")
 
 
 def _snr(tensors, gran) -> float:
@@ -437,12 +478,16 @@ def c_ppl_004(lab):
     q = lab.quality
     d = q["configs"]["int8"]["delta_ppl_pct"]
     return (f"ppl {q['ppl_fp']:.2f} -> {q['configs']['int8']['ppl']:.2f} ({d:+.2f} %) on {q['scored']} tokens",
-            truth(d <= 100 * (9.70 / 9.61 - 1)), "their +0.09 is +0.94 %; per-head abs-max INT8, calibrated")
+            truth(d <= 100 * (9.70 / 9.61 - 1)),
+            "an upper bound (their +0.09 is +0.94 %), and ours is below it; per-head abs-max INT8, calibrated")
 
 
 def c_ppl_000(lab):
     d = lab.quality["configs"]["int8"]["delta_ppl_pct"]
-    return f"{d:+.2f} %", in_range(0.5, 1.5, d), "smaller than claimed; below ~0.5 % it is within noise here"
+    kl = lab.quality["configs"]["int8"]["kl"]
+    return (f"{d:+.2f} % on {lab.quality['scored']} tokens (KL {kl:.4f})", in_range(0.5, 1.5, d),
+            "a range with a floor: the rise we measure is below it, and on a few hundred tokens within the text's "
+            "noise; the damage shows in the KL, not in perplexity")
 
 
 def c_negligible(lab):
@@ -462,9 +507,11 @@ def c_first_last(lab):
     n = len(sens)
     ranked = sorted(range(n), key=lambda i: -sens[i])  # most sensitive first
     rank = {i: ranked.index(i) + 1 for i in (0, n - 1)}
+    says = {i: "among the most sensitive" if r <= n // 3 else "not" for i, r in rank.items()}
     return (f"layers 0 and {n - 1} rank {rank[0]} and {rank[n - 1]} of {n} (most sensitive: {ranked[:3]})",
             truth(all(r <= n // 3 for r in rank.values())),
-            "rule: both in the most sensitive third; measure per model before keeping layers in FP16")
+            f"rule: both in the most sensitive third. Layer 0: {says[0]}; layer {n - 1}: {says[n - 1]}. "
+            "Measure per model before keeping layers in FP16")
 
 
 def c_saturation(lab):
@@ -489,16 +536,20 @@ CLAIMS: tuple[Claim, ...] = (
           "00_memory_wall", "3. Checking the source articles", c_70b),
     Claim("decode-1ms", "004", "§2.2", "a 4K-token cache is ~2 GB: reading it takes ~1 ms at 2 TB/s, every step",
           "00_memory_wall", "4. A decode step reads everything", c_decode_1ms),
-    Claim("int8-half", "004", "§5.2", "INT8 halves the KV memory (2/4/8 GB -> 1/2/4 GB); per-head scales are free",
+    Claim("int8-half", "004", "§5.2", "INT8 halves the KV memory: 4K/8K/16K contexts 2/4/8 GB -> 1/2/4 GB",
           "03_int8_quantization", "1. The bytes, exactly", c_int8_half),
     Claim("int4-quarter", "003", "§4", "INT4 cuts the KV memory to 1/4",
           "03_int8_quantization", "1. The bytes, exactly", c_int4_quarter),
-    Claim("24-to-16gb", "004", "§5.2", "7B FP16 at 4K context: 24 GB of GPU memory before, 16 GB with INT8 KV",
-          "06_putting_it_together", "4. Every claim, measured", c_24_to_16),
-    Claim("b32-16k-fits", "004", "§5.3", "benchmark: batch 32 x 16K context, 7B FP16, one A100 80 GB",
-          "06_putting_it_together", "4. Every claim, measured", c_fits),
+    Claim("24-to-16gb", "004", "§5.2", "7B FP16 at 4K context needs a 24 GB card; with INT8 KV a 16 GB card will do",
+          "00_memory_wall", "2. Real models", c_24_to_16),
+    Claim("b32-16k-fits", "004", "§5.1, §5.3", "benchmark: batch 32 x 16K context, 7B FP16, one A100 80 GB",
+          "00_memory_wall", "4. A decode step reads everything", c_fits),
     Claim("22ms-step", "004", "§5.3", "that benchmark: ~22 ms per decode step with an FP16 cache",
-          "06_putting_it_together", "4. Every claim, measured", c_22ms),
+          "00_memory_wall", "4. A decode step reads everything", c_22ms),
+    Claim("16ms-step", "004", "§5.3", "... and ~16 ms per decode step with an INT8 cache",
+          "00_memory_wall", "4. A decode step reads everything", c_16ms),
+    Claim("12-7ms", "004", "§5.3", "profiler: the attention's memory reads fell from 12 ms to 7 ms",
+          "00_memory_wall", "4. A decode step reads everything", c_12_7ms),
     Claim("int8-39pct", "004", "§5.3", "INT8 KV: decode throughput +39 % (1,450 -> 2,020 tok/s)",
           "05_fused_triton_kernel", "4. The bytes story, and what a GPU measured", c_39pct),
     Claim("unfused", "004", "§4.3, §6.2", "dequantizing into a temporary FP16 copy erases the bandwidth gain",
@@ -525,6 +576,8 @@ CLAIMS: tuple[Claim, ...] = (
           "03_int8_quantization", "2. The per-head quantizer, step by step", c_rounding),
     Claim("granularity", "004", "§3.2", "per-head beats per-channel beats per-tensor",
           "03_int8_quantization", "Granularities compared", c_granularity),
+    Claim("3-bits", "000", "§4.1", "long-tailed key heads keep fewer than 3 effective bits after INT8",
+          "03_int8_quantization", "Granularities compared", c_three_bits),
     Claim("p999", "004", "§4.1", "99.9th-percentile scales work much better than abs-max",
           "03_int8_quantization", "3. Calibration and clipping", c_p999),
     Claim("ppl-0.1", "004", "§5.4", "INT8: perplexity 9.61 -> 9.70 (under +0.1)",
@@ -533,7 +586,7 @@ CLAIMS: tuple[Claim, ...] = (
           "03_int8_quantization", "7. The articles' quality claims", c_ppl_000),
     Claim("negligible", "003", "§4", "FP16 -> INT8: accuracy loss negligible for most tasks",
           "03_int8_quantization", "7. The articles' quality claims", c_negligible),
-    Claim("k-over-v", "000", "§3.1", "key errors matter more than value errors (004 §3.3: K8V4 possible)",
+    Claim("k-over-v", "000", "§3.1", "key errors matter more than value errors (004 §3.3, §7: K8V4 possible)",
           "03_int8_quantization", "5. K vs V, layers, and mixed precision", c_k_over_v),
     Claim("first-last", "000", "§3.2", "the first and last layers are precision-sensitive: keep them FP16",
           "03_int8_quantization", "5. K vs V, layers, and mixed precision", c_first_last),

@@ -152,6 +152,7 @@ def test_dashboard_follows_the_engine_and_replays(tiny, cal):
     total = int(clipped["k"]["clipped"].sum() + clipped["v"]["clipped"].sum())
     assert sum(map(sum, d.chart.data[5].z)) == total
     last_pool = [list(r) for r in d.pool.data[0].z]
+    assert len(frames[d.busiest()]["running"]) == max(len(f["running"]) for f in frames)
     d.step.value = 1  # replay: the slider moves the marker, the pool and the text
     assert tuple(d.chart.data[3].x) == (1,) and "frame 1" in d.info.value
     assert [list(r) for r in d.pool.data[0].z] != last_pool

@@ -19,6 +19,9 @@ from kvlab.viz.engine import EngineRecorder, _frame_html
 from kvlab.viz.paged import _grid, block_table_figure
 
 
+WIDTH = 1000  # px: a widget in a box does not stretch its figures; fits a laptop screen beside the file browser
+
+
 def _bytes_per_token(cache) -> float:
     from kvlab.capstone import pool_bytes
 
@@ -53,7 +56,8 @@ class Dashboard:
             self._note(i)
         frame = self.recorder.frames[-1]
         self.pool = block_table_figure(frame["pool"], columns, widget=True)
-        self.pool.update_layout(title="the block pool (colour = request, dark = shared prefix, white = free)")
+        self.pool.update_layout(width=WIDTH, title="the block pool: colour = request, dark = shared by several, "
+                                      "grey = cached (freed, reusable), white = free")
         self.chart = go.FigureWidget(self._figure())
         self.info = W.HTML()
         self.play = W.Play(min=0, max=0, value=0, interval=400, description="play")
@@ -90,9 +94,9 @@ class Dashboard:
 
     def _figure(self) -> go.Figure:
         x, running, waiting, mib = self._series()
-        fig = make_subplots(rows=1, cols=3, column_widths=[0.34, 0.33, 0.33], horizontal_spacing=0.08,
-                            subplot_titles=("requests running / waiting", "KV MiB read per decode step",
-                                            "clipped values: layer x (K heads | V heads)"))
+        fig = make_subplots(rows=1, cols=3, column_widths=[0.36, 0.34, 0.30], horizontal_spacing=0.1,
+                            subplot_titles=("requests running / waiting", "KV read by the step's decodes",
+                                            "values clipped so far"))
         fig.add_trace(go.Scatter(x=x, y=running, name="running", line_color=COLORS["tokens"]), 1, 1)
         fig.add_trace(go.Scatter(x=x, y=waiting, name="waiting", line_color=COLORS["padding"]), 1, 1)
         fig.add_trace(go.Bar(x=x, y=mib, name="KV read", marker_color=COLORS["kv"]), 1, 2)
@@ -106,14 +110,19 @@ class Dashboard:
             fig.add_annotation(text="float pool: no scales, nothing clips", showarrow=False, row=1, col=3,
                                x=0, y=0)
         else:
+            h = len(z[0]) // 2  # KV heads: K's first, then V's
             fig.add_trace(go.Heatmap(z=z, colorscale="Reds", zmin=0, colorbar=dict(title="clipped", x=1.0)), 1, 3)
+            fig.update_xaxes(tickvals=list(range(2 * h)), ticktext=[f"K{i}" for i in range(h)] + [f"V{i}" for i in range(h)],
+                             row=1, col=3)
+            fig.add_vline(x=h - 0.5, line_color="#1b2631", line_width=2, row=1, col=3)
         fig.update_xaxes(title_text="frame (one per engine step)", row=1, col=1)
         fig.update_xaxes(title_text="frame", row=1, col=2)
         fig.update_yaxes(title_text="requests", rangemode="tozero", row=1, col=1)
-        fig.update_yaxes(title_text="MiB", rangemode="tozero", row=1, col=2)
-        fig.update_xaxes(title_text="KV head (K 0.., then V 0..)", row=1, col=3)
+        fig.update_yaxes(title_text="MiB per step", rangemode="tozero", row=1, col=2)
+        fig.update_xaxes(title_text="KV head (K, then V)", row=1, col=3)
         fig.update_yaxes(title_text="layer", row=1, col=3)
-        fig.update_layout(height=330, margin=dict(l=50, r=20, t=50, b=50), legend=dict(orientation="h", y=-0.25))
+        fig.update_layout(height=360, width=WIDTH, margin=dict(l=50, r=20, t=50, b=50),
+                          legend=dict(orientation="h", y=-0.25))
         return fig
 
     def draw(self, index: int) -> None:
@@ -140,6 +149,11 @@ class Dashboard:
             sat = f" · clipped values so far: <b>{total:,}</b>"
         self.info.value = (f"frame {index}: KV read by this step's decodes <b>{mib[index]:.2f} MiB</b> "
                            f"({_bytes_per_token(s):,.0f} B per token){sat}<br>" + _frame_html(frame))
+
+    def busiest(self) -> int:
+        """The frame with the most requests running (the first of them): a good one to look at."""
+        running = [len(f["running"]) for f in self.recorder.frames]
+        return running.index(max(running))
 
     def _sync_range(self) -> None:
         last = len(self.recorder.frames) - 1
