@@ -1,0 +1,179 @@
+"""Every notebook in a real browser: JupyterLab + Chromium, driven by Playwright.
+
+nbval proves the cells run; only a browser shows whether the widgets do. For each notebook this
+opens JupyterLab on a temporary copy of notebooks/, runs all cells, and fails on: a cell that
+raises, a widget left "Loading widget..." or showing an error, a plotly figure without data, a
+slider that moves nothing. One screenshot per widget / figure output goes to
+test-artifacts/browser/<notebook>/ (or $KVLAB_ARTIFACTS/browser/...).
+
+Needs a Chromium or Chrome (``apt-get install chromium``; macOS: Google Chrome in /Applications;
+anywhere: ``KVLAB_CHROMIUM=/path/to/chrome``); without one these tests are skipped with one line
+saying so, or fail with ``KVLAB_REQUIRE_BROWSER=1`` (CI sets it). ``pytest -m "not browser"`` leaves
+them out. ``KVLAB_BROWSER_TIMEOUT`` (seconds per notebook, default 1800) is for slow machines.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+import browser_helpers as bh
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))  # 06 and later are picked up as they land
+RUN_TIMEOUT = float(os.environ.get("KVLAB_BROWSER_TIMEOUT", "1800"))
+ARTIFACTS = Path(os.environ.get("KVLAB_ARTIFACTS") or ROOT / "test-artifacts") / "browser"
+
+pytestmark = pytest.mark.browser
+
+
+def _browser() -> tuple[str | None, str]:
+    """(Chromium to launch, or None and why not)."""
+    if importlib.util.find_spec("playwright") is None:
+        return None, "the playwright package is missing (pip install -e '.[test]')"
+    try:
+        path = bh.find_chromium()
+    except FileNotFoundError as e:  # KVLAB_CHROMIUM names nothing runnable: say so, do not skip
+        pytest.fail(str(e), pytrace=False)
+    return path, ("no Chromium/Chrome found; to run it: apt-get install chromium (Debian/Ubuntu), "
+                  f"install Google Chrome, or set {bh.CHROMIUM_ENV}=/path/to/chrome")
+
+
+CHROMIUM, WHY_NOT = _browser()
+if CHROMIUM is None:  # one plain line in the summary; CI (KVLAB_REQUIRE_BROWSER=1) fails instead
+    if os.environ.get("KVLAB_REQUIRE_BROWSER") == "1":
+        pytest.fail(f"browser test required (KVLAB_REQUIRE_BROWSER=1) but {WHY_NOT}", pytrace=False)
+    pytest.skip(f"browser test skipped: {WHY_NOT}", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """One JupyterLab for the module, serving a throw-away copy of notebooks/ (the committed
+    notebooks stay stripped of outputs)."""
+    root = tmp_path_factory.mktemp("lab") / "notebooks"
+    shutil.copytree(ROOT / "notebooks", root, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    server = bh.JupyterLab(root, ARTIFACTS / "jupyter-server.log").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    pw = sync_playwright().start()
+    try:
+        failed = None
+        try:
+            b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=bh.LAUNCH_ARGS)
+        except Exception as e:
+            failed = f"could not launch {CHROMIUM} ({str(e).splitlines()[0]}); " \
+                     f"point {bh.CHROMIUM_ENV} at another Chromium/Chrome"
+        if failed:
+            pytest.fail(failed, pytrace=False)
+        try:
+            yield b
+        finally:
+            b.close()
+    finally:
+        pw.stop()
+
+
+def _run_and_check(lab, browser, name: str, shots: Path, say, **check) -> tuple[list[str], dict]:
+    """Open ``name``, run all, return (problems, timings); the kernel is shut down afterwards."""
+    if shots.exists():
+        shutil.rmtree(shots)
+    shots.mkdir(parents=True)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    console = []
+    page.on("console", lambda m: console.append(f"{m.type}: {m.text}") if m.type == "error" else None)
+    page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+    t0 = time.monotonic()
+    try:
+        bh.open_notebook(page, lab, name)
+        opened = time.monotonic() - t0
+        ran = bh.run_all(page, name, RUN_TIMEOUT)
+        t1 = time.monotonic()
+        problems = bh.find_problems(page, shots, log=say, **check)
+        counts = bh.count_outputs(page)
+        checked = time.monotonic() - t1
+    finally:
+        page.close()
+        (shots / "browser-console.txt").write_text("\n".join(console) + "\n")  # JS errors, for debugging
+        try:
+            lab.shutdown_kernels()  # each notebook's kernel (and its model) goes when it is done
+        except OSError as e:
+            say(f"  (could not shut the kernels down: {e})")
+    timings = {"open_s": round(opened, 1), "run_s": round(ran, 1), "check_s": round(checked, 1), **counts}
+    (shots / "report.json").write_text(json.dumps({"notebook": name, **timings, "problems": problems}, indent=1))
+    return problems, timings
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_widgets_render_and_react(path, lab, browser, capsys):
+    def say(line):
+        with capsys.disabled():
+            print(line, flush=True)
+
+    shots = ARTIFACTS / path.stem
+    problems, t = _run_and_check(lab, browser, path.name, shots, say)
+    say(f"\n[browser] {path.name}: ran in {t['run_s']:.0f} s (opened {t['open_s']:.0f} s, checked "
+        f"{t['check_s']:.0f} s); {t['widget views']} widget views, {t['figures']} figures, "
+        f"{t['slider widgets']} slider widgets; screenshots in {shots}")
+    assert not problems, f"{path.name} in the browser:\n  " + "\n  ".join(problems)
+
+
+# A notebook that breaks in every way the check must catch, next to one widget that works.
+BROKEN_CELLS = [
+    # 0: a widget view whose model the kernel never sends
+    "from IPython.display import display\n"
+    "display({'application/vnd.jupyter.widget-view+json': {'model_id': 'deadbeef' * 4,\n"
+    "         'version_major': 2, 'version_minor': 0}, 'text/plain': 'a widget never sent'}, raw=True)",
+    # 1: a FigureWidget with no trace
+    "import plotly.graph_objects as go\ngo.FigureWidget()",
+    # 2: a static figure with no trace
+    "go.Figure(layout=dict(title='nothing to see'))",
+    # 3: a slider wired to nothing, beside a figure
+    "import ipywidgets as W\n"
+    "W.VBox([W.IntSlider(description='dead'), go.FigureWidget(go.Scatter(x=[1, 2, 3], y=[1, 4, 9]))])",
+    # 4: the control: a slider that redraws its figure (must NOT be reported)
+    "fig = go.FigureWidget(go.Scatter(x=[1, 2, 3], y=[1, 2, 3]))\n"
+    "live = W.IntSlider(value=1, min=1, max=3, description='power')\n"
+    "live.observe(lambda ch: setattr(fig.data[0], 'y', [x ** ch['new'] for x in (1, 2, 3)]), names='value')\n"
+    "W.VBox([live, fig])",
+    # 5: an exception
+    "raise RuntimeError('planted failure')",
+]
+
+
+def _notebook(sources: list[str]) -> dict:
+    cell = lambda i, src: {"cell_type": "code", "execution_count": None, "id": f"cell-{i}", "metadata": {},
+                           "outputs": [], "source": src}
+    return {"cells": [cell(i, s) for i, s in enumerate(sources)], "nbformat": 4, "nbformat_minor": 5,
+            "metadata": {"kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python",
+                                        "name": "python3"}}}
+
+
+def test_the_check_catches_broken_widgets(lab, browser):
+    """The same check, on a notebook served beside the others, reports each planted fault and
+    passes the working widget."""
+    name = "zz_broken_widgets.ipynb"
+    (lab.root / name).write_text(json.dumps(_notebook(BROKEN_CELLS)))
+    problems, _ = _run_and_check(lab, browser, name, ARTIFACTS / "zz_broken_widgets", print, settle=15)
+    by_cell = {i: [p for p in problems if p.startswith(f"cell {i} ")] for i in range(len(BROKEN_CELLS))}
+    report = "\n  ".join(problems)
+    assert any("never rendered" in p or "failed to render" in p for p in by_cell[0]), report
+    assert any("no data" in p for p in by_cell[1]), report
+    assert any("no data" in p for p in by_cell[2]), report
+    assert any("slider 'dead'" in p and "changed nothing" in p for p in by_cell[3]), report
+    assert not by_cell[4], report  # the working widget passes the same check
+    assert any("RuntimeError: planted failure" in p for p in by_cell[5]), report
+    assert len(problems) == 5, report
