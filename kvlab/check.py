@@ -347,7 +347,7 @@ def progress(reset: bool = False) -> dict:
         except FileNotFoundError:
             pass
     data = _load_progress()
-    done = {name: (data.get(name) or {}).get("passed") for name in EXERCISES}
+    done = {name: data[name].get("passed") if isinstance(data.get(name), dict) else None for name in EXERCISES}
     print(f"exercises passed: {sum(v is not None for v in done.values())} of {len(EXERCISES)}  ({path})")
     for name, (notebook, task, what) in EXERCISES.items():
         mark = f"[x] {done[name]}" if done[name] else "[ ] not yet"
