@@ -43,24 +43,13 @@ def _check_config(name: str) -> tuple[str, str, str]:
     return _SPEC[name]
 
 
-def pool_bytes(cache) -> tuple[int, int]:
-    """(bytes per block, fixed bytes) of a pool: pages and per-token scales grow with the blocks; static
-    scale tables (one per layer x head, notebook 03) do not."""
-    stores = getattr(cache, "k", None)
-    if isinstance(stores, list):  # a QuantizedPagedKVCache: one store per layer for K and for V
-        per = fixed = 0
-        for st in stores + cache.v:
-            per += sum(t.nbytes for t in (st.data, st.token_scale, st.token_zero) if t is not None)
-            fixed += st.scale.nbytes if st.scale is not None else 0
-        return per // cache.num_blocks, fixed
-    return cache.bytes_per_block, cache.bytes_reserved - cache.bytes_per_block * cache.num_blocks
-
-
 def block_bytes(model, kv_dtype: str, block_size: int = 16, calibration=None) -> tuple[int, int]:
-    """(bytes per block, fixed bytes) of a ``kv_dtype`` pool for ``model``."""
+    """(bytes per block, fixed bytes) of a ``kv_dtype`` pool for ``model``: pages and per-slot scales grow
+    with the blocks; static scale tables (notebook 03) do not."""
     from kvlab.engine.llm import _make_cache
 
-    return pool_bytes(_make_cache(model, None, 1, block_size, kv_dtype, None, calibration, "smollm2-135m"))
+    probe = _make_cache(model, None, 1, block_size, kv_dtype, None, calibration, "smollm2-135m")
+    return probe.bytes_per_block, probe.fixed_bytes
 
 
 @dataclass

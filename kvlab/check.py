@@ -303,9 +303,7 @@ def _load_progress() -> dict:
     path = progress_file()
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError):  # unreadable or half-written: progress is a convenience, start over
+    except (OSError, ValueError):  # missing, unreadable or half-written: progress is a convenience, start over
         return {}
     return data if isinstance(data, dict) else {}
 

@@ -101,6 +101,14 @@ class Lab:
         return self._tokenizer
 
     @cached_property
+    def sharegpt(self) -> dict:
+        """Notebook 02's slot breakdown of a ShareGPT-like batch, per reservation policy (no model)."""
+        from kvlab.cache import simulate
+
+        reqs = simulate.workload("sharegpt", n=64, seed=0)
+        return {p: simulate.simulate(reqs, p, block_size=16) for p in simulate.POLICIES}
+
+    @cached_property
     def calibration(self):
         from kvlab.quant.calibrate import default_calibration
 
@@ -321,28 +329,21 @@ def c_unfused(lab):
             truth(unfused >= fp16 > fused), "read INT8 + write an FP16 copy + read it again")
 
 
-def _sharegpt():
-    from kvlab.cache import simulate
-
-    reqs = simulate.workload("sharegpt", n=64, seed=0)
-    return {p: simulate.simulate(reqs, p, block_size=16) for p in simulate.POLICIES}
-
-
 def c_static_30(lab):
-    r = _sharegpt()
+    r = lab.sharegpt
     return (f"reserve 2,048: {r['max']['token_states']:.1%} of slots hold tokens (ShareGPT-like)",
             truth(r["max"]["token_states"] < 0.30), "every request reserves the serving limit")
 
 
 def c_static_50(lab):
-    r = _sharegpt()
+    r = lab.sharegpt
     return (f"max {r['max']['token_states']:.1%}, pow2 {r['pow2']['token_states']:.1%}, "
             f"exact {r['oracle']['token_states']:.1%}", truth(r["max"]["token_states"] < 0.5),
             "holds for max-length reservation; even an exact reservation wastes the not-yet-generated part")
 
 
 def c_paged_90(lab):
-    r = _sharegpt()
+    r = lab.sharegpt
     return (f"paged blocks of 16: {r['paged']['token_states']:.1%} hold tokens",
             truth(r["paged"]["token_states"] >= 0.9), "only each sequence's last block has empty slots")
 

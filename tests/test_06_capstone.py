@@ -145,7 +145,7 @@ def test_dashboard_follows_the_engine_and_replays(tiny, cal):
     frames = d.recorder.frames
     assert len(frames) == len(llm.step_stats) + 1  # the frame before the run, then one per step
     assert d.step.max == len(frames) - 1 and d.step.value == d.step.max  # followed the run live
-    per_token = C.pool_bytes(llm.cache)[0] / 4
+    per_token = llm.cache.bytes_per_block / 4
     expected = [reads.per_step.get(f["step"], 0) * per_token if f["batch"] else 0 for f in frames]
     assert d.kv_read == expected and max(expected) > 0
     clipped = llm.cache.saturation()

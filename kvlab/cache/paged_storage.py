@@ -70,3 +70,8 @@ class PagedKVCache:
     @property
     def bytes_per_block(self) -> int:
         return self.bytes_reserved // self.num_blocks
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Bytes not in any block (a float pool has none; a quantized one has its scale tables)."""
+        return 0

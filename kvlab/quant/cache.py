@@ -134,7 +134,17 @@ class _Store:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.data, self.scale, self.token_scale, self.token_zero) if t is not None)
+        return self.page_nbytes + self.fixed_nbytes
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes that grow with the blocks: the pages and their per-slot scales (and zero points)."""
+        return sum(t.nbytes for t in (self.data, self.token_scale, self.token_zero) if t is not None)
+
+    @property
+    def fixed_nbytes(self) -> int:
+        """The static scale table (one per head, channel or tensor): the same for any number of blocks."""
+        return self.scale.nbytes if self.scale is not None else 0
 
 
 class QuantizedPagedKVCache:
@@ -196,8 +206,13 @@ class QuantizedPagedKVCache:
         return sum(s.nbytes for s in self.k + self.v)
 
     @property
+    def fixed_bytes(self) -> int:
+        """Static scale tables: part of ``bytes_reserved``, but not of any block."""
+        return sum(s.fixed_nbytes for s in self.k + self.v)
+
+    @property
     def bytes_per_block(self) -> int:
-        return self.bytes_reserved // self.num_blocks
+        return (self.bytes_reserved - self.fixed_bytes) // self.num_blocks
 
     def saturation(self) -> dict:
         """Counters as (L, H) tensors for K and V: values written, clipped, at +-qmax, corrections."""

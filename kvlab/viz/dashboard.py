@@ -23,9 +23,7 @@ WIDTH = 1000  # px: a widget in a box does not stretch its figures; fits a lapto
 
 
 def _bytes_per_token(cache) -> float:
-    from kvlab.capstone import pool_bytes
-
-    return pool_bytes(cache)[0] / cache.block_size
+    return cache.bytes_per_block / cache.block_size
 
 
 def _clipped(cache):
