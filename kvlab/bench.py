@@ -111,7 +111,7 @@ def static_vs_paged(model, tokenizer, max_new_tokens: int = 64, block_size: int 
         raise AssertionError("paged: tokens differ")
     s = g.cache_stats
     out[f"paged, {block_size}-token blocks (peak)"] = {
-        "utilization": 1 - s["internal_fragmentation"], "bytes_in_use": s["slots_reserved"] * s["bytes_reserved"]
+        "utilization": 1 - s["empty_slot_share"], "bytes_in_use": s["slots_reserved"] * s["bytes_reserved"]
         // (s["num_blocks"] * s["block_size"]), "tokens_stored": s["tokens_stored"], "slots": s["slots_reserved"]}
     return out
 

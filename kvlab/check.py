@@ -46,7 +46,8 @@ def _first_difference(got, expected) -> str:
 
 
 def _run(name: str, fn: Callable, cases: Sequence[tuple[tuple, Any]], same=None, exercise: str | None = None,
-         learner=None) -> bool:
+         learner=None, hint: Callable | None = None) -> bool:
+    """``hint(args, got, expected)`` may name a known mistake behind a failure (a string, or None)."""
     if not callable(fn):
         raise TypeError(f"{name}: pass your function itself, got {type(fn).__name__}")
     exercise = exercise or name
@@ -61,8 +62,12 @@ def _run(name: str, fn: Callable, cases: Sequence[tuple[tuple, Any]], same=None,
             print(f"[fail] {name}{_short(args)} raised {type(e).__name__}: {e}")
             return False
         if not same(got, expected):
+            try:
+                why = hint(args, got, expected) if hint else None
+            except Exception:  # a hint must never hide the verdict
+                why = None
             print(f"[fail] {name}{_short(args)}: yours {_short(got)}, expected {_short(expected)}"
-                  f"{_first_difference(got, expected)}")
+                  f"{_first_difference(got, expected)}" + (f" - {why}" if why else ""))
             return False
     print(f"[ok] {name}: {len(cases)} cases match")
     _record(exercise, learner if learner is not None else fn)
@@ -88,6 +93,33 @@ def kv_bytes_per_token(fn: Callable[[int, int, int, int], int]) -> bool:
 
 
 # ---- notebook 01 -------------------------------------------------------------------------------
+
+def mla_bytes_per_token(fn: Callable[[int, int, int, int, int], int]) -> bool:
+    """``fn(num_layers, num_heads, kv_lora_rank, rope_dim, bytes_per_element)``: bytes one token adds
+    to an MLA model's cache (DeepSeek-V2/V3): one latent of ``kv_lora_rank`` plus one RoPE key of
+    ``rope_dim`` per layer, shared by all heads and by K and V."""
+    from kvlab.sizing import mla_token_bytes
+
+    cases = [((61, 128, 512, 64, 2), None),  # DeepSeek-V3 (and R1), fp16
+             ((27, 16, 512, 64, 2), None),  # DeepSeek-V2-Lite
+             ((60, 128, 512, 64, 1), None),  # DeepSeek-V2, an 8-bit cache
+             ((2, 4, 8, 4, 4), None)]
+    cases = [(a, mla_token_bytes(a[0], a[2], a[3], a[4])) for a, _ in cases]
+
+    def hint(args, got, expected):
+        layers, heads, rank, rope, b = args
+        if got == 2 * expected:
+            return "K and V are not stored separately: both are re-created from the one latent"
+        if got in (expected * heads, 2 * expected * heads):
+            return "the latent is not per head: one per layer serves all heads"
+        if got == layers * (rank + heads * rope) * b:
+            return "the RoPE key is shared by all heads, not one per head"
+        if got == layers * rank * b:
+            return "the decoupled RoPE key is cached too"
+        return None
+
+    return _run("mla_bytes_per_token", fn, cases, hint=hint)
+
 
 def token_forwards(fn: Callable[[int, int, bool], int]) -> bool:
     """``fn(prompt_len, new_tokens, cached) -> token positions pushed through the model``.
@@ -130,6 +162,26 @@ def slot_mapping(fn: Callable[[Sequence[int], int, int, int], list]) -> bool:
     return _run("slot_mapping", fn, cases, same=lambda a, b: list(a) == b)
 
 
+def blocks_after_fork(fn: Callable[[int, int, int, int], int]) -> bool:
+    """``fn(prompt_len, block_size, n, steps)``: physical blocks held after a prompt is forked into
+    ``n`` samples (the original counts as one) and each sample writes ``steps`` new tokens."""
+    shapes = [(10, 4, 3, 0), (10, 4, 3, 1), (8, 4, 2, 5), (37, 16, 4, 20), (5, 16, 6, 11), (5, 16, 6, 12),
+              (32, 16, 3, 1), (100, 16, 1, 30)]
+    from kvlab.cache.simulate import fork_blocks
+
+    cases = [(a, fork_blocks(*a)) for a in shapes]
+
+    def hint(args, got, expected):
+        p, bs, n, steps = args
+        if got == n * -(-(p + steps) // bs):
+            return "the samples share the prompt's full blocks: count those once"
+        if steps and p % bs and got == -(-p // bs) + n * (-(-(p + steps) // bs) - -(-p // bs)):
+            return "the prompt's partial last block: a sample's first write copies it (copy-on-write)"
+        return None
+
+    return _run("blocks_after_fork", fn, cases, hint=hint)
+
+
 # ---- notebook 03 -------------------------------------------------------------------------------
 
 def _tensor_same(a, b) -> bool:
@@ -158,6 +210,37 @@ def quantize_per_head(fn: Callable) -> bool:
     zero_head[:, 1] = 0
     cases = [((x,), int8_roundtrip(x, "per-head")) for x in xs + [halves, zero_head]]
     return _run("quantize_per_head", fn, cases, same=_tensor_same)
+
+
+def quantize_static(fn: Callable) -> bool:
+    """``fn(x, scale) -> q``: x (T, H, D) float, scale (1, H, 1) from a calibration run (not from x);
+    q int8 = x / scale rounded half to even, clamped to +-127. Here values beyond the calibrated range
+    occur, so the clamp fires."""
+    import torch
+
+    from kvlab.quant.core import quantize_int8
+
+    g = torch.Generator().manual_seed(2)
+    x1 = torch.randn(6, 2, 8, generator=g)
+    s1 = torch.tensor([0.02, 0.01]).view(1, 2, 1)  # calibrated on smaller values: many clip
+    x2 = torch.tensor([130.0, -130.0, 127.4, -127.6, 200.0, -300.0, 0.5, -2.5]).view(1, 1, 8)  # scale 1
+    x3 = torch.randn(4, 3, 4, generator=g) * 0.5
+    s3 = torch.tensor([1.0, 0.004, 0.1]).view(1, 3, 1)
+    cases = [((x, sc), quantize_int8(x, sc)) for x, sc in ((x1, s1), (x2, torch.ones(1, 1, 1)), (x3, s3))]
+
+    def hint(args, got, expected):
+        if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+            return None
+        if got.dtype != torch.int8:
+            return f"q must be torch.int8, got {got.dtype}"
+        if (got == -128).any():
+            return "-128 appears: clamp to -127..127, a symmetric grid (notebook text, section 2)"
+        outside = (args[0].float() / args[1]).abs() > 127.5
+        if (got[outside] != expected[outside]).any():
+            return "values beyond the calibrated range wrapped around: int8 does not saturate, clamp before .to(torch.int8)"
+        return None
+
+    return _run("quantize_static", fn, cases, same=_tensor_same, hint=hint)
 
 
 def pack_int4(fn: Callable) -> bool:
@@ -276,11 +359,14 @@ def online_softmax_update(fn) -> bool:
 # checker -> (notebook, task, what the exercise is about); the order of the workshop
 EXERCISES = {
     "kv_bytes_per_token": ("00_memory_wall", "Task 1", "bytes one token adds to a model's KV cache"),
+    "mla_bytes_per_token": ("00_memory_wall", "Task 2", "what DeepSeek's MLA caches per token"),
     "token_forwards": ("01_naive_cache", "Task 1", "work with and without a cache"),
     "static_utilization": ("01_naive_cache", "Task 2", "what a static cache really uses"),
     "slot_mapping": ("02_paged_blocks", "Task 1", "block table -> slots"),
+    "blocks_after_fork": ("02_paged_blocks", "Task 2", "blocks held by forked samples (copy-on-write)"),
     "quantize_per_head": ("03_int8_quantization", "Task 1", "INT8 per-head quantizer"),
-    "pack_int4": ("03_int8_quantization", "Task 2", "two 4-bit values per byte"),
+    "quantize_static": ("03_int8_quantization", "Task 2", "INT8 with calibrated static scales: the clamp fires"),
+    "pack_int4": ("03_int8_quantization", "Task 3", "two 4-bit values per byte"),
     "admission_rule": ("04_continuous_batching", "Task 1", "the scheduler's admission rule"),
     "online_softmax_update": ("05_fused_triton_kernel", "Task 1", "online softmax in a Triton kernel"),
 }

@@ -352,7 +352,7 @@ def c_frag_50(lab):
     from kvlab.cache import simulate
 
     reqs = simulate.uniform(400, 25, 75, seed=0)  # about 50 tokens each
-    frag = simulate.block_size_sweep(reqs, sizes=(16,))[0]["internal_fragmentation"]
+    frag = simulate.block_size_sweep(reqs, sizes=(16,))[0]["waste_at_completion"]
     return (f"{frag:.1%} of reserved slots empty (lengths 25-75, complete)", in_range(0.05, 0.10, frag),
             "the last block is half empty on average: 7.5 of ~57 slots")
 

@@ -106,10 +106,10 @@ def cmd_generate(args) -> None:
     if args.cache == "static":
         lines.append(f"[static cache utilization {st['utilization']:.1%}]")
     if args.cache == "paged":
-        for key in ("blocks_used", "internal_fragmentation", "prefix_hits"):
+        for key in ("blocks_used", "empty_slot_share", "prefix_hits"):
             obj[key] = st[key]
-        lines.append(f"[paged: {st['blocks_used']} blocks of {st['block_size']} at peak, internal fragmentation "
-                     f"{st['internal_fragmentation']:.1%}, prefix hits {st['prefix_hits']}]")
+        lines.append(f"[paged: {st['blocks_used']} blocks of {st['block_size']} at peak, "
+                     f"{st['empty_slot_share']:.1%} of their slots empty, prefix hits {st['prefix_hits']}]")
     _emit(obj, args.json, lines)
 
 
@@ -217,7 +217,8 @@ def cmd_bench(args) -> None:
                  f"{'internal frag':>15}"]
         lines += [f"{'':<{len(lines[0]) - 49}}{r['policy']:<8}{r['token_states']:>14.1%}{r['reservation']:>13.1%}"
                   f"{r['internal_fragmentation']:>15.1%}" for r in rows]
-        lines += ["block size sweep: " + ", ".join(f"{r['block_size']}: {r['internal_fragmentation']:.1%}" for r in sweep)]
+        lines += ["block size sweep, slots wasted at completion: "
+                  + ", ".join(f"{r['block_size']}: {r['waste_at_completion']:.1%}" for r in sweep)]
         _emit({"policies": rows, "block_size_sweep": sweep}, args.json, lines)
 
 

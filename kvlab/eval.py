@@ -146,9 +146,16 @@ def kv_bytes_per_token(model, config: KVQuantConfig) -> float:
 
 
 @torch.inference_mode()
-def greedy_agreement(model, prompts: list[list[int]], config: KVQuantConfig, calibration=None,
-                     max_new_tokens: int = 32, block_size: int = 16) -> float:
-    """Share of greedily generated tokens identical to the full-precision cache's, position by position."""
+def greedy_comparison(model, prompts: list[list[int]], config: KVQuantConfig, calibration=None,
+                      max_new_tokens: int = 32, block_size: int = 16) -> dict:
+    """Greedy generation through the quantized pool against the full-precision pool, per prompt.
+
+    Returns ``first_divergence`` (per prompt: the index of the first generated token that differs, or
+    None when all are identical), ``identical`` (prompts whose whole answers match), ``position_share``
+    (tokens equal position by position, over all prompts) and the two runs' ``token_ids``. After a
+    first divergence the two texts continue from different tokens, so position-wise agreement beyond
+    it is mostly chance: the divergence points are the measure.
+    """
     from kvlab.cache import BlockManager
     from kvlab.generate import paged_generate
     from kvlab.quant.cache import QuantizedPagedKVCache
@@ -159,5 +166,19 @@ def greedy_agreement(model, prompts: list[list[int]], config: KVQuantConfig, cal
         bm = BlockManager(blocks, block_size, enable_prefix_caching=False)
         cache = QuantizedPagedKVCache.from_model(model, blocks, block_size, cfg, calibration)
         runs.append(paged_generate(model, prompts, max_new_tokens, manager=bm, cache=cache).token_ids)
+    first = []
+    for ra, rb in zip(*runs):
+        diff = next((i for i, (a, b) in enumerate(zip(ra, rb)) if a != b), None)
+        if diff is None and len(ra) != len(rb):
+            diff = min(len(ra), len(rb))
+        first.append(diff)
     same = sum(a == b for ra, rb in zip(*runs) for a, b in zip(ra, rb))
-    return same / sum(len(r) for r in runs[0])
+    return {"first_divergence": first, "identical": sum(d is None for d in first), "prompts": len(prompts),
+            "position_share": same / sum(len(r) for r in runs[0]), "token_ids": runs}
+
+
+def greedy_agreement(model, prompts: list[list[int]], config: KVQuantConfig, calibration=None,
+                     max_new_tokens: int = 32, block_size: int = 16) -> float:
+    """Share of greedily generated tokens identical to the full-precision cache's, position by position
+    (see :func:`greedy_comparison` for where they first differ)."""
+    return greedy_comparison(model, prompts, config, calibration, max_new_tokens, block_size)["position_share"]

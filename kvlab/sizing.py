@@ -42,7 +42,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # MLA: the cache holds a 512-wide latent plus a 64-wide shared RoPE key per layer and token.
     "deepseek-v3": dict(num_hidden_layers=61, hidden_size=7168, num_attention_heads=128, num_key_value_heads=128,
                         head_dim=128, kv_lora_rank=512, qk_rope_head_dim=64, max_position_embeddings=163840,
-                        num_params=671e9),
+                        num_params=671e9, active_params=37e9),  # MoE: 37B of the 671B are used per token
 }
 
 
@@ -59,6 +59,7 @@ class KVConfig:
     num_params: float | None = None
     kv_lora_rank: int | None = None  # MLA only
     rope_dim: int | None = None  # MLA only
+    active_params: float | None = None  # mixture of experts: parameters one token uses
 
     @property
     def attention(self) -> str:
@@ -82,6 +83,12 @@ class KVConfig:
     def width(self) -> int:
         """Elements per token, per layer, per stored tensor and head."""
         return (self.kv_lora_rank + (self.rope_dim or 0)) if self.kv_lora_rank else self.head_dim
+
+
+def mla_token_bytes(num_layers: int, kv_lora_rank: int, rope_dim: int, bytes_per_element: float) -> int:
+    """Bytes one token adds to an MLA cache: per layer one latent (``kv_lora_rank``) from which every
+    head's K and V are re-created, plus one RoPE key (``rope_dim``) shared by all heads. No factor 2."""
+    return int(num_layers * (kv_lora_rank + rope_dim) * bytes_per_element)
 
 
 def _get(cfg: Any, key: str, default=None):
@@ -122,6 +129,7 @@ def kv_config(model: Any) -> KVConfig:
         num_params=_get(cfg, "num_params"),
         kv_lora_rank=_get(cfg, "kv_lora_rank"),
         rope_dim=_get(cfg, "qk_rope_head_dim"),
+        active_params=_get(cfg, "active_params"),
     )
 
 
@@ -251,15 +259,27 @@ def decode_step_bytes(model: Any, context: int, batch: int = 1, kv_dtype: str = 
     The new token's query attends to all ``context`` cached tokens, so the cache is read in full on
     every step; the weights are shared by the batch.
     """
-    w = weight_bytes(model, weight_dtype)
+    w = weight_read_bytes(model, batch, weight_dtype)
     kv = kv_size(model, kv_dtype, tokens=context, batch=batch).total_bytes
     return {"weights": w, "kv": kv, "total": w + kv}
+
+
+def weight_read_bytes(model: Any, batch: int = 1, dtype: str = "fp16") -> int:
+    """Weight bytes one decode step reads. A dense model reads all of them once, for the whole batch.
+    A mixture of experts (``active_params`` set) reads each token's active parameters: we count
+    ``active x batch``, capped at all of them, an upper bound (tokens that pick the same experts
+    share those reads)."""
+    cfg = kv_config(model)
+    total = weight_bytes(model, dtype)
+    if not cfg.active_params:
+        return total
+    return min(total, batch * math.ceil(cfg.active_params * DTYPE_BITS[_check_dtype(dtype)] / 8))
 
 
 def crossover_context(model: Any, batch: int = 1, kv_dtype: str = "fp16", weight_dtype: str = "fp16") -> int:
     """Context length at which the KV cache read per step outweighs the weights."""
     per_token = kv_size(model, kv_dtype, tokens=1, batch=batch).total_bytes
-    return math.ceil(weight_bytes(model, weight_dtype) / per_token)
+    return math.ceil(weight_read_bytes(model, batch, weight_dtype) / per_token)
 
 
 def fmt_bytes(n: float) -> str:

@@ -23,7 +23,8 @@ def test_allocate_on_demand_and_slot_mapping():
     assert len(bm.block_table(0)) == 3
     s = bm.stats()
     assert s["blocks_used"] == 3 and s["tokens_stored"] == 9
-    assert s["internal_fragmentation"] == pytest.approx(1 - 9 / 12)
+    assert s["empty_slot_share"] == pytest.approx(1 - 9 / 12)
+    assert s["empty_slots"] == 12 - 9
     bm.check_invariants()
 
 

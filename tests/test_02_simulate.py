@@ -33,7 +33,7 @@ def test_single_request_by_hand():
 
 def test_block_size_sweep_trades_fragmentation_for_table_size():
     rows = simulate.block_size_sweep(simulate.uniform(100, 40, 60, seed=0))
-    frag = [r["internal_fragmentation"] for r in rows]
+    frag = [r["waste_at_completion"] for r in rows]
     entries = [r["table_entries_per_seq"] for r in rows]
     assert frag[0] == 0 and frag == sorted(frag)
     assert entries == sorted(entries, reverse=True)

@@ -257,6 +257,23 @@ def test_greedy_generation_through_a_quantized_pool(tiny):
     assert 0 < agree <= 1
 
 
+def test_greedy_comparison_finds_the_first_divergence(tiny):
+    from kvlab.eval import greedy_comparison
+
+    model, _ = tiny
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    same = greedy_comparison(model, prompts, named_config("fp32"), max_new_tokens=8)
+    assert same["first_divergence"] == [None] * 3 and same["identical"] == 3 and same["position_share"] == 1
+    int4 = KVQuantConfig(TensorFormat("int4", group_size=8), TensorFormat("int4", group_size=8))
+    cmp = greedy_comparison(model, prompts, int4, max_new_tokens=8)
+    ref, got = cmp["token_ids"]
+    for r, g, d in zip(ref, got, cmp["first_divergence"]):  # the index really is the first difference
+        if d is None:
+            assert r == g
+        else:
+            assert r[:d] == g[:d] and (d == min(len(r), len(g)) or r[d] != g[d])
+
+
 def test_cli_ppl_and_calibrate_on_tiny(tmp_path, capsys):
     from kvlab.cli import main
 
@@ -306,3 +323,10 @@ def test_granularity_explorer_switches_statistic(tiny):
     assert max(fig.data[1].y) > 0  # a percentile below 100 clips something
     stat.value = "this data's abs-max"
     assert max(fig.data[1].y) == 0 and min(fig.data[0].y) > 20
+
+
+def test_channel_spread_sees_outlier_channels():
+    x = torch.ones(8, 2, 16)
+    assert core.channel_spread(x) == pytest.approx(1.0)
+    x[:, :, 3] = 10.0  # one outlier channel in every head
+    assert core.channel_spread(x) == pytest.approx(10.0)

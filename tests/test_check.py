@@ -85,6 +85,74 @@ def test_quantize_per_head_and_pack_int4(capsys):
     assert all(len(line) < 600 for line in out)  # tensors are summarised, not dumped
 
 
+def test_mla_bytes_per_token_names_the_mistakes_that_matter(capsys):
+    assert check.mla_bytes_per_token(lambda L, H, r, rope, b: L * (r + rope) * b)
+    assert sizing.mla_token_bytes(61, 512, 64, 2) == sizing.kv_bytes_per_token("deepseek-v3", "fp16") == 70272
+    wrong = {
+        "K and V are not stored separately": lambda L, H, r, rope, b: 2 * L * (r + rope) * b,
+        "not per head": lambda L, H, r, rope, b: L * H * (r + rope) * b,
+        "shared by all heads": lambda L, H, r, rope, b: L * (r + H * rope) * b,
+        "RoPE key is cached too": lambda L, H, r, rope, b: L * r * b,
+    }
+    capsys.readouterr()
+    for why, fn in wrong.items():
+        assert not check.mla_bytes_per_token(fn)
+        out = capsys.readouterr().out
+        assert out.startswith("[fail]") and why in out, out
+    assert not check.mla_bytes_per_token(stub)
+    assert capsys.readouterr().out.startswith("[todo]")
+
+
+def test_blocks_after_fork_agrees_with_the_block_manager(capsys):
+    def right(p, bs, n, steps):
+        if steps == 0:
+            return -(-p // bs)
+        return p // bs + n * (-(-(p + steps) // bs) - p // bs)
+
+    assert check.blocks_after_fork(right)
+    no_sharing = lambda p, bs, n, steps: n * -(-(p + steps) // bs)  # noqa: E731
+    no_copy = lambda p, bs, n, steps: -(-p // bs) + n * (-(-(p + steps) // bs) - -(-p // bs))  # noqa: E731
+    capsys.readouterr()
+    assert not check.blocks_after_fork(no_sharing)
+    assert "share the prompt's full blocks" in capsys.readouterr().out
+    assert not check.blocks_after_fork(no_copy)
+    assert "copy-on-write" in capsys.readouterr().out
+    assert not check.blocks_after_fork(stub)
+
+
+def test_quantize_static_catches_a_missing_or_asymmetric_clamp(capsys):
+    import torch
+
+    from kvlab.quant import core
+
+    assert check.quantize_static(core.quantize_int8)
+    capsys.readouterr()
+    mistakes = {
+        "wrapped around": lambda x, s: torch.round(x / s).to(torch.int8),  # no clamp: int8 wraps
+        "-128 appears": lambda x, s: torch.clamp(torch.round(x / s), -128, 127).to(torch.int8),
+        None: lambda x, s: torch.clamp(torch.trunc(x / s), -127, 127).to(torch.int8),  # truncation
+        "torch.int8": lambda x, s: torch.clamp(torch.round(x / s), -127, 127),  # still float
+    }
+    for why, fn in mistakes.items():
+        assert not check.quantize_static(fn)
+        out = capsys.readouterr().out
+        assert out.startswith("[fail]") and (why is None or why in out), out
+    # the per-head exercise cannot catch a missing clamp (its own abs-max never exceeds 127):
+    # this exercise exists because the static one can
+    no_clamp = lambda x: (torch.round(x / core.scale_from_absmax(core.absmax(x, "per-head"))).to(torch.int8),  # noqa: E731
+                          core.scale_from_absmax(core.absmax(x, "per-head")))
+    assert check.quantize_per_head(no_clamp)
+
+
+def test_pack_int4_stub_does_not_give_the_answer_away():
+    import json
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).resolve().parent.parent / "notebooks" / "03_int8_quantization.ipynb").read_text())
+    stub_src = next("".join(c["source"]) for c in nb["cells"] if "def pack_int4" in "".join(c["source"]))
+    assert "<<" not in stub_src and "0::2" not in stub_src
+
+
 def test_admission_rule(capsys):
     from kvlab.engine.scheduler import admission_rule as ref
 
@@ -148,7 +216,7 @@ def test_progress_records_the_learners_function_only(capsys):
     assert check.kv_bytes_per_token(kv_bytes_per_token)
     done = check.progress()
     assert done["kv_bytes_per_token"] is not None and sum(v is not None for v in done.values()) == 1
-    assert "exercises passed: 1 of 8" in capsys.readouterr().out
+    assert f"exercises passed: 1 of {len(check.EXERCISES)}" in capsys.readouterr().out
 
 
 def test_progress_ignores_failures_and_resets(capsys):

@@ -46,7 +46,7 @@ def test_generate_paged_json_reports_block_stats(capsys, tiny):
         outs[cache] = json.loads(capsys.readouterr().out)
     paged = outs["paged"]
     assert paged["token_ids"] == outs["static"]["token_ids"]
-    assert {"blocks_used", "internal_fragmentation", "prefix_hits"} <= paged.keys()
+    assert {"blocks_used", "empty_slot_share", "prefix_hits"} <= paged.keys()
     assert paged["cache_stats"]["block_size"] == 4
 
 

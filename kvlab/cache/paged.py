@@ -328,7 +328,10 @@ class BlockManager:
             "tokens_stored": tokens,
             "logical_tokens": logical,  # tokens as the sequences see them (shared ones counted per sequence)
             "slots_reserved": slots,
-            "internal_fragmentation": 1 - tokens / slots if slots else 0.0,
+            # slots of held blocks with no token in them *now*; while a sequence grows, its next tokens
+            # fill them (not "internal fragmentation", which counts only slots nothing will ever fill)
+            "empty_slots": slots - tokens,
+            "empty_slot_share": 1 - tokens / slots if slots else 0.0,
             "prefix_queries": q,
             "prefix_hits": h,
             "prefix_hit_rate": h / q if q else 0.0,

@@ -88,7 +88,8 @@ def _reserved(policy: str, r: Request, max_seq_len: int) -> int:
 
 def simulate(requests: list[Request], policy: str, block_size: int = 16, max_seq_len: int = 2048) -> dict:
     """Run all requests as one batch (prefill together, decode one token per step each, free at the
-    end) and average the slot breakdown over the decode steps.
+    end) and average the slot breakdown over the decode steps (each live request's slots counted at
+    every step it is live).
 
     Returns fractions of the reserved slots (``token_states + reservation + internal_fragmentation
     == 1``), plus the peak number of slots reserved.
@@ -141,18 +142,40 @@ def simulate(requests: list[Request], policy: str, block_size: int = 16, max_seq
 
 def block_size_sweep(requests: list[Request], sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256)) -> list[dict]:
     """The block-size trade-off: bigger blocks mean fewer table entries but more slots wasted in
-    each sequence's last block. Measured at the end of prefill + decode (every request complete)."""
+    each sequence's last block.
+
+    ``waste_at_completion`` is taken at one moment, when every request is complete (all its tokens
+    stored, nothing more to come): the share of the held blocks' slots that stay empty. For a
+    complete sequence that is exactly its internal fragmentation, all in its last block; it is not
+    the average over decode steps that :func:`simulate` reports."""
     rows = []
     for bs in sizes:
         bm = BlockManager(sum(-(-r.stored // bs) for r in requests), bs, enable_prefix_caching=False)
         for i, r in enumerate(requests):
             bm.allocate(i, [0] * r.stored)
         s = bm.stats()
-        rows.append({"block_size": bs, "internal_fragmentation": s["internal_fragmentation"],
+        rows.append({"block_size": bs, "waste_at_completion": s["empty_slot_share"],
                      "blocks_used": s["blocks_used"],
                      "table_entries_per_seq": s["blocks_used"] / len(requests),
                      "table_bytes": 4 * s["blocks_used"]})  # int32 entries
     return rows
+
+
+def fork_blocks(prompt_len: int, block_size: int, n: int, steps: int) -> int:
+    """Physical blocks a real :class:`BlockManager` holds after a ``prompt_len``-token prompt is forked
+    into ``n`` samples (the original counts as one) and each sample writes ``steps`` new tokens."""
+    if prompt_len < 1 or n < 1 or steps < 0:
+        raise ValueError(f"need prompt_len >= 1, n >= 1, steps >= 0; got {prompt_len}, {n}, {steps}")
+    per_sample = -(-(prompt_len + steps) // block_size)
+    bm = BlockManager(n * per_sample + 1, block_size, enable_prefix_caching=False)
+    bm.allocate(0, list(range(prompt_len)))
+    for child in range(1, n):
+        bm.fork(0, child)
+    for t in range(steps):
+        for sample in range(n):
+            bm.append_slot(sample, 10_000 + t)
+    bm.check_invariants()
+    return bm.stats()["blocks_used"]
 
 
 def parallel_sampling(requests: list[Request], n: int, block_size: int = 16) -> dict:

@@ -148,6 +148,13 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
     return (q.float() * scale).to(dtype)
 
 
+def channel_spread(x: torch.Tensor) -> float:
+    """How much one scale per head must stretch for its outlier channels: for x (T, H, D), the largest
+    channel's abs-max over the median channel's, per head, averaged over heads (1.0: no outliers)."""
+    per_channel = x.float().abs().amax(dim=0)  # (H, D)
+    return float((per_channel.amax(-1) / per_channel.median(-1).values.clamp(min=1e-12)).mean())
+
+
 # ---- error metrics ------------------------------------------------------------------------------
 
 def error_metrics(x: torch.Tensor, x_hat: torch.Tensor) -> dict:

@@ -7,6 +7,8 @@ cells, and mark widget cells as ignored by nbval.
 
 from __future__ import annotations
 
+import math
+
 import plotly.graph_objects as go
 
 from kvlab import sizing
@@ -15,39 +17,80 @@ CONTEXTS = [2**k for k in range(7, 18)]  # 128 ... 131072 tokens
 COLORS = {"weights": "#7f8c8d", "kv": "#c0392b", "tokens": "#27ae60", "padding": "#f39c12", "empty": "#d5d8dc"}
 
 
+def _contexts(model: str) -> list[int]:
+    """Powers of two from 128 up to the model's maximum context (its maximum itself included)."""
+    top = sizing.kv_config(model).max_position or CONTEXTS[-1]
+    return [c for c in CONTEXTS if c < top] + [top]
+
+
 def _memory_wall_traces(model: str, batch: int, kv_dtype: str, weight_dtype: str):
-    w = sizing.weight_bytes(model, weight_dtype)
-    kv = [sizing.kv_size(model, kv_dtype, tokens=c, batch=batch).total_bytes for c in CONTEXTS]
+    xs = _contexts(model)
+    w = sizing.weight_read_bytes(model, batch, weight_dtype)
+    kv = [sizing.kv_size(model, kv_dtype, tokens=c, batch=batch).total_bytes for c in xs]
     gib = 2**30
-    return [w / gib] * len(CONTEXTS), [k / gib for k in kv]
+    return xs, [w / gib] * len(xs), [k / gib for k in kv]
+
+
+def _memory_wall_marks(model: str, context: int, batch: int, kv_dtype: str, weight_dtype: str) -> dict:
+    """The chosen context as a point on the stack, and the crossover (KV > weights) as a line when
+    it falls inside the model's context; described in a note when it does not."""
+    top = _contexts(model)[-1]
+    step = sizing.decode_step_bytes(model, min(context, top), batch, kv_dtype, weight_dtype)
+    cross = sizing.crossover_context(model, batch, kv_dtype, weight_dtype)
+    shapes = [dict(type="line", xref="x", yref="paper", x0=min(context, top), x1=min(context, top), y0=0, y1=1,
+                   line=dict(color="black", width=1, dash="dash"))]
+    notes = [dict(x=math.log10(min(context, top)), y=1, xref="x", yref="paper", yanchor="bottom", showarrow=False,
+                  text=f"{min(context, top):,} tokens", font=dict(size=11))]
+    if cross <= top:
+        shapes.append(dict(type="line", xref="x", yref="paper", x0=cross, x1=cross, y0=0, y1=1,
+                           line=dict(color=COLORS["kv"], width=2, dash="dot")))
+        notes.append(dict(x=math.log10(cross), y=0.85, xref="x", yref="paper", showarrow=False, xanchor="left",
+                          text=f" KV > weights from {cross:,}", font=dict(color=COLORS["kv"], size=11)))
+    else:
+        notes.append(dict(x=0.02, y=0.80, xref="paper", yref="paper", showarrow=False, xanchor="left",
+                          text=f"KV would outweigh the weights only beyond {cross:,} tokens:<br>"
+                               f"past this model's {top:,}-token context at batch {batch}",
+                          font=dict(color=COLORS["kv"], size=11), align="left"))
+    return dict(step=step, cross=cross, top=top, shapes=shapes, annotations=notes,
+                point=(min(context, top), step["total"] / 2**30))
+
+
+def _memory_wall_title(model, batch, kv_dtype, weight_dtype) -> str:
+    return f"Bytes read per decode step: {model}, batch {batch}, KV {kv_dtype}, weights {weight_dtype}"
 
 
 def memory_wall_figure(model: str = "llama-2-7b", batch: int = 1, kv_dtype: str = "fp16",
-                       weight_dtype: str = "fp16", widget: bool = False):
-    """Bytes one decode step reads (weights once + every sequence's whole KV cache) vs context."""
-    w, kv = _memory_wall_traces(model, batch, kv_dtype, weight_dtype)
+                       weight_dtype: str = "fp16", widget: bool = False, context: int = 4096):
+    """Bytes one decode step reads (weights once + every sequence's whole KV cache) vs context, up to
+    the model's maximum context, with the chosen context marked and the crossover drawn."""
+    xs, w, kv = _memory_wall_traces(model, batch, kv_dtype, weight_dtype)
+    m = _memory_wall_marks(model, context, batch, kv_dtype, weight_dtype)
     fig_cls = go.FigureWidget if widget else go.Figure
     fig = fig_cls(
         data=[
-            go.Scatter(x=CONTEXTS, y=w, name="weights", stackgroup="one", line_color=COLORS["weights"]),
-            go.Scatter(x=CONTEXTS, y=kv, name="KV cache", stackgroup="one", line_color=COLORS["kv"]),
+            go.Scatter(x=xs, y=w, name="weights", stackgroup="one", line_color=COLORS["weights"]),
+            go.Scatter(x=xs, y=kv, name="KV cache (all sequences)", stackgroup="one", line_color=COLORS["kv"]),
+            go.Scatter(x=[m["point"][0]], y=[m["point"][1]], name="this context: total", mode="markers",
+                       marker=dict(color="black", size=10)),
         ],
         layout=dict(
-            title=f"Bytes read per decode step: {model}, batch {batch}, KV {kv_dtype}, weights {weight_dtype}",
-            xaxis=dict(title="context (tokens per sequence)", type="log"),
-            yaxis=dict(title="GiB read per step"), height=420, legend=dict(x=0.02, y=0.98),
+            title=_memory_wall_title(model, batch, kv_dtype, weight_dtype),
+            xaxis=dict(title="context (tokens per sequence, log scale)", type="log"),
+            yaxis=dict(title="GiB read per step", rangemode="tozero"), height=440,
+            legend=dict(x=0.02, y=0.98), shapes=m["shapes"], annotations=m["annotations"],
         ),
     )
     return fig
 
 
 def memory_wall_widget(model: str = "llama-2-7b"):
-    """Model / batch / dtype controls over :func:`memory_wall_figure`, plus the time floor at a bandwidth."""
+    """Model / context / batch / dtype controls over :func:`memory_wall_figure`, plus the time floor at a
+    bandwidth. The context slider stops at the chosen model's maximum context."""
     import ipywidgets as W
 
     fig = memory_wall_figure(model, widget=True)
     w_model = W.Dropdown(options=sorted(sizing.PRESETS), value=model, description="model")
-    w_ctx = W.SelectionSlider(options=CONTEXTS, value=4096, description="context")
+    w_ctx = W.SelectionSlider(options=_contexts(model), value=min(4096, _contexts(model)[-1]), description="context")
     w_batch = W.IntSlider(value=1, min=1, max=64, description="batch")
     w_kv = W.Dropdown(options=["fp32", "fp16", "fp8", "int8", "int4"], value="fp16", description="KV dtype")
     w_wt = W.Dropdown(options=["fp32", "fp16", "int8", "int4"], value="fp16", description="weights")
@@ -55,22 +98,37 @@ def memory_wall_widget(model: str = "llama-2-7b"):
     out = W.HTML()
 
     def refresh(_=None):
-        w, kv = _memory_wall_traces(w_model.value, w_batch.value, w_kv.value, w_wt.value)
+        xs, w, kv = _memory_wall_traces(w_model.value, w_batch.value, w_kv.value, w_wt.value)
+        m = _memory_wall_marks(w_model.value, w_ctx.value, w_batch.value, w_kv.value, w_wt.value)
         with fig.batch_update():
-            fig.data[0].y, fig.data[1].y = w, kv
-            fig.layout.title.text = (f"Bytes read per decode step: {w_model.value}, batch {w_batch.value}, "
-                                     f"KV {w_kv.value}, weights {w_wt.value}")
-        step = sizing.decode_step_bytes(w_model.value, w_ctx.value, w_batch.value, w_kv.value, w_wt.value)
+            fig.data[0].x, fig.data[0].y = xs, w
+            fig.data[1].x, fig.data[1].y = xs, kv
+            fig.data[2].x, fig.data[2].y = [m["point"][0]], [m["point"][1]]
+            fig.layout.shapes, fig.layout.annotations = m["shapes"], m["annotations"]
+            fig.layout.title.text = _memory_wall_title(w_model.value, w_batch.value, w_kv.value, w_wt.value)
+        step = m["step"]
         ms = step["total"] / (w_bw.value * 1e12) * 1e3
-        cross = sizing.crossover_context(w_model.value, w_batch.value, w_kv.value, w_wt.value)
+        where = (f"The KV cache outweighs the weights beyond {m['cross']:,} tokens per sequence."
+                 if m["cross"] <= m["top"] else
+                 f"The KV cache would outweigh the weights only beyond {m['cross']:,} tokens per sequence, "
+                 f"longer than this model's {m['top']:,}-token context: at this batch the weights always dominate.")
         out.value = (
             f"<b>{sizing.fmt_bytes(step['total'])}</b> per step at {w_ctx.value:,} tokens "
             f"(KV {step['kv'] / step['total']:.0%}) &rarr; at least <b>{ms:.2f} ms</b> per step at "
-            f"{w_bw.value:.2f} TB/s, so at most {w_batch.value / ms * 1e3:,.0f} tokens/s. "
-            f"The KV cache outweighs the weights beyond {cross:,} tokens per sequence."
+            f"{w_bw.value:.2f} TB/s, so at most {w_batch.value / ms * 1e3:,.0f} tokens/s. " + where
         )
 
-    for c in (w_model, w_ctx, w_batch, w_kv, w_wt, w_bw):
+    def model_changed(_=None):
+        options = _contexts(w_model.value)
+        value = max(c for c in options if c <= w_ctx.value) if w_ctx.value >= options[0] else options[0]
+        w_ctx.unobserve(refresh, names="value")
+        w_ctx.options = options  # resets the value: put it back, capped at this model's maximum
+        w_ctx.value = value
+        w_ctx.observe(refresh, names="value")
+        refresh()
+
+    w_model.observe(model_changed, names="value")
+    for c in (w_ctx, w_batch, w_kv, w_wt, w_bw):
         c.observe(refresh, names="value")
     refresh()
     return W.VBox([W.HBox([w_model, w_kv, w_wt]), W.HBox([w_ctx, w_batch, w_bw]), out, fig])
@@ -98,5 +156,7 @@ def speedup_figure(rows: list[dict]):
     fig.add_bar(x=x, y=[r["cache_s"] for r in rows], name="KV cache", marker_color=COLORS["tokens"],
                 text=[f"{r['speedup']:.1f}x" for r in rows], textposition="outside")
     fig.update_layout(barmode="group", xaxis=dict(title="prompt tokens", type="category"),
-                      yaxis_title=f"seconds for {rows[0]['new_tokens']} new tokens", height=380)
+                      yaxis_title=f"seconds for {rows[0]['new_tokens']} new tokens", height=400,
+                      title=f"Recompute vs KV cache: {rows[0]['new_tokens']} new tokens after prompts of each length",
+                      legend=dict(x=0.02, y=0.98))
     return fig

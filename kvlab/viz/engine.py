@@ -191,7 +191,7 @@ def _frame_html(frame: dict) -> str:
         for e in frame["events"])
     s = frame["pool"]["stats"]
     pool = (f"blocks used {s['blocks_used']} · free {s['blocks_free']} · cached {s['blocks_cached']} · "
-            f"shared {s['blocks_shared']} · internal fragmentation {s['internal_fragmentation']:.0%}")
+            f"shared {s['blocks_shared']} · empty slots in held blocks {s['empty_slot_share']:.0%}")
     return (f"{head}<table>{rows}</table>"
             f"<small>p<i>n</i> = <i>n</i> prefill tokens, d = one decode token, – = waits for token budget, "
             f"↺ = preempted</small><br>{pool}"

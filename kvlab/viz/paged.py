@@ -21,8 +21,9 @@ def seq_color(seq_id: int) -> str:
     return PALETTE[seq_id % len(PALETTE)]
 
 
-def snapshot(bm, note: str = "") -> dict:
-    """A plain-data picture of the pool: per block its state, owners, refcount and fill."""
+def snapshot(bm, note: str = "", names: dict | None = None) -> dict:
+    """A plain-data picture of the pool: per block its state, owners, refcount and fill.
+    ``names`` maps sequence ids to the labels a story uses for them ("A", "B", ...)."""
     owners: dict[int, list[int]] = {}
     for sid, seq in bm.seqs.items():
         for bid in seq.block_table:
@@ -35,18 +36,25 @@ def snapshot(bm, note: str = "") -> dict:
                            ref=b.ref_count, fill=b.num_tokens if state != "free" else 0))
     return dict(note=note, block_size=bm.block_size, blocks=blocks,
                 tables={sid: list(s.block_table) for sid, s in bm.seqs.items()},
-                lengths={sid: len(s.token_ids) for sid, s in bm.seqs.items()}, stats=bm.stats())
+                lengths={sid: len(s.token_ids) for sid, s in bm.seqs.items()}, stats=bm.stats(),
+                names={sid: (names or {}).get(sid, f"seq {sid}") for sid in bm.seqs})
+
+
+def _name(frame: dict, sid: int) -> str:
+    return frame.get("names", {}).get(sid, f"seq {sid}")
 
 
 class Trace:
-    """Snapshots of a block manager after each operation, for :func:`block_table_widget`."""
+    """Snapshots of a block manager after each operation, for :func:`block_table_widget`.
+    ``names``: labels for sequence ids, shown in the grid and the tables instead of "seq <id>"."""
 
-    def __init__(self, bm):
+    def __init__(self, bm, names: dict | None = None):
         self.bm = bm
+        self.names = dict(names or {})
         self.frames: list[dict] = []
 
     def record(self, note: str) -> dict:
-        frame = snapshot(self.bm, note)
+        frame = snapshot(self.bm, note, self.names)
         self.frames.append(frame)
         return frame
 
@@ -71,7 +79,7 @@ def _grid(frame: dict, columns: int):
                 key, label = SHARED, f"#{b['id']}<br>ref {b['ref']}"
             else:
                 key = seq_color(b["owners"][0])
-                label = f"#{b['id']}<br>seq {b['owners'][0]}"
+                label = f"#{b['id']}<br>{_name(frame, b['owners'][0])}"
             if b["state"] != "free":
                 label += f"<br>{b['fill']}/{frame['block_size']}"
             colors.setdefault(key, len(colors))
@@ -90,12 +98,13 @@ def _grid(frame: dict, columns: int):
 def _tables_html(frame: dict) -> str:
     s = frame["stats"]
     rows = "".join(
-        f"<tr><td>seq {sid}</td><td>{frame['lengths'][sid]} tokens</td><td>{table}</td></tr>"
+        f"<tr><td>{html.escape(_name(frame, sid))}</td><td>{frame['lengths'][sid]} tokens</td><td>{table}</td></tr>"
         for sid, table in sorted(frame["tables"].items()))
     return (f"<b>{html.escape(frame['note'])}</b><br>"
             f"blocks used {s['blocks_used']} · free {s['blocks_free']} · cached {s['blocks_cached']} · "
-            f"shared {s['blocks_shared']} · internal fragmentation {s['internal_fragmentation']:.0%} · "
-            f"prefix hits {s['prefix_hits']}/{s['prefix_queries']} · copy-on-write {s['cow_copies']}"
+            f"shared {s['blocks_shared']} · empty slots in held blocks {s['empty_slots']} · "
+            f"prefix hits {s['prefix_hits']}/{s['prefix_queries']} · copy-on-write {s['cow_copies']} · "
+            f"evictions {s['evictions']}"
             f"<table><tr><th>sequence</th><th>length</th><th>block table (logical → physical)</th></tr>{rows}</table>")
 
 
@@ -133,7 +142,8 @@ def block_table_widget(trace: Trace, columns: int = 8):
 
 
 def fragmentation_figure(results: list[dict], title: str = ""):
-    """Stacked bars: where reserved KV slots go under each allocation policy (paper Fig. 2 style)."""
+    """Stacked bars: where reserved KV slots go under each allocation policy (paper Fig. 2 style),
+    averaged over the decode steps."""
     names = [r["policy"] if r["policy"] != "paged" else f"paged ({r['block_size']})" for r in results]
     fig = go.Figure()
     for key, label, color in (("token_states", "token states", COLORS["tokens"]),
@@ -141,19 +151,30 @@ def fragmentation_figure(results: list[dict], title: str = ""):
                               ("internal_fragmentation", "internal fragmentation", COLORS["kv"])):
         fig.add_bar(x=names, y=[100 * r[key] for r in results], name=label, marker_color=color,
                     text=[f"{100 * r[key]:.1f}%" for r in results], textposition="inside")
-    fig.update_layout(barmode="stack", yaxis_title="% of reserved KV slots", height=400, title=title)
+    fig.update_layout(barmode="stack", height=420, title=(title + ": " if title else "") + "where reserved KV slots go",
+                      xaxis_title="allocation policy (block size)",
+                      yaxis=dict(title="% of reserved KV slots (mean over decode steps)", range=[0, 100]),
+                      legend=dict(orientation="h", y=-0.25))
     return fig
 
 
-def block_size_figure(rows: list[dict]):
-    """Internal fragmentation vs block-table entries per sequence across block sizes."""
+def block_size_figure(rows: list[dict], title: str = "The block-size trade-off"):
+    """Slots wasted at completion (bars, left axis) vs block-table entries per sequence (line, right
+    axis, log scale with plain-number ticks) across block sizes."""
     x = [str(r["block_size"]) for r in rows]
+    waste = [100 * r["waste_at_completion"] for r in rows]
+    entries = [r["table_entries_per_seq"] for r in rows]
     fig = go.Figure()
-    fig.add_bar(x=x, y=[100 * r["internal_fragmentation"] for r in rows], name="internal fragmentation (%)",
-                marker_color=COLORS["kv"])
-    fig.add_scatter(x=x, y=[r["table_entries_per_seq"] for r in rows], name="block-table entries per sequence",
-                    yaxis="y2", mode="lines+markers", line_color=COLORS["weights"])
-    fig.update_layout(height=380, xaxis_title="block size (tokens)", yaxis=dict(title="% of slots wasted"),
-                      yaxis2=dict(title="entries per sequence", overlaying="y", side="right", type="log"),
-                      legend=dict(x=0.3, y=1.15, orientation="h"))
+    fig.add_bar(x=x, y=waste, name="slots wasted at completion (%, left axis)", marker_color=COLORS["kv"],
+                text=[f"{w:.1f}%" for w in waste], textposition="outside", cliponaxis=False)
+    fig.add_scatter(x=x, y=entries, name="block-table entries per sequence (right axis, log)",
+                    yaxis="y2", mode="lines+markers+text", line_color=COLORS["weights"],
+                    text=[f"{e:.1f}" for e in entries], textposition="top right")
+    ticks = [t for t in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000) if t <= 2 * max(entries)]
+    fig.update_layout(height=420, title=title, xaxis_title="block size (tokens per block)",
+                      yaxis=dict(title="% of held slots empty when all requests are complete",
+                                 range=[0, max(waste) * 1.15 + 1]),
+                      yaxis2=dict(title="block-table entries per sequence (log scale)", overlaying="y", side="right",
+                                  type="log", tickvals=ticks, ticktext=[str(t) for t in ticks], showgrid=False),
+                      legend=dict(orientation="h", y=-0.25), margin=dict(r=80))
     return fig

@@ -43,15 +43,27 @@ def value_histogram(values, clip_lines: dict, qmax: int = 127, bins: int = 120, 
         # the legend carries the numbers: clip range, INT8 step (range / 127) and the share clipped
         fig.add_scatter(x=[None], y=[None], mode="lines", line=dict(color=color, dash="dash"),
                         name=f"{name}: +-{limit:.3g}, INT8 step {limit / qmax:.3g}, clips {clipped:.2%}")
-    fig.update_layout(height=400, title=title, xaxis_title="value", yaxis_title="count (log)", yaxis_type="log",
+    # the x range runs a little past the widest clip line, so no dashed line sits on the plot's edge
+    edge = 1.08 * max([v.abs().max().item()] + [float(x) for x in clip_lines.values()])
+    fig.update_layout(height=420, title=title or "values and their clip ranges",
+                      xaxis=dict(title="value (as the cache receives it, post-RoPE for keys)", range=[-edge, edge]),
+                      yaxis_title="count per bin (log scale)", yaxis_type="log",
                       legend=dict(orientation="h", y=-0.25))
     return fig
 
 
-def per_layer_figure(values: list[float], title: str, yaxis: str, highlight: list[int] | None = None):
-    colors = [COLORS["kv"] if highlight and i in highlight else COLORS["weights"] for i in range(len(values))]
-    fig = go.Figure(go.Bar(x=list(range(len(values))), y=values, marker_color=colors))
-    fig.update_layout(height=340, title=title, xaxis_title="layer", yaxis_title=yaxis)
+def per_layer_figure(values: list[float], title: str, yaxis: str, highlight: list[int] | None = None,
+                     highlight_name: str = "highlighted", other_name: str = "other layers"):
+    """One bar per layer; ``highlight`` layers in a second colour, each group named in the legend."""
+    marked = set(highlight or ())
+    fig = go.Figure()
+    for name, color, keep in ((other_name, COLORS["weights"], False), (highlight_name, COLORS["kv"], True)):
+        layers = [i for i in range(len(values)) if (i in marked) == keep]
+        if layers:
+            fig.add_bar(x=layers, y=[values[i] for i in layers], marker_color=color, name=name)
+    fig.update_layout(height=360, title=title, xaxis=dict(title="layer", dtick=1 if len(values) <= 40 else None),
+                      yaxis=dict(title=yaxis, rangemode="tozero"), barmode="overlay",
+                      legend=dict(orientation="h", y=1.1), showlegend=bool(marked))
     return fig
 
 
@@ -81,17 +93,23 @@ def granularity_explorer(keys, values, calibration=None,
     fig.add_bar(x=list(range(len(keys))), y=[0.0] * len(keys), marker_color=COLORS["tokens"], name="SNR (dB)")
     fig.add_scatter(x=list(range(len(keys))), y=[0.0] * len(keys), mode="lines+markers", line_color=COLORS["kv"],
                     name="clip rate", secondary_y=True)
-    fig.update_layout(height=360, xaxis_title="layer", legend=dict(orientation="h", y=1.12))
-    fig.update_yaxes(title_text="INT8 SNR (dB, higher is better)", secondary_y=False)
-    fig.update_yaxes(title_text="share of values clipped", secondary_y=True)
+    fig.update_layout(height=400, xaxis_title="layer", legend=dict(orientation="h", y=-0.22),
+                      margin=dict(t=60, b=40))
+    fig.update_yaxes(title_text="INT8 SNR (dB, higher is better)", rangemode="tozero", secondary_y=False)
+    fig.update_yaxes(title_text="share of values clipped", tickformat=".2%", rangemode="tozero", secondary_y=True)
 
     def refresh(_=None):
         data = keys if which.value == "K" else values
         rows = [measure(x, i, which.value, gran.value, stat.value) for i, x in enumerate(data)]
+        clips = [r[1] for r in rows]
         with fig.batch_update():
             fig.data[0].y = [r[0] for r in rows]
-            fig.data[1].y = [r[1] for r in rows]
-            fig.layout.title = f"{which.value}, {gran.value}, scales from {stat.value}"
+            fig.data[1].y = clips
+            # the clip axis starts at 0 and ends just above the largest rate (0.1 % when nothing clips)
+            fig.layout.yaxis2.range = [0, max(max(clips) * 1.15, 0.001)]
+            fig.layout.title = (f"INT8 {which.value}, {gran.value} scales from {stat.value}: "
+                                f"mean SNR {sum(r[0] for r in rows) / len(rows):.1f} dB, "
+                                f"{sum(clips) / len(clips):.3%} of values clipped")
 
     for w in (which, gran, stat):
         w.observe(refresh, names="value")
