@@ -92,18 +92,16 @@ def kv_bytes_per_token(fn: Callable[[int, int, int, int], int]) -> bool:
     return _run("kv_bytes_per_token", fn, _kv_bytes_cases())
 
 
-# ---- notebook 01 -------------------------------------------------------------------------------
-
 def mla_bytes_per_token(fn: Callable[[int, int, int, int, int], int]) -> bool:
     """``fn(num_layers, num_heads, kv_lora_rank, rope_dim, bytes_per_element)``: bytes one token adds
     to an MLA model's cache (DeepSeek-V2/V3): one latent of ``kv_lora_rank`` plus one RoPE key of
     ``rope_dim`` per layer, shared by all heads and by K and V."""
     from kvlab.sizing import mla_token_bytes
 
-    cases = [((61, 128, 512, 64, 2), None),  # DeepSeek-V3 (and R1), fp16
+    cases = [((2, 3, 8, 4, 4), None),  # a toy first: the [todo] line shows its answer, not the notebook's
+             ((61, 128, 512, 64, 2), None),  # DeepSeek-V3 (and R1), fp16
              ((27, 16, 512, 64, 2), None),  # DeepSeek-V2-Lite
-             ((60, 128, 512, 64, 1), None),  # DeepSeek-V2, an 8-bit cache
-             ((2, 4, 8, 4, 4), None)]
+             ((60, 128, 512, 64, 1), None)]  # DeepSeek-V2, an 8-bit cache
     cases = [(a, mla_token_bytes(a[0], a[2], a[3], a[4])) for a, _ in cases]
 
     def hint(args, got, expected):
@@ -120,6 +118,8 @@ def mla_bytes_per_token(fn: Callable[[int, int, int, int, int], int]) -> bool:
 
     return _run("mla_bytes_per_token", fn, cases, hint=hint)
 
+
+# ---- notebook 01 -------------------------------------------------------------------------------
 
 def token_forwards(fn: Callable[[int, int, bool], int]) -> bool:
     """``fn(prompt_len, new_tokens, cached) -> token positions pushed through the model``.

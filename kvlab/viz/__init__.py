@@ -46,17 +46,21 @@ def _memory_wall_marks(model: str, context: int, batch: int, kv_dtype: str, weig
                            line=dict(color=COLORS["kv"], width=2, dash="dot")))
         notes.append(dict(x=math.log10(cross), y=0.85, xref="x", yref="paper", showarrow=False, xanchor="left",
                           text=f" KV > weights from {cross:,}", font=dict(color=COLORS["kv"], size=11)))
+        where = f"red dotted line: KV > weights from {cross:,} tokens"
     else:
-        notes.append(dict(x=0.02, y=0.80, xref="paper", yref="paper", showarrow=False, xanchor="left",
-                          text=f"KV would outweigh the weights only beyond {cross:,} tokens:<br>"
-                               f"past this model's {top:,}-token context at batch {batch}",
-                          font=dict(color=COLORS["kv"], size=11), align="left"))
-    return dict(step=step, cross=cross, top=top, shapes=shapes, annotations=notes,
+        where = f"KV would outweigh the weights only beyond {cross:,} tokens, past this model's {top:,}-token context"
+    return dict(step=step, cross=cross, top=top, shapes=shapes, annotations=notes, where=where,
                 point=(min(context, top), step["total"] / 2**30))
 
 
-def _memory_wall_title(model, batch, kv_dtype, weight_dtype) -> str:
-    return f"Bytes read per decode step: {model}, batch {batch}, KV {kv_dtype}, weights {weight_dtype}"
+def _memory_wall_title(model, batch, kv_dtype, weight_dtype, where: str = "") -> dict:
+    return dict(text=f"Bytes read per decode step: {model}, batch {batch}, KV {kv_dtype}, weights {weight_dtype}"
+                     + (f"<br><sup>{where}</sup>" if where else ""))
+
+
+def _context_ticks(xs: list[int]) -> dict:
+    labels = [f"{c // 1024}K" if c >= 1024 and c % 1024 == 0 else f"{c:,}" for c in xs]
+    return dict(tickvals=xs, ticktext=labels)
 
 
 def memory_wall_figure(model: str = "llama-2-7b", batch: int = 1, kv_dtype: str = "fp16",
@@ -74,10 +78,11 @@ def memory_wall_figure(model: str = "llama-2-7b", batch: int = 1, kv_dtype: str 
                        marker=dict(color="black", size=10)),
         ],
         layout=dict(
-            title=_memory_wall_title(model, batch, kv_dtype, weight_dtype),
-            xaxis=dict(title="context (tokens per sequence, log scale)", type="log"),
-            yaxis=dict(title="GiB read per step", rangemode="tozero"), height=440,
-            legend=dict(x=0.02, y=0.98), shapes=m["shapes"], annotations=m["annotations"],
+            title=_memory_wall_title(model, batch, kv_dtype, weight_dtype, m["where"]),
+            xaxis=dict(title="context (tokens per sequence, log scale)", type="log", **_context_ticks(xs)),
+            yaxis=dict(title="GiB read per step", rangemode="tozero"), height=460,
+            legend=dict(orientation="h", y=-0.25), shapes=m["shapes"], annotations=m["annotations"],
+            margin=dict(t=80),
         ),
     )
     return fig
@@ -105,7 +110,9 @@ def memory_wall_widget(model: str = "llama-2-7b"):
             fig.data[1].x, fig.data[1].y = xs, kv
             fig.data[2].x, fig.data[2].y = [m["point"][0]], [m["point"][1]]
             fig.layout.shapes, fig.layout.annotations = m["shapes"], m["annotations"]
-            fig.layout.title.text = _memory_wall_title(w_model.value, w_batch.value, w_kv.value, w_wt.value)
+            fig.layout.xaxis.update(**_context_ticks(xs))
+            fig.layout.title.text = _memory_wall_title(w_model.value, w_batch.value, w_kv.value, w_wt.value,
+                                                       m["where"])["text"]
         step = m["step"]
         ms = step["total"] / (w_bw.value * 1e12) * 1e3
         where = (f"The KV cache outweighs the weights beyond {m['cross']:,} tokens per sequence."
@@ -141,9 +148,11 @@ def static_cache_figure(named_stats: dict[str, dict]):
              ("empty_slots", "reserved, never written", COLORS["empty"])]
     fig = go.Figure()
     for key, label, color in parts:
-        fig.add_bar(x=names, y=[100 * s[key] / s["slots_reserved"] for s in named_stats.values()],
-                    name=label, marker_color=color)
-    fig.update_layout(barmode="stack", yaxis_title="% of reserved slots", height=380,
+        share = [100 * s[key] / s["slots_reserved"] for s in named_stats.values()]
+        fig.add_bar(x=names, y=share, name=label, marker_color=color,
+                    text=[f"{v:.1f}%" if v >= 3 else "" for v in share], textposition="inside")
+    fig.update_layout(barmode="stack", yaxis=dict(title="% of reserved slots", range=[0, 100]), height=400,
+                      xaxis_title="reservation policy (same four requests)",
                       title="Static pre-allocation: where the reserved KV memory goes")
     return fig
 

@@ -172,7 +172,7 @@ def block_size_figure(rows: list[dict], title: str = "The block-size trade-off")
                     text=[f"{e:.1f}" for e in entries], textposition="top right")
     ticks = [t for t in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000) if t <= 2 * max(entries)]
     fig.update_layout(height=420, title=title, xaxis_title="block size (tokens per block)",
-                      yaxis=dict(title="% of held slots empty when all requests are complete",
+                      yaxis=dict(title="% of slots empty at completion",
                                  range=[0, max(waste) * 1.15 + 1]),
                       yaxis2=dict(title="block-table entries per sequence (log scale)", overlaying="y", side="right",
                                   type="log", tickvals=ticks, ticktext=[str(t) for t in ticks], showgrid=False),

@@ -60,10 +60,10 @@ def per_layer_figure(values: list[float], title: str, yaxis: str, highlight: lis
     for name, color, keep in ((other_name, COLORS["weights"], False), (highlight_name, COLORS["kv"], True)):
         layers = [i for i in range(len(values)) if (i in marked) == keep]
         if layers:
-            fig.add_bar(x=layers, y=[values[i] for i in layers], marker_color=color, name=name)
+            fig.add_bar(x=layers, y=[values[i] for i in layers], marker_color=color, name=name, width=0.8)
     fig.update_layout(height=360, title=title, xaxis=dict(title="layer", dtick=1 if len(values) <= 40 else None),
                       yaxis=dict(title=yaxis, rangemode="tozero"), barmode="overlay",
-                      legend=dict(orientation="h", y=1.1), showlegend=bool(marked))
+                      legend=dict(orientation="h", y=-0.3), showlegend=bool(marked))
     return fig
 
 
@@ -107,9 +107,9 @@ def granularity_explorer(keys, values, calibration=None,
             fig.data[1].y = clips
             # the clip axis starts at 0 and ends just above the largest rate (0.1 % when nothing clips)
             fig.layout.yaxis2.range = [0, max(max(clips) * 1.15, 0.001)]
-            fig.layout.title = (f"INT8 {which.value}, {gran.value} scales from {stat.value}: "
+            fig.layout.title = (f"INT8 {which.value}, {gran.value} scales from {stat.value}<br><sup>"
                                 f"mean SNR {sum(r[0] for r in rows) / len(rows):.1f} dB, "
-                                f"{sum(clips) / len(clips):.3%} of values clipped")
+                                f"{sum(clips) / len(clips):.3%} of values clipped</sup>")
 
     for w in (which, gran, stat):
         w.observe(refresh, names="value")
