@@ -72,7 +72,12 @@ def _windows(n: int, window: int, stride: int):
 def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: int = 512, stride: int = 256,
              chunk: int = 32, block_size: int = 16) -> dict:
     """Perplexity of FP and each config on ``tokens``, plus mean next-token KL(FP || config) and
-    top-1 agreement, scored on the same positions. ``configs``: name -> KVQuantConfig."""
+    top-1 agreement, scored on the same positions. ``configs``: name -> KVQuantConfig.
+
+    ``delta_ppl_ci95`` is a paired 95 % interval for ``delta_ppl_pct``: from the per-token NLL
+    differences (config - FP) on the same positions, mean +- 1.96 standard errors, treating
+    positions as independent (they are not quite, so read it as a scale of the noise, not a test).
+    It says how precisely Δppl is measured on THIS text, not how it would vary across texts."""
     from kvlab.hf import attention_implementation, register_paged_attention
 
     if len(tokens) < 2:
@@ -82,6 +87,8 @@ def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: 
     names = ["fp"] + list(configs)
     nll = {n: 0.0 for n in names}
     kl = {n: 0.0 for n in configs}
+    dsum = {n: 0.0 for n in configs}  # per-token NLL differences (config - FP): sum and sum of squares
+    dsq = {n: 0.0 for n in configs}
     top1 = {n: 0 for n in configs}
     scored = 0
     seconds = {n: 0.0 for n in names}
@@ -107,8 +114,13 @@ def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: 
                     seconds[n] += time.perf_counter() - t0
                 tg = targets[keep]
                 ref = logp["fp"]
+                token_nll = {n: -logp[n].gather(1, tg[:, None])[:, 0].double() for n in names}
                 for n in names:
-                    nll[n] -= logp[n].gather(1, tg[:, None]).sum().item()
+                    nll[n] += token_nll[n].sum().item()
+                for n in configs:
+                    d = token_nll[n] - token_nll["fp"]
+                    dsum[n] += d.sum().item()
+                    dsq[n] += d.pow(2).sum().item()
                 for n in configs:
                     kl[n] += (ref.exp() * (ref - logp[n])).sum().item()
                     top1[n] += (logp[n].argmax(-1) == ref.argmax(-1)).sum().item()
@@ -122,8 +134,12 @@ def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: 
            "ppl_fp": math.exp(nll["fp"] / scored), "configs": {}}
     for n in configs:
         ppl = math.exp(nll[n] / scored)
+        mean = dsum[n] / scored
+        se = math.sqrt(max(dsq[n] / scored - mean * mean, 0.0) / max(scored - 1, 1))
+        ci = tuple(100 * (math.exp(mean + z * 1.96 * se) - 1) for z in (-1, 1))
         out["configs"][n] = {"label": configs[n].label(), "ppl": ppl,
-                             "delta_ppl_pct": 100 * (ppl / out["ppl_fp"] - 1), "kl": kl[n] / scored,
+                             "delta_ppl_pct": 100 * (ppl / out["ppl_fp"] - 1), "delta_ppl_ci95": ci,
+                             "kl": kl[n] / scored,
                              "top1": top1[n] / scored, "seconds": seconds[n], "saturation": stats[n],
                              **saturation_summary(stats[n])}
     return out

@@ -53,6 +53,14 @@ def test_verdict_rules():
     assert claims.in_range(0.5, 1.5, -0.3) == "wrong"
     assert claims.truth(True) == "holds" and claims.truth(False) == "wrong"
     assert claims.corrected("off by 2.0×") and claims.corrected("wrong") and not claims.corrected("holds")
+    assert claims.cost_range(0.5, 1.5, 0.2, (0.1, 0.6)) == "holds"  # the interval reaches the range
+    assert claims.cost_range(0.5, 1.5, 3.0, (2.0, 4.0)) == "off by 2.0×"
+    assert claims.cost_range(0.5, 1.5, -0.3, (-0.6, -0.1)).startswith("not settled")
+    assert claims.shown(False, False) == "wrong" and claims.shown(True, True) == "holds"
+    assert claims.shown(True, False).startswith("not settled")
+    assert claims.margin(17, 16) == "holds" and claims.margin(10, 16) == "wrong"
+    assert claims.margin(15, 16).startswith("not settled")
+    assert not claims.corrected("not settled (borderline: within 10% of the limit)")
     with pytest.raises(ValueError, match="positive"):
         claims.ratio(0, 1)
     with pytest.raises(ValueError, match="lo <= hi"):
@@ -62,7 +70,7 @@ def test_verdict_rules():
 def _lab(kl_absmax, kl_p999, kl_k4v8=0.02, kl_k8v4=0.003, delta=0.3, top1=0.995):
     """A stand-in for the SmolLM2 measurements: the verdicts must follow whatever is measured."""
     cfg = lambda kl, **kw: dict(kl=kl, ppl=10.0, delta_ppl_pct=kw.get("delta", 0.0), top1=kw.get("top1", 1.0),
-                                k_clip_rate=0.0)
+                                k_clip_rate=0.0, delta_ppl_ci95=(kw.get("delta", 0.0) - 0.05, kw.get("delta", 0.0) + 0.05))
     return SimpleNamespace(quality={"ppl_fp": 10.0, "scored": 100, "configs": {
         "int8": cfg(kl_absmax, delta=delta, top1=top1), "int8 p99.9": cfg(kl_p999),
         "k4v8": cfg(kl_k4v8), "k8v4": cfg(kl_k8v4)}}, sensitivity=[0.9, 0.1, 0.2, 0.3, 0.05, 0.8])
@@ -75,7 +83,8 @@ def test_verdicts_are_computed_from_the_measurements_not_typed_in():
     assert by_id["k-over-v"].measure(_lab(0.001, 0.002))[1] == "holds"
     assert by_id["k-over-v"].measure(_lab(0.001, 0.002, kl_k4v8=0.001, kl_k8v4=0.01))[1] == "wrong"
     assert by_id["ppl-0.5-1.5"].measure(_lab(0.001, 0.002, delta=1.0))[1] == "holds"
-    assert by_id["ppl-0.5-1.5"].measure(_lab(0.001, 0.002, delta=0.1))[1] == "off by 5.0×"
+    assert by_id["ppl-0.5-1.5"].measure(_lab(0.001, 0.002, delta=0.1))[1].startswith("not settled")
+    assert by_id["ppl-0.5-1.5"].measure(_lab(0.001, 0.002, delta=3.0))[1] == "off by 2.0×"
     assert by_id["ppl-0.1"].measure(_lab(0.001, 0.002, delta=2.0))[1] == "wrong"
     assert by_id["negligible"].measure(_lab(0.001, 0.002, top1=0.9))[1] == "wrong"
     assert by_id["first-last"].measure(_lab(0.001, 0.002))[1] == "holds"  # layers 0 and 5 rank 1 and 2 of 6
@@ -87,7 +96,8 @@ def test_model_free_claims_run_and_count():
     verdict = {r["id"]: r["verdict"] for r in rows}
     assert verdict["kv-7b"] == "holds" and verdict["kv-1mb"].startswith("off by 2.0×") and verdict["b32-16k-fits"] == "wrong"
     c = claims.counts(rows)
-    assert c["holds"] + c["corrected"] == c["claims"] == len(NO_MODEL) and c["off"] + c["wrong"] == c["corrected"]
+    assert c["holds"] + c["corrected"] + c["unsettled"] == c["claims"] == len(NO_MODEL)
+    assert c["off"] + c["wrong"] == c["corrected"]
     text = claims.format_table(rows)
     assert text.count("verdict") == len(NO_MODEL) and "claims:" in text.splitlines()[-1]
 

@@ -93,10 +93,10 @@ def memory_wall_widget(model: str = "llama-2-7b"):
     bandwidth. The context slider stops at the chosen model's maximum context."""
     import ipywidgets as W
 
-    fig = memory_wall_figure(model, widget=True)
+    fig = memory_wall_figure(model, batch=8, widget=True)
     w_model = W.Dropdown(options=sorted(sizing.PRESETS), value=model, description="model")
     w_ctx = W.SelectionSlider(options=_contexts(model), value=min(4096, _contexts(model)[-1]), description="context")
-    w_batch = W.IntSlider(value=1, min=1, max=64, description="batch")
+    w_batch = W.IntSlider(value=8, min=1, max=64, description="batch")  # 8: the crossover is on the plot
     w_kv = W.Dropdown(options=["fp32", "fp16", "fp8", "int8", "int4"], value="fp16", description="KV dtype")
     w_wt = W.Dropdown(options=["fp32", "fp16", "int8", "int4"], value="fp16", description="weights")
     w_bw = W.FloatSlider(value=2.0, min=0.05, max=8.0, step=0.05, description="TB/s")

@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 
 from kvlab.viz import COLORS
 
-PALETTE = ["#2e86c1", "#28b463", "#af7ac5", "#e67e22", "#16a085", "#d4ac0d", "#6c3483", "#5d6d7e"]
+PALETTE = ["#2e86c1", "#28b463", "#af7ac5", "#e67e22", "#16a085", "#d4ac0d", "#e59866", "#76d7c4"]  # none dark or grey: those mean shared and cached
 FREE, CACHED, SHARED = "#ffffff", "#d5d8dc", "#1b2631"
 
 
@@ -105,7 +105,8 @@ def _tables_html(frame: dict) -> str:
             f"shared {s['blocks_shared']} · empty slots in held blocks {s['empty_slots']} · "
             f"prefix hits {s['prefix_hits']}/{s['prefix_queries']} · copy-on-write {s['cow_copies']} · "
             f"evictions {s['evictions']}"
-            f"<table><tr><th>sequence</th><th>length</th><th>block table (logical → physical)</th></tr>{rows}</table>")
+            f"<table style=\"border-spacing:14px 2px\"><tr><th>sequence</th><th>length</th>"
+            f"<th>block table (logical → physical)</th></tr>{rows}</table>")
 
 
 def block_table_figure(frame: dict, columns: int = 8, widget: bool = False):

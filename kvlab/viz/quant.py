@@ -22,7 +22,7 @@ def saturation_heatmap(saturation: dict, counter: str = "clipped", title: str = 
                                  hovertemplate="layer %{y}, head %{x}: %{z:.2e}<extra></extra>"), 1, col)
         fig.update_xaxes(title_text="KV head", row=1, col=col, dtick=1)
     fig.update_yaxes(title_text="layer", row=1, col=1)
-    label = "corrections" if counter == "corrections" else f"{counter} rate"
+    label = "corrections" if counter == "corrections" else f"share of values {counter.replace('_', ' ')}"
     fig.update_layout(height=460, title=title or f"{label} per layer x head", coloraxis=dict(colorscale="Reds"),
                       coloraxis_colorbar=dict(title=label))
     return fig
@@ -37,7 +37,7 @@ def value_histogram(values, clip_lines: dict, qmax: int = 127, bins: int = 120, 
     palette = [COLORS["kv"], COLORS["padding"], COLORS["tokens"], "#8e44ad"]
     for i, (name, limit) in enumerate(clip_lines.items()):
         color = palette[i % len(palette)]
-        clipped = (v.abs() > limit).float().mean().item()
+        clipped = (v.abs() > limit * (qmax + 0.5) / qmax).float().mean().item()  # beyond half a step past the edge
         for sign in (-1, 1):
             fig.add_vline(x=sign * limit, line_color=color, line_dash="dash")
         # the legend carries the numbers: clip range, INT8 step (range / 127) and the share clipped
@@ -96,7 +96,8 @@ def granularity_explorer(keys, values, calibration=None,
     fig.update_layout(height=400, xaxis_title="layer", legend=dict(orientation="h", y=-0.22),
                       margin=dict(t=60, b=40))
     fig.update_yaxes(title_text="INT8 SNR (dB, higher is better)", rangemode="tozero", secondary_y=False)
-    fig.update_yaxes(title_text="share of values clipped", tickformat=".2%", rangemode="tozero", secondary_y=True)
+    fig.update_yaxes(title_text="share of values clipped", tickformat=".3~%", nticks=5, rangemode="tozero",
+                     secondary_y=True)
 
     def refresh(_=None):
         data = keys if which.value == "K" else values
@@ -107,7 +108,9 @@ def granularity_explorer(keys, values, calibration=None,
             fig.data[1].y = clips
             # the clip axis starts at 0 and ends just above the largest rate (0.1 % when nothing clips)
             fig.layout.yaxis2.range = [0, max(max(clips) * 1.15, 0.001)]
-            fig.layout.title = (f"INT8 {which.value}, {gran.value} scales from {stat.value}<br><sup>"
+            source = (stat.value if gran.value in ("per-tensor", "per-head", "per-channel")
+                      else "each token on write (per-token scales ignore 'scales from')")
+            fig.layout.title = (f"INT8 {which.value}, {gran.value} scales from {source}<br><sup>"
                                 f"mean SNR {sum(r[0] for r in rows) / len(rows):.1f} dB, "
                                 f"{sum(clips) / len(clips):.3%} of values clipped</sup>")
 
