@@ -84,6 +84,11 @@ def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: 
         raise ValueError("need at least 2 tokens to score")
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
+    fed = min(window, len(tokens)) - 1  # positions each window feeds (its last token is only a target)
+    if chunk >= fed and fed > 1:
+        raise ValueError(f"chunk must be smaller than the {fed} positions a window feeds, got chunk={chunk}: in a "
+                         "single chunk every position attends to its own K/V in full precision, so the cache "
+                         "under test would never be read")
     names = ["fp"] + list(configs)
     nll = {n: 0.0 for n in names}
     kl = {n: 0.0 for n in configs}

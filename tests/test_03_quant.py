@@ -251,6 +251,15 @@ def test_evaluate_scores_every_target_once_and_fp_matches_itself(tiny):
     assert int(sat["values"].sum()) == fed * 3 * 2 * 16  # summed over all windows: layers x KV heads x head_dim
 
 
+def test_evaluate_refuses_a_chunk_that_never_reads_the_cache(tiny):
+    from kvlab.eval import evaluate
+
+    model, _ = tiny
+    tokens = list(range(3, 51))
+    with pytest.raises(ValueError, match="never be read"):  # one chunk per window: KL would be 0 for any format
+        evaluate(model, tokens, {"int4": named_config("int4")}, window=48, stride=48, chunk=48)
+
+
 def test_greedy_generation_through_a_quantized_pool(tiny):
     from kvlab.eval import greedy_agreement
 
