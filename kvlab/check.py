@@ -46,8 +46,9 @@ def _first_difference(got, expected) -> str:
 
 
 def _run(name: str, fn: Callable, cases: Sequence[tuple[tuple, Any]], same=None, exercise: str | None = None,
-         learner=None, hint: Callable | None = None) -> bool:
-    """``hint(args, got, expected)`` may name a known mistake behind a failure (a string, or None)."""
+         learner=None, hint: Callable | None = None, reveal: bool = True) -> bool:
+    """``hint(args, got, expected)`` may name a known mistake behind a failure (a string, or None).
+    ``reveal=False`` (exercises that need an idea, not a formula): ``[todo]`` does not show an answer."""
     if not callable(fn):
         raise TypeError(f"{name}: pass your function itself, got {type(fn).__name__}")
     exercise = exercise or name
@@ -56,7 +57,8 @@ def _run(name: str, fn: Callable, cases: Sequence[tuple[tuple, Any]], same=None,
         try:
             got = fn(*args)
         except NotImplementedError:
-            print(f"[todo] {name}: not written yet - for {_short(args)} the answer is {_short(expected)}")
+            print(f"[todo] {name}: not written yet - for {_short(args)} the answer is {_short(expected)}" if reveal
+                  else f"[todo] {name}: not written yet - the checker will name the usual mistakes")
             return False
         except Exception as e:  # the learner's bug, shown rather than raised
             print(f"[fail] {name}{_short(args)} raised {type(e).__name__}: {e}")
@@ -123,7 +125,7 @@ def mla_bytes_per_token(fn: Callable[[int, int, int, int, int], int]) -> bool:
             return "the decoupled RoPE key is cached too"
         return None
 
-    return _run("mla_bytes_per_token", fn, cases, hint=hint)
+    return _run("mla_bytes_per_token", fn, cases, hint=hint, reveal=False)
 
 
 # ---- notebook 01 -------------------------------------------------------------------------------
@@ -150,6 +152,33 @@ def static_utilization(fn: Callable[[Sequence[int], int, int], float]) -> bool:
              for lens, b, t in (([10], 1, 10), ([10, 20], 2, 40), ([5, 50, 500], 4, 2048), ([100] * 8, 8, 4096))]
     return _run("static_utilization", fn, cases, same=lambda a, b: isinstance(a, (int, float))
                 and math.isclose(a, b, rel_tol=1e-9))
+
+
+def tokens_stored(fn: Callable[[Sequence[int], Sequence[int]], list]) -> bool:
+    """``fn(prompt_lens, answer_lens) -> real tokens per row`` of a static cache after one padded greedy
+    batch (answers cut after their end-of-sequence token)."""
+    from kvlab.cache.naive import static_tokens_stored as ref
+
+    shapes = [([5], [3]), ([37, 38, 40, 46], [8, 64, 64, 64]), ([10, 10], [1, 4]), ([4, 9, 2], [6, 6, 2]),
+              ([7, 7, 7], [5, 5, 5])]
+    cases = [((p, a), ref(p, a)) for p, a in shapes]
+
+    def hint(args, got, expected):
+        p, a = args
+        if not isinstance(got, (list, tuple)) or len(got) != len(p):
+            return "one number per row"
+        longest = [i for i, n in enumerate(a) if n == max(a)]
+        early = [i for i, n in enumerate(a) if n < max(a)]
+        if any(got[i] == p[i] + a[i] for i in longest):
+            return "the longest row's last token is sampled from the final step and never fed back"
+        if early and all(got[i] == p[i] + max(a) - 1 for i in early):
+            return "after its end-of-sequence token a row only receives pads: written, but not tokens"
+        if early and all(got[i] == p[i] + a[i] - 1 for i in early):
+            return "a row that ended early did feed back its last token (the loop went on for the others)"
+        return None
+
+    return _run("tokens_stored", fn, cases, same=lambda x, y: list(x) == list(y) if isinstance(x, (list, tuple)) else False,
+                hint=hint, reveal=False)
 
 
 # ---- notebook 02 -------------------------------------------------------------------------------
@@ -186,7 +215,7 @@ def blocks_after_fork(fn: Callable[[int, int, int, int], int]) -> bool:
             return "the prompt's partial last block: a sample's first write copies it (copy-on-write)"
         return None
 
-    return _run("blocks_after_fork", fn, cases, hint=hint)
+    return _run("blocks_after_fork", fn, cases, hint=hint, reveal=False)
 
 
 # ---- notebook 03 -------------------------------------------------------------------------------
@@ -247,7 +276,7 @@ def quantize_static(fn: Callable) -> bool:
             return "-128 appears: clamp to -127..127, a symmetric grid (notebook text, section 2)"
         return None
 
-    return _run("quantize_static", fn, cases, same=_tensor_same, hint=hint)
+    return _run("quantize_static", fn, cases, same=_tensor_same, hint=hint, reveal=False)
 
 
 def pack_int4(fn: Callable) -> bool:
@@ -369,6 +398,7 @@ EXERCISES = {
     "mla_bytes_per_token": ("00_memory_wall", "Task 2", "what DeepSeek's MLA caches per token"),
     "token_forwards": ("01_naive_cache", "Task 1", "work with and without a cache"),
     "static_utilization": ("01_naive_cache", "Task 2", "what a static cache really uses"),
+    "tokens_stored": ("01_naive_cache", "Task 3", "the tokens each row of a padded batch stores"),
     "slot_mapping": ("02_paged_blocks", "Task 1", "block table -> slots"),
     "blocks_after_fork": ("02_paged_blocks", "Task 2", "blocks held by forked samples (copy-on-write)"),
     "quantize_per_head": ("03_int8_quantization", "Task 1", "INT8 per-head quantizer"),

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlab.cache import CACHE_KINDS, StaticCache
+from kvlab.cache import CACHE_KINDS, StaticCache, static_tokens_stored
 from kvlab.hf import CACHE_KWARG, KVLabCache, make_store
 
 
@@ -158,8 +158,7 @@ def greedy_generate(model, prompts, max_new_tokens: int, cache="dynamic", eos_to
             seq = torch.cat([seq, next_ids[:, None]], dim=1)
     if isinstance(store, StaticCache):
         # real tokens per row: its prompt plus the generated tokens fed back before the loop ended
-        fed = step  # tokens fed back = steps run - 1
-        store.set_real_tokens([len(p) + min(len(g), fed) for p, g in zip(prompts, generated)])
+        store.set_real_tokens(static_tokens_stored(map(len, prompts), map(len, generated)))
     return Generation(token_ids=generated, cache=kind, prefill_s=clock.prefill_s, step_s=clock.step_s,
                       cache_stats=store.stats() if store is not None else {})
 

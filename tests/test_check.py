@@ -259,3 +259,28 @@ def test_progress_knows_every_notebooks_exercise():
 
                 calls |= set(re.findall(r"check\.(\w+)\(", "".join(cell["source"])))
     assert calls - {"progress"} == set(check.EXERCISES)
+
+
+def test_thinking_exercises_do_not_show_an_answer_while_unsolved(capsys):
+    for checker in (check.mla_bytes_per_token, check.tokens_stored, check.blocks_after_fork, check.quantize_static):
+        assert not checker(stub)
+        out = capsys.readouterr().out
+        assert out.startswith("[todo]") and "the answer is" not in out, out
+    assert not check.kv_bytes_per_token(stub)  # a warm-up still shows one case's answer
+    assert "the answer is" in capsys.readouterr().out
+
+
+def test_tokens_stored_names_the_mistakes(capsys):
+    from kvlab.cache import static_tokens_stored
+
+    assert check.tokens_stored(static_tokens_stored)
+    capsys.readouterr()
+    mistakes = {
+        "never fed back": lambda p, a: [x + y for x, y in zip(p, a)],
+        "only receives pads": lambda p, a: [x + max(a) - 1 for x in p],
+        "did feed back its last token": lambda p, a: [x + y - 1 for x, y in zip(p, a)],
+    }
+    for why, fn in mistakes.items():
+        assert not check.tokens_stored(fn)
+        out = capsys.readouterr().out
+        assert out.startswith("[fail]") and why in out, out

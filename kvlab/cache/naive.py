@@ -24,6 +24,19 @@ def static_utilization(tokens_per_sequence, max_batch: int, max_seq_len: int) ->
     return sum(tokens_per_sequence) / (max_batch * max_seq_len)
 
 
+def static_tokens_stored(prompt_lens, answer_lens) -> list[int]:
+    """Real tokens each row of a static cache holds after one padded greedy batch: its prompt plus
+    every generated token fed back. The loop runs until the longest answer is done, and the token of
+    its last step is never fed back; a row that ended earlier fed back all of its tokens (its
+    end-of-sequence token included) and then only pads, which are written but are not tokens."""
+    prompt_lens, answer_lens = list(prompt_lens), list(answer_lens)
+    if len(prompt_lens) != len(answer_lens) or not prompt_lens:
+        raise ValueError(f"need one answer length per prompt, got {len(prompt_lens)} prompts and "
+                         f"{len(answer_lens)} answers")
+    fed = max(answer_lens) - 1
+    return [p + min(a, fed) for p, a in zip(prompt_lens, answer_lens)]
+
+
 def _check_kv(name: str, k: torch.Tensor, v: torch.Tensor) -> None:
     if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
         raise TypeError(f"{name}: keys and values must be tensors, got {type(k).__name__}, {type(v).__name__}")

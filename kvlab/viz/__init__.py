@@ -145,7 +145,7 @@ def static_cache_figure(named_stats: dict[str, dict]):
     """Stacked bars of where a static cache's reserved slots went (one bar per configuration)."""
     names = list(named_stats)
     parts = [("tokens_stored", "tokens", COLORS["tokens"]), ("padding_slots", "padding", COLORS["padding"]),
-             ("empty_slots", "reserved, never written", COLORS["empty"])]
+             ("empty_slots", "empty (reserved, never written)", COLORS["empty"])]
     fig = go.Figure()
     for key, label, color in parts:
         share = [100 * s[key] / s["slots_reserved"] for s in named_stats.values()]

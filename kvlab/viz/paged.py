@@ -7,6 +7,7 @@ Only reads the manager's public state; a :class:`Trace` records what the noteboo
 from __future__ import annotations
 
 import html
+import math
 
 import plotly.graph_objects as go
 
@@ -176,6 +177,7 @@ def block_size_figure(rows: list[dict], title: str = "The block-size trade-off")
                       yaxis=dict(title="% of slots empty at completion",
                                  range=[0, max(waste) * 1.15 + 1]),
                       yaxis2=dict(title="block-table entries per sequence (log scale)", overlaying="y", side="right",
-                                  type="log", tickvals=ticks, ticktext=[str(t) for t in ticks], showgrid=False),
+                                  type="log", tickvals=ticks, ticktext=[str(t) for t in ticks], showgrid=False,
+                                  range=[math.log10(0.7), math.log10(max(entries) * 2)]),
                       legend=dict(orientation="h", y=-0.25), margin=dict(r=80))
     return fig
