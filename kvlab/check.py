@@ -201,8 +201,8 @@ def slot_mapping(fn: Callable[[Sequence[int], int, int, int], list]) -> bool:
 def blocks_after_fork(fn: Callable[[int, int, int, int], int]) -> bool:
     """``fn(prompt_len, block_size, n, steps)``: physical blocks held after a prompt is forked into
     ``n`` samples (the original counts as one) and each sample writes ``steps`` new tokens."""
-    shapes = [(10, 4, 3, 0), (10, 4, 3, 1), (8, 4, 2, 5), (37, 16, 4, 20), (5, 16, 6, 11), (5, 16, 6, 12),
-              (32, 16, 3, 1), (100, 16, 1, 30)]
+    shapes = [(37, 16, 4, 20), (10, 4, 3, 1), (8, 4, 2, 5), (5, 16, 6, 11), (5, 16, 6, 12), (32, 16, 3, 1),
+              (100, 16, 1, 30), (10, 4, 3, 0)]
     from kvlab.cache.simulate import fork_blocks
 
     cases = [(a, fork_blocks(*a)) for a in shapes]
@@ -213,6 +213,10 @@ def blocks_after_fork(fn: Callable[[int, int, int, int], int]) -> bool:
             return "the samples share the prompt's full blocks: count those once"
         if steps and p % bs and got == -(-p // bs) + n * (-(-(p + steps) // bs) - -(-p // bs)):
             return "the prompt's partial last block: a sample's first write copies it (copy-on-write)"
+        if steps == 0 and got > expected:
+            return "nobody writes, so nothing is copied: every block is still shared"
+        if steps and p % bs and got == expected + 1:
+            return "n - 1 copies, not n: the last sample to write finds the block no longer shared and keeps it"
         return None
 
     return _run("blocks_after_fork", fn, cases, hint=hint, reveal=False)

@@ -117,6 +117,12 @@ def test_blocks_after_fork_agrees_with_the_block_manager(capsys):
     assert "share the prompt's full blocks" in capsys.readouterr().out
     assert not check.blocks_after_fork(no_copy)
     assert "copy-on-write" in capsys.readouterr().out
+    extra_copy = lambda p, bs, n, steps: right(p, bs, n, steps) + (1 if steps and p % bs else 0)  # noqa: E731
+    assert not check.blocks_after_fork(extra_copy)
+    assert "n - 1 copies" in capsys.readouterr().out
+    copies_without_writes = lambda p, bs, n, steps: right(p, bs, n, max(steps, 1))  # noqa: E731
+    assert not check.blocks_after_fork(copies_without_writes)
+    assert "nobody writes" in capsys.readouterr().out
     assert not check.blocks_after_fork(stub)
 
 
