@@ -11,7 +11,7 @@ Scale policies:
   and from the *first write* for the static granularities (what engines that estimate scales from
   the first batch do: fine until later traffic is larger);
 * ``corrected``: static, but when a value exceeds 1.2x the static range its scale is widened
-  and only the data under that scale is re-quantized (seed 004's dynamic correction).
+  and only the data under that scale is re-quantized (seed 004's 1.2× correction).
 """
 
 from __future__ import annotations
