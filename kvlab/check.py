@@ -107,11 +107,12 @@ def mla_bytes_per_token(fn: Callable[[int, int, int, int, int], int]) -> bool:
     ``rope_dim`` per layer, shared by all heads and by K and V."""
     from kvlab.sizing import mla_token_bytes
 
-    cases = [((2, 3, 8, 4, 4), None),  # a toy first: the [todo] line shows its answer, not the notebook's
-             ((61, 128, 512, 64, 2), None),  # DeepSeek-V3 (and R1), fp16
-             ((27, 16, 512, 64, 2), None),  # DeepSeek-V2-Lite
-             ((60, 128, 512, 64, 1), None)]  # DeepSeek-V2, an 8-bit cache
-    cases = [(a, mla_token_bytes(a[0], a[2], a[3], a[4])) for a, _ in cases]
+    shapes = [(2, 3, 8, 4, 4),  # a toy first
+              (61, 128, 512, 64, 2),  # DeepSeek-V3 (and R1), fp16
+              (27, 16, 512, 64, 2),  # DeepSeek-V2-Lite
+              (60, 128, 512, 64, 1)]  # DeepSeek-V2, an 8-bit cache
+    cases = [((layers, heads, rank, rope, b), mla_token_bytes(layers, rank, rope, b))
+             for layers, heads, rank, rope, b in shapes]
 
     def hint(args, got, expected):
         layers, heads, rank, rope, b = args

@@ -249,7 +249,11 @@ def weight_bytes(model: Any, dtype: str = "fp16") -> int:
     cfg = kv_config(model)
     if not cfg.num_params:
         raise ValueError(f"model {cfg.name!r} has no num_params; pass a preset or a dict with num_params")
-    return math.ceil(cfg.num_params * DTYPE_BITS[_check_dtype(dtype)] / 8)
+    return _param_bytes(cfg.num_params, dtype)
+
+
+def _param_bytes(num_params: float, dtype: str) -> int:
+    return math.ceil(num_params * DTYPE_BITS[_check_dtype(dtype)] / 8)
 
 
 def decode_step_bytes(model: Any, context: int, batch: int = 1, kv_dtype: str = "fp16",
@@ -273,7 +277,7 @@ def weight_read_bytes(model: Any, batch: int = 1, dtype: str = "fp16") -> int:
     total = weight_bytes(model, dtype)
     if not cfg.active_params:
         return total
-    return min(total, batch * math.ceil(cfg.active_params * DTYPE_BITS[_check_dtype(dtype)] / 8))
+    return min(total, batch * _param_bytes(cfg.active_params, dtype))
 
 
 def crossover_context(model: Any, batch: int = 1, kv_dtype: str = "fp16", weight_dtype: str = "fp16") -> int:
