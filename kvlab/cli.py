@@ -196,16 +196,19 @@ def cmd_bench(args) -> None:
     elif args.what == "engine":
         _bench_engine(args)
     elif args.what == "kernels":  # GPU: timings; CPU: interpreter correctness sweep + bandwidth projection
-        import json
-        import sys
-
         from kvlab.kernels import bench as kbench
+
+        if args.out:
+            from kvlab.files import check_writable_target
+
+            check_writable_target(args.out, "--out file")
 
         res = kbench.run(args.shapes, args.batches, args.contexts,
                          progress=lambda m: print(m, file=sys.stderr) if not args.json else None)
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump(res, f, indent=1)
+            from kvlab.files import write_atomic
+
+            write_atomic(args.out, json.dumps(res, indent=1), "--out file")
         _emit(res, args.json, kbench.format_table(res).splitlines())
     else:  # memory: the PagedAttention Fig. 2 breakdown on a synthetic workload, no model
         from kvlab.cache import simulate
@@ -275,19 +278,40 @@ def _quant_config(args):
     return named_config(args.kv_dtype, granularity=gran, policy=policy, stat=args.calib, rotate_k=args.rotate)
 
 
-def _calibration(args, model, tokenizer):
-    from kvlab.quant.calibrate import Calibration, default_calibration
+def _read_files_first(args):
+    """Check the files a command reads before it loads a model: a wrong path fails in a second.
+    Returns the ``--scales-file`` calibration (or None)."""
+    if getattr(args, "file", None):
+        from kvlab.files import read_text
 
-    if args.scales_file:
+        read_text(args.file, "--file")
+    if getattr(args, "scales_file", None):
+        from kvlab.quant.calibrate import Calibration
+
         return Calibration.load(args.scales_file)
+    return None
+
+
+def _calibration(args, model, tokenizer, cal=None):
+    from kvlab.quant.calibrate import default_calibration
+
+    if cal is not None:
+        from kvlab.sizing import kv_config
+
+        c = kv_config(model)
+        cal.check_model(c.num_layers, c.num_kv_heads, c.head_dim, f"--scales-file {args.scales_file!r}")
+        return cal
     return default_calibration(model, tokenizer, args.model, progress=not args.json)
 
 
 def cmd_calibrate(args) -> None:
     from kvlab.data import calibration_chunks
     from kvlab.models import load_model
+    from kvlab.files import check_writable_target
     from kvlab.quant.calibrate import calibrate
 
+    check_writable_target(args.out, "--out file")  # before the model loads and the calibration runs
+    _read_files_first(args)
     model, tokenizer = load_model(args.model)
     if args.file:
         from kvlab.data import text_tokens_from_file
@@ -317,9 +341,11 @@ def cmd_ppl(args) -> None:
     from kvlab.eval import evaluate, kv_bytes_per_token
     from kvlab.models import load_model
 
-    model, tokenizer = load_model(args.model)
     config = _quant_config(args)
-    cal = _calibration(args, model, tokenizer) if config.needs_calibration(model.config.num_hidden_layers) else None
+    cal = _read_files_first(args)
+    model, tokenizer = load_model(args.model)
+    cal = _calibration(args, model, tokenizer, cal) if config.needs_calibration(model.config.num_hidden_layers) \
+        else None
     tokens = _eval_tokens(args, tokenizer)
     res = evaluate(model, tokens, {"q": config}, cal, window=args.window, stride=args.stride, chunk=args.chunk)
     c = res["configs"]["q"]
@@ -337,8 +363,9 @@ def cmd_export_vllm(args) -> None:
     from kvlab.export import export_vllm
     from kvlab.models import load_model
 
+    cal = _read_files_first(args)
     model, tokenizer = load_model(args.model)
-    cal = _calibration(args, model, tokenizer)  # --scales-file, else the cached default calibration
+    cal = _calibration(args, model, tokenizer, cal)  # --scales-file, else the cached default calibration
     res = export_vllm(args.out, cal, strategy=args.strategy, stat=args.calib, model=model)
     _emit(res, args.json, [json.dumps(res, indent=2)])
 
@@ -498,10 +525,19 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args.func(args)
-    except (CLIError, ValueError, TypeError, FileNotFoundError, OutOfBlocksError) as e:
-        print(f"kvlab: error: {e}", file=sys.stderr)
+    except (CLIError, ValueError, TypeError, OSError, OutOfBlocksError) as e:
+        print(f"kvlab: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what kvlab writes is atomic, so nothing is left half-done
+        print("kvlab: interrupted", file=sys.stderr)
+        return 130
     return 0
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:  # e.g. "No space left on device: '/path'"
+        return f"{e.strerror}: {e.filename!r}" if e.filename else e.strerror
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 if __name__ == "__main__":

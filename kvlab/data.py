@@ -75,13 +75,11 @@ def calibration_chunks(tokenizer, tokens: int = 2048, chunk: int = 512, play: st
 
 
 def text_tokens_from_file(tokenizer, path: str, max_tokens: int | None = None) -> list[int]:
-    """Token ids of a UTF-8 text file (the first ``max_tokens``)."""
-    from pathlib import Path
+    """Token ids of a UTF-8 text file (the first ``max_tokens``). A missing, empty, binary or
+    non-UTF-8 file is a one-line :class:`~kvlab.files.FileError` naming it."""
+    from kvlab.files import FileError, read_text
 
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"--file {path!r} is not a readable file")
-    ids = tokenizer.encode(p.read_text(encoding="utf-8"))
+    ids = tokenizer.encode(read_text(path, "text file"))
     if len(ids) < 2:
-        raise ValueError(f"{path} has fewer than 2 tokens")
+        raise FileError(f"text file {str(path)!r} has fewer than 2 tokens")
     return ids[:max_tokens] if max_tokens else ids

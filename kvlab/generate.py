@@ -122,6 +122,23 @@ def greedy_generate(model, prompts, max_new_tokens: int, cache="dynamic", eos_to
             store = make_store(kind, model, batch=batch, max_seq_len=max_seq_len)
     else:
         store, kind = cache, getattr(cache, "kind", type(cache).__name__)
+        if not all(hasattr(store, a) for a in ("update", "seq_len", "reset", "num_layers")):
+            raise TypeError(f"cache must be one of {', '.join(CACHE_KINDS)} or a kvlab store (ContiguousCache, "
+                            f"StaticCache), got {type(cache).__name__}")
+        if store.seq_len(0):
+            raise ValueError(f"cache already holds {store.seq_len(0)} tokens: greedy_generate feeds the prompts from "
+                             "position 0; pass an empty store (cache.reset())")
+    try:
+        return _greedy_loop(model, prompts, max_new_tokens, store, kind, ids, mask, eos_token_id, pad_token_id)
+    except BaseException:  # error or Ctrl-C mid-forward: some layers may hold one more token than others
+        if store is not None and store is cache:
+            store.reset()  # the caller's store goes back to how it came in: empty
+        raise
+
+
+def _greedy_loop(model, prompts, max_new_tokens, store, kind, ids, mask, eos_token_id, pad_token_id) -> Generation:
+    device = ids.device
+    batch, width = ids.shape
     hf_cache = KVLabCache(store) if store is not None else None
 
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -244,10 +261,10 @@ def paged_generate(model, prompts, max_new_tokens: int, block_size: int = 16, nu
     try:
         while llm.has_unfinished():
             llm.step()
-    finally:  # an error mid-run leaves no sequence holding blocks
+    except BaseException:  # an error or Ctrl-C mid-run: no sequence keeps blocks, the manager stays usable
         for sid in ids:
-            if sid in manager.seqs:
-                manager.free(sid)
+            llm.abort_request(sid)
+        raise
     final = manager.stats()
     peak.update({k: final[k] for k in ("prefix_queries", "prefix_hits", "prefix_hit_rate", "evictions", "cow_copies")})
     peak.update(bytes_reserved=llm.cache.bytes_reserved,

@@ -74,6 +74,18 @@ def model_status() -> dict:
     return {"smollm2-135m": {"gguf": gguf, "converted": _is_converted(folder), "folder": str(folder)}}
 
 
+def _remove_stale_tmp(folder: Path) -> None:
+    """Leftovers of conversions that were killed (``<name>.tmp<pid>``, ``<name>.old<pid>``)."""
+    import re
+
+    from kvlab.files import pid_alive
+
+    for p in folder.parent.glob(folder.name + ".*"):
+        m = re.fullmatch(re.escape(folder.name) + r"\.(?:tmp|old)(\d+)", p.name)
+        if m and not pid_alive(int(m.group(1))):
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def convert_smollm2(force: bool = False, verbose: bool = True) -> Path:
     """GGUF -> safetensors folder, once. Written to a temporary folder and renamed, so an
     interrupted conversion never leaves a half-written model behind."""
@@ -93,13 +105,27 @@ def convert_smollm2(force: bool = False, verbose: bool = True) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None
+    _remove_stale_tmp(folder)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        # swap: the old folder is renamed away first, so a kill leaves the old, the new or no folder
+        # (then the next run converts again), never a mixture
+        old = folder.with_name(folder.name + f".old{os.getpid()}")
+        if folder.exists():
+            folder.rename(old)
+        tmp.rename(folder)
+        shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        from kvlab.files import FileError
+
+        raise FileError(f"cannot write the converted model into {str(folder)!r}: {e.strerror or e} (set "
+                        "KVLAB_CACHE to a writable folder)") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     if verbose:
         print(f"kvlab: converted in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return folder
@@ -173,24 +199,50 @@ def load_model(name: str = "smollm2-135m", dtype: torch.dtype | None = None, dev
     if canonical == "tiny":
         return tiny_llama().to(device=device, dtype=dtype), ByteTokenizer()
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if canonical == "smollm2-135m":
-        source = str(convert_smollm2())
+        folder = convert_smollm2()
+        try:
+            model, tokenizer = _from_pretrained(folder, dtype)
+        except ValueError as e:  # our own cache is damaged (a kill mid-write, a full disk): convert again
+            from kvlab.files import warn
+
+            warn(f"{e}; converting the model again")
+            model, tokenizer = _from_pretrained(convert_smollm2(force=True), dtype)
     elif Path(canonical).is_dir():
-        source = canonical
+        model, tokenizer = _from_pretrained(Path(canonical), dtype, name)
     elif "/" in canonical:
-        source = canonical  # an HF hub id: works where the hub (or its local cache) is reachable
+        # an HF hub id: works where the hub (or its local cache) is reachable
+        model, tokenizer = _from_pretrained(canonical, dtype, name)
     else:
         raise ValueError(
             f"unknown model {name!r}: use one of {KNOWN_MODELS}, an HF model id (org/name) or a local folder"
         )
+    return model.to(device).eval(), tokenizer
+
+
+def _from_pretrained(source, dtype, name: str | None = None):
+    """transformers' loaders, with every way a folder can be wrong turned into one ValueError line."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from kvlab.files import FileError, read_json
+
+    where = f"model folder {str(source)!r}" if isinstance(source, Path) else f"model {name!r}"
+    if isinstance(source, Path):
+        if not (source / "config.json").exists():
+            raise FileError(f"{where} has no config.json: not a Hugging Face model folder")
+        cfg = read_json(source / "config.json", f"{where}: config.json")
+        if not isinstance(cfg, dict) or "model_type" not in cfg:
+            raise FileError(f"{where}: config.json has no model_type: not a Hugging Face model config")
+        if not list(source.glob("*.safetensors")):
+            raise FileError(f"{where} has no *.safetensors weights (kvlab never loads pickled .bin files)")
     hf_logging.disable_progress_bar()  # a 1-second load needs no progress bar
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, use_safetensors=True)
-        tokenizer = AutoTokenizer.from_pretrained(source)
-    except OSError as e:
-        raise ValueError(f"could not load model {name!r} from {source}: {e}") from e
-    return model.to(device).eval(), tokenizer
+        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype, use_safetensors=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(source))
+    except (KeyboardInterrupt, MemoryError):
+        raise
+    except Exception as e:  # OSError, safetensors' and tokenizers' own errors, JSON errors
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"could not load {where}: {type(e).__name__}: {first}") from e
+    return model, tokenizer

@@ -9,7 +9,10 @@ notebook can draw the engine while it runs.
 from __future__ import annotations
 
 import itertools
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +26,31 @@ from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.sequence import Sequence
 
 KV_DTYPES = ("auto", "fp32", "fp16", "int8", "fp8", "int4", "k8v4")
+
+
+@contextmanager
+def hold_interrupts():
+    """Hold Ctrl-C (SIGINT: Jupyter's stop button) while the engine's bookkeeping runs, and raise it
+    as KeyboardInterrupt right after: the block manager and the queues are never left half-updated.
+    A no-op outside the main thread, where Python delivers no signals anyway."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    except (ValueError, OSError):  # e.g. an embedded interpreter that owns the signals
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            if callable(previous):
+                previous(signal.SIGINT, caught[0])
+            elif previous != signal.SIG_IGN:
+                raise KeyboardInterrupt
 
 
 @dataclass
@@ -159,56 +187,90 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one packed forward, sample, finish. Returns an output for every request that
-        produced a token in this step."""
+        produced a token in this step.
+
+        A step is all or nothing. If the forward fails or is interrupted (the notebook's stop
+        button), the running requests are preempted (their blocks freed, their cached hashes
+        forgotten: those blocks may be half-written), the pool's write counters are put back, and
+        the exception propagates; the next ``step()`` carries on, recomputing them. Ctrl-C during
+        the bookkeeping around the forward is held until the bookkeeping is done.
+        """
         sched, bm = self.scheduler, self.block_manager
         t0 = time.perf_counter()
         preempted_before = sched.num_preemptions
-        batch = sched.schedule()
-        t1 = time.perf_counter()
-        if not batch.seqs:
-            if sched.running or sched.waiting:
-                raise RuntimeError("the scheduler found nothing to run although requests are pending")
-            return []
-        for seq in batch.seqs:
-            if seq.metrics.first_scheduled is None:
-                seq.metrics.first_scheduled = t1
-        if self.on_scheduled is not None:
-            self.on_scheduled(batch)
+        saved = self.cache.counters_snapshot() if hasattr(self.cache, "counters_snapshot") else None
         try:
+            with hold_interrupts():  # a Ctrl-C held here is raised after schedule() and rolled back below
+                batch = sched.schedule()
+            t1 = time.perf_counter()
+            if not batch.seqs:
+                if sched.running or sched.waiting:
+                    raise RuntimeError("the scheduler found nothing to run although requests are pending")
+                return []
+            for seq in batch.seqs:
+                if seq.metrics.first_scheduled is None:
+                    seq.metrics.first_scheduled = t1
+            if self.on_scheduled is not None:
+                self.on_scheduled(batch)
             logits, rows = self.runner.execute(batch, bm)
-        except BaseException:  # leave no half-written state: the running requests start over
-            for seq in reversed(list(sched.running)):
-                sched.preempt(seq, "step failed", keep_cached=False)
+            t2 = time.perf_counter()
+            with hold_interrupts():
+                sampled = sample(logits, [batch.seqs[i] for i in rows]) if rows else []
+        except BaseException as e:  # leave no half-written state: the running requests start over
+            with hold_interrupts():
+                self._abort_step(saved, "interrupted" if isinstance(e, KeyboardInterrupt) else "step failed")
             raise
-        t2 = time.perf_counter()
-        sampled = sample(logits, [batch.seqs[i] for i in rows]) if rows else []
         t3 = time.perf_counter()
+        with hold_interrupts():
+            outputs, finished = self._commit(batch, rows, sampled, t3)
+            t4 = time.perf_counter()
+            self.step_stats.append(StepStats(
+                step=batch.step, running=len(sched.running) + finished, waiting=len(sched.waiting),
+                scheduled=len(batch), prefill_tokens=batch.num_prefill_tokens, decode_tokens=batch.num_decodes,
+                blocks_used=bm.num_blocks - bm.num_free_blocks, blocks_free=bm.num_free_blocks,
+                preempted=sched.num_preemptions - preempted_before, finished=finished,
+                schedule_s=(t1 - t0) + (t4 - t3), packing_s=self.runner.timings["packing"],
+                forward_s=self.runner.timings["forward"], sample_s=t3 - t2))
+        if self.on_step is not None:
+            self.on_step(self.step_stats[-1])
+        return outputs
+
+    def _commit(self, batch, rows, sampled, now) -> tuple[list[RequestOutput], int]:
+        """After a good forward: the new tokens' K/V count as computed, sampled tokens are appended,
+        finished requests free their blocks."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):  # their K/V are in the pool now
             seq.num_computed_tokens += n
         outputs, finished = [], 0
         for i, token in zip(rows, sampled):
             seq = batch.seqs[i]
             seq.output_token_ids.append(token)
-            seq.metrics.token_times.append(t3)
+            seq.metrics.token_times.append(now)
             if seq.metrics.first_token is None:
-                seq.metrics.first_token = t3
+                seq.metrics.first_token = now
             reason = self._stop_reason(seq, token)
             if reason is not None:
-                sched.finish(seq, reason)
-                seq.metrics.finished = t3
+                self.scheduler.finish(seq, reason)
+                seq.metrics.finished = now
                 finished += 1
             outputs.append(self._output(seq))
-        t4 = time.perf_counter()
-        self.step_stats.append(StepStats(
-            step=batch.step, running=len(sched.running) + finished, waiting=len(sched.waiting),
-            scheduled=len(batch), prefill_tokens=batch.num_prefill_tokens, decode_tokens=batch.num_decodes,
-            blocks_used=bm.num_blocks - bm.num_free_blocks, blocks_free=bm.num_free_blocks,
-            preempted=sched.num_preemptions - preempted_before, finished=finished,
-            schedule_s=(t1 - t0) + (t4 - t3), packing_s=self.runner.timings["packing"],
-            forward_s=self.runner.timings["forward"], sample_s=t3 - t2))
-        if self.on_step is not None:
-            self.on_step(self.step_stats[-1])
-        return outputs
+        return outputs, finished
+
+    def _abort_step(self, saved_counters, reason: str) -> None:
+        for seq in reversed(list(self.scheduler.running)):
+            self.scheduler.preempt(seq, reason, keep_cached=False)
+        if saved_counters is not None:
+            self.cache.restore_counters(saved_counters)
+
+    def abort_request(self, seq_id: int) -> None:
+        """Drop a request that has not finished: its blocks go back to the pool, it is never
+        scheduled again (``finish_reason`` "aborted"). Finished requests are left as they are."""
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise ValueError(f"seq_id {seq_id!r} is not a request of this engine")
+        if seq.is_finished:
+            return
+        with hold_interrupts():
+            self.scheduler.abort(seq)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         text = None
@@ -244,12 +306,18 @@ class LLM:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), desc="requests", unit="req")
-        while self.has_unfinished():
-            done = sum(o.finished for o in self.step())
+        try:
+            while self.has_unfinished():
+                done = sum(o.finished for o in self.step())
+                if bar is not None:
+                    bar.update(done)
+        except BaseException:  # interrupted: these requests are dropped, the engine stays ready for more
+            for i in ids:
+                self.abort_request(i)
+            raise
+        finally:
             if bar is not None:
-                bar.update(done)
-        if bar is not None:
-            bar.close()
+                bar.close()
         return [self._output(self.seqs[i]) for i in ids]
 
     def add_requests(self, prompts, params) -> list[int]:
@@ -260,7 +328,7 @@ class LLM:
     def summary(self, seq_ids=None) -> dict:
         """Throughput, latency percentiles and the step-time split of the finished requests."""
         seqs = [self.seqs[i] for i in (seq_ids if seq_ids is not None else self.seqs)]
-        done = [s for s in seqs if s.is_finished]
+        done = [s for s in seqs if s.is_finished and s.finish_reason != "aborted"]
         if not done:
             return summarize([], self.step_stats, 0.0)
         wall = max(s.metrics.finished for s in done) - min(s.metrics.arrival for s in done)

@@ -200,6 +200,19 @@ class Scheduler:
         self.bm.mark_computed(seq.seq_id, seq.num_computed_tokens + n)
         return budget - n
 
+    def abort(self, seq: Sequence) -> None:
+        """Drop a request wherever it is: waiting (nothing to free) or running (its blocks are freed;
+        hashes forgotten, since a step may have been cut short while writing them)."""
+        if seq in self.running:
+            self.running.remove(seq)
+            if seq.seq_id in self.bm.seqs:
+                self.bm.free(seq.seq_id, keep_cached=False)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "aborted"
+        self._log(seq, "finished", "aborted", f"{len(seq.output_token_ids)} tokens")
+
     # ---- after the forward -----------------------------------------------------------------------
 
     def finish(self, seq: Sequence, reason: str) -> None:

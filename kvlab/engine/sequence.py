@@ -56,7 +56,7 @@ class Sequence:
         self.params = params
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
-        self.finish_reason: str | None = None  # "eos", "stop" or "length"
+        self.finish_reason: str | None = None  # "eos", "stop", "length" or "aborted"
         self.arrival_step = arrival_step
         self.metrics = RequestMetrics(arrival)
         seed = params.seed if params.seed is not None else random.randrange(2**63)

@@ -159,6 +159,14 @@ class QuantizedPagedKVCache:
         if config.needs_calibration(num_layers) and calibration is None:
             raise ValueError(f"policy {config.policy!r} with static scales needs a calibration "
                              "(kvlab.quant.calibrate), or use policy='dynamic'")
+        if calibration is not None:
+            from kvlab.quant.calibrate import Calibration
+
+            if not isinstance(calibration, Calibration):
+                raise TypeError(f"calibration must be a kvlab Calibration (kvlab.quant.calibrate), got "
+                                f"{type(calibration).__name__}")
+            if config.policy != "dynamic":
+                calibration.check_model(num_layers, num_kv_heads, head_dim)
         self.k, self.v = [], []
         for layer in range(num_layers):
             kf, vf = config.formats(layer)
@@ -218,6 +226,18 @@ class QuantizedPagedKVCache:
         """Counters as (L, H) tensors for K and V: values written, clipped, at +-qmax, corrections."""
         return {which: {c: torch.stack([s.counts[c] for s in stores]) for c in COUNTERS}
                 for which, stores in (("k", self.k), ("v", self.v))}
+
+    def counters_snapshot(self) -> list[dict]:
+        """The write counters, to put back if a step is cut short (:meth:`restore_counters`)."""
+        return [{c: s.counts[c].clone() for c in COUNTERS} for s in self.k + self.v]
+
+    def restore_counters(self, snapshot: list[dict]) -> None:
+        """After an aborted step: values, clipped and at_qmax count only the writes of completed
+        steps again. ``corrections`` stay: a widened scale stays widened (its data was re-quantized
+        under it), and the counter says how often that happened."""
+        for s, saved in zip(self.k + self.v, snapshot):
+            for c in ("values", "clipped", "at_qmax"):
+                s.counts[c] = saved[c].clone()
 
     def stats(self) -> dict:
         return {"bytes_reserved": self.bytes_reserved, "config": self.config.label(),

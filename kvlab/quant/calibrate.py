@@ -63,30 +63,74 @@ class Calibration:
             out.append(scale_from_absmax(t.reshape(shape), qmax))
         return out
 
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(layers, KV heads, head_dim)`` of the model it was taken on."""
+        return tuple(self.stats["k"]["per-channel"]["absmax"].shape)
+
+    def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int, source: str = "calibration") -> None:
+        """Refuse scales taken on another model: they would not even broadcast."""
+        if self.shape != (num_layers, num_kv_heads, head_dim):
+            got = " x ".join(map(str, self.shape))
+            raise ValueError(f"{source} was taken on a model with {got} (layers x KV heads x head_dim), this model has "
+                             f"{num_layers} x {num_kv_heads} x {head_dim}: calibrate this model (kvlab calibrate "
+                             f"--model ...)")
+
     def save(self, path: str | Path) -> Path:
-        from safetensors.torch import save_file
+        """Write one safetensors file, atomically (a temporary name, then a rename)."""
+        from safetensors.torch import save
+
+        from kvlab.files import write_atomic
 
         flat = {f"{t}.{g}.{s}": v.contiguous() for t, gs in self.stats.items() for g, ss in gs.items()
                 for s, v in ss.items()}
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(flat, str(path), metadata={"kvlab": json.dumps(self.meta)})
-        return path
+        return write_atomic(path, save(flat, metadata={"kvlab": json.dumps(self.meta)}), "calibration file")
 
     @classmethod
     def load(cls, path: str | Path) -> "Calibration":
-        from safetensors import safe_open
+        """Read a ``kvlab calibrate`` file. Anything else (missing, empty, not safetensors, another
+        program's tensors, inconsistent shapes) is a one-line :class:`~kvlab.files.FileError`."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load
 
+        from kvlab.files import FileError, read_bytes
+
+        data = read_bytes(path, "calibration file")
+        where = f"calibration file {str(path)!r}"
+        try:
+            tensors = load(data)
+            header_len = int.from_bytes(data[:8], "little")
+            header = json.loads(data[8:8 + header_len])
+            meta = json.loads((header.get("__metadata__") or {}).get("kvlab", "{}"))
+        except (SafetensorError, ValueError, TypeError) as e:
+            raise FileError(f"{where} is not a safetensors file ({str(e).splitlines()[0]}); "
+                            "write one with `kvlab calibrate --out FILE`") from None
         stats: dict = {}
-        with safe_open(str(path), framework="pt") as f:
-            meta = json.loads((f.metadata() or {}).get("kvlab", "{}"))
-            for key in f.keys():
-                t, g, s = key.split(".", 2)
-                stats.setdefault(t, {}).setdefault(g, {})[s] = f.get_tensor(key)
-        missing = [t for t in TENSORS if t not in stats]
+        for key, tensor in tensors.items():
+            parts = key.split(".", 2)
+            if len(parts) != 3:
+                raise FileError(f"{where} is not a kvlab calibration file (tensor {key!r})")
+            t, g, s = parts
+            stats.setdefault(t, {}).setdefault(g, {})[s] = tensor
+        missing = [f"{t}.{g}.absmax" for t in TENSORS for g in ("per-tensor", "per-head", "per-channel")
+                   if "absmax" not in stats.get(t, {}).get(g, {})]
         if missing:
-            raise ValueError(f"{path} is not a kvlab calibration file (missing {missing})")
-        return cls(stats, meta)
+            raise FileError(f"{where} is not a kvlab calibration file (missing {missing[0]}"
+                            f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''})")
+        cal = cls(stats, meta if isinstance(meta, dict) else {})
+        if len(cal.shape) != 3:
+            raise FileError(f"{where} is damaged: k.per-channel.absmax should be (layers, KV heads, head_dim), "
+                            f"got shape {cal.shape}")
+        L, H, D = cal.shape
+        want = {"per-tensor": (L,), "per-head": (L, H), "per-channel": (L, H, D)}
+        for t in TENSORS:
+            for g, shape in want.items():
+                for s, x in stats[t][g].items():
+                    if tuple(x.shape) != shape or not x.is_floating_point() or not bool(torch.isfinite(x).all()) \
+                            or bool((x < 0).any()):
+                        raise FileError(f"{where} is damaged: {t}.{g}.{s} should be {len(shape)}-d non-negative "
+                                        f"finite floats of shape {shape}, got {tuple(x.shape)} {x.dtype}")
+        return cal
 
 
 def summarize(samples: list[torch.Tensor], percentiles=PERCENTILES) -> dict:
@@ -154,7 +198,19 @@ def default_calibration(model, tokenizer, model_name: str, tokens: int = 2048, p
 
     path = cache_dir() / "calibration" / f"{model_name}-{CALIBRATION_PLAY}-{tokens}.safetensors"
     if path.exists():
-        return Calibration.load(path)
+        from kvlab.files import warn
+        from kvlab.sizing import kv_config
+
+        c = kv_config(model)
+        try:
+            cal = Calibration.load(path)
+            cal.check_model(c.num_layers, c.num_kv_heads, c.head_dim, f"cached calibration {str(path)!r}")
+            return cal
+        except ValueError as e:  # a cache we own: rebuild it rather than fail on every run from now on
+            warn(f"{e}; recalibrating")
+    from kvlab.files import check_writable_target
+
+    check_writable_target(path, "calibration file")  # before the work, not after it
     cal = calibrate(model, calibration_chunks(tokenizer, tokens), progress=progress,
                     meta={"model": model_name, "text": CALIBRATION_PLAY})
     cal.save(path)
