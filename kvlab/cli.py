@@ -55,12 +55,14 @@ def cmd_size(args) -> None:
     if model.lower() not in PRESETS:
         from pathlib import Path
 
-        from kvlab.models import resolve_name
+        from kvlab.models import check_model_folder, resolve_name
 
         name = resolve_name(model)
         if not Path(name).is_dir() and "/" not in name:
             raise CLIError(f"unknown model {args.model!r}: use a preset ({', '.join(sorted(PRESETS))}), "
                            "a local model folder or an HF id (org/name)")
+        if Path(name).is_dir():
+            check_model_folder(name)  # a one-line reason when the folder is not a model
         try:
             from transformers import AutoConfig
 

@@ -220,20 +220,29 @@ def load_model(name: str = "smollm2-135m", dtype: torch.dtype | None = None, dev
     return model.to(device).eval(), tokenizer
 
 
+def check_model_folder(folder) -> dict:
+    """A local model folder's config.json, or a one-line FileError saying why it is not one."""
+    from kvlab.files import FileError, read_json
+
+    where = f"model folder {str(folder)!r}"
+    if not (Path(folder) / "config.json").exists():
+        raise FileError(f"{where} has no config.json: not a Hugging Face model folder")
+    cfg = read_json(Path(folder) / "config.json", f"{where}: config.json")
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        raise FileError(f"{where}: config.json has no model_type: not a Hugging Face model config")
+    return cfg
+
+
 def _from_pretrained(source, dtype, name: str | None = None):
     """transformers' loaders, with every way a folder can be wrong turned into one ValueError line."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from kvlab.files import FileError, read_json
+    from kvlab.files import FileError
 
     where = f"model folder {str(source)!r}" if isinstance(source, Path) else f"model {name!r}"
     if isinstance(source, Path):
-        if not (source / "config.json").exists():
-            raise FileError(f"{where} has no config.json: not a Hugging Face model folder")
-        cfg = read_json(source / "config.json", f"{where}: config.json")
-        if not isinstance(cfg, dict) or "model_type" not in cfg:
-            raise FileError(f"{where}: config.json has no model_type: not a Hugging Face model config")
+        check_model_folder(source)
         if not list(source.glob("*.safetensors")):
             raise FileError(f"{where} has no *.safetensors weights (kvlab never loads pickled .bin files)")
     hf_logging.disable_progress_bar()  # a 1-second load needs no progress bar

@@ -193,6 +193,9 @@ def test_model_folder(tmp_path, capsys, tiny, what, message):
     assert main(["generate", "--model", str(folder), "--prompt", "hi"]) == 2
     line = one_line_error(capsys.readouterr().err)
     assert message in line and str(folder) in line
+    if what in ("empty folder", "bad json", "no model_type"):  # the size calculator reads only config.json
+        assert main(["size", "--model", str(folder)]) == 2
+        assert message in one_line_error(capsys.readouterr().err)
 
 
 # ---- paths that cannot be written -------------------------------------------------------------------
