@@ -375,6 +375,9 @@ def online_softmax_update(fn) -> bool:
 
     from kvlab.kernels.decode import run_online_softmax
 
+    if not callable(fn):  # checked here: the wrapper below is always callable
+        raise TypeError(f"online_softmax_update: pass your function itself, got {type(fn).__name__}")
+
     cases = []
     for s, v, v_scale, tile in _softmax_cases():
         expected = torch.softmax(s, dim=-1) @ (v * v_scale[:, None])
@@ -431,7 +434,12 @@ def _load_progress() -> dict:
     path = progress_file()
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # missing, unreadable or half-written: progress is a convenience, start over
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:  # unreadable or damaged: progress is a convenience, start over
+        from kvlab.files import warn
+
+        warn(f"progress file {str(path)!r} is unreadable ({type(e).__name__}); starting a new one")
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -446,21 +454,18 @@ def _is_learners(fn) -> bool:
 def _record(exercise: str, fn) -> None:
     import datetime
     import json
-    import os
 
     if exercise not in EXERCISES or not _is_learners(fn):
         return
     data = _load_progress()
     data[exercise] = {"passed": datetime.datetime.now().isoformat(timespec="minutes"),
                       "function": getattr(getattr(fn, "fn", fn), "__name__", "?")}
-    path = progress_file()
+    from kvlab.files import write_atomic
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
-        os.replace(tmp, path)  # never a half-written file
-    except OSError as e:  # a read-only home must not break an exercise that passed
-        print(f"(progress not saved: {path}: {e.strerror or e})")
+        write_atomic(progress_file(), json.dumps(data, indent=1), "progress file")  # never a half-written file
+    except ValueError as e:  # a read-only home must not break an exercise that passed
+        print(f"(progress not saved: {e})")
 
 
 def progress(reset: bool = False) -> dict:

@@ -360,3 +360,20 @@ def test_default_calibration_killed_mid_write_then_ppl_runs(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "warning" not in r.stderr and json.loads(r.stdout)["config"]
     assert [p.name for p in cal_dir.iterdir()] == ["tiny-twelfth-night-2048.safetensors"]
+
+
+def test_corrupt_progress_file_warns_once_and_is_rewritten(capsys):
+    from kvlab import check
+
+    check.progress_file().write_text("{half-writ")  # conftest points KVLAB_PROGRESS into a tmp folder
+    check.progress()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "progress file" in err[0] and "starting a new one" in err[0]
+
+    def token_forwards(prompt_len, new_tokens, cached):
+        return prompt_len + new_tokens - 1 if cached else sum(prompt_len + i for i in range(new_tokens))
+
+    assert check.token_forwards(token_forwards)  # passing an exercise writes a new file
+    assert json.loads(check.progress_file().read_text())["token_forwards"]["function"] == "token_forwards"
+    capsys.readouterr()
+    assert check.progress()["token_forwards"] and capsys.readouterr().err == ""  # healed: silent
