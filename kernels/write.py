@@ -14,8 +14,12 @@ the same bytes as :mod:`kvlab.quant.core` bit for bit.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from kvlab.kernels import require_triton
+
+require_triton("kvlab.kernels.write")  # where triton is missing (macOS, Windows): an ImportError that says why
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from kvlab.kernels.decode import _pow2
 from kvlab.kernels import pool as O

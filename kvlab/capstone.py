@@ -13,7 +13,8 @@ served by the engine of notebook 04 four ways:
 * ``paged INT8`` — the same bytes as INT8 blocks with calibrated per-head scales: ~2x the blocks.
 * ``paged INT8 + Triton`` — the same pool read and written by the kernels of notebook 05 (compiled
   on a GPU; in the interpreter on a CPU, where it serves a few requests only: it is a correctness
-  check there, not a speed).
+  check there, not a speed). Where triton is missing (macOS, Windows) it cannot run:
+  :func:`skip_reason` says why, and notebook 06 skips it.
 
 Everything measured comes from the engine's own counters (``step_stats``, ``trace``, the cache's
 saturation counters) and from a hook that records, for every step, the context each decoding
@@ -41,6 +42,15 @@ def _check_config(name: str) -> tuple[str, str, str]:
     if name not in _SPEC:
         raise ValueError(f"config must be one of {CONFIGS}, got {name!r}")
     return _SPEC[name]
+
+
+def skip_reason(name: str) -> str | None:
+    """Why configuration ``name`` cannot run on this machine, or None when it can: the Triton one needs
+    triton, which installs on Linux only."""
+    _, backend, _ = _check_config(name)
+    from kvlab import kernels
+
+    return kernels.WHY_NO_TRITON if backend == "triton" and not kernels.available() else None
 
 
 def block_bytes(model, kv_dtype: str, block_size: int = 16, calibration=None) -> tuple[int, int]:

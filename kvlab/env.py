@@ -79,16 +79,21 @@ class LabInfo:
     transformers: str
     kvlab: str
     threads: int
+    triton_available: bool = True  # False on macOS / Windows: the kernel cells and tests are skipped
 
     def line(self) -> str:
         mode = "interpreter (CPU)" if self.triton_interpret else "compiled (GPU)"
+        triton = (f"triton {self.triton} {mode}" if self.triton_available
+                  else "no triton: kernel cells skipped (they run on Linux)")
         return (
-            f"kvlab {self.kvlab} | device {self.device} ({self.device_name}) | triton {self.triton} {mode} | "
+            f"kvlab {self.kvlab} | device {self.device} ({self.device_name}) | {triton} | "
             f"torch {self.torch} | transformers {self.transformers} | {self.threads} threads"
         )
 
 
 def lab_info() -> LabInfo:
+    from kvlab.kernels import available
+
     device = default_device()
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else (platform.processor() or platform.machine())
     return LabInfo(
@@ -97,18 +102,23 @@ def lab_info() -> LabInfo:
         triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
         python=platform.python_version(),
         torch=torch.__version__,
-        triton=_version("triton"),
+        triton=_version("triton") if available() else "not available",
         transformers=_version("transformers"),
         kvlab=_version("kvlab"),
         threads=torch.get_num_threads(),
+        triton_available=available(),
     )
 
 
 def setup(seed: int = 0, quiet: bool = False) -> LabInfo:
-    """The first call of every notebook: Triton mode, seeds, quiet warnings, one status line."""
+    """The first call of every notebook: Triton mode, seeds, quiet warnings, one status line. Where
+    triton is missing, cells marked ``# needs triton`` print why they are skipped instead of running."""
+    from kvlab.kernels import skip_cells_without_triton
+
     configure_triton()
     seed_everything(seed)
     silence_known_warnings()
+    skip_cells_without_triton()
     info = lab_info()
     if not quiet:
         print(info.line())

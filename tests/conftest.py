@@ -3,6 +3,19 @@ import pytest
 import kvlab
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``triton`` run the kernels: where triton is missing (macOS, Windows) they are skipped,
+    each saying why and where they run (``pytest -rs`` lists them)."""
+    from kvlab import kernels
+
+    if kernels.available():
+        return
+    skip = pytest.mark.skip(reason=kernels.WHY_NO_TRITON)
+    for item in items:
+        if item.get_closest_marker("triton"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny():
     model, tok = kvlab.load_model("tiny")

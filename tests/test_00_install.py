@@ -1,7 +1,6 @@
 """The lab installs as one package, with the pins users get, and notebooks are committed clean."""
 
 import json
-import re
 import subprocess
 import sys
 import tomllib
@@ -13,29 +12,70 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _pins(lines):
+    """name -> (version specifier, environment marker or ""), as pip reads each requirement."""
+    from packaging.requirements import Requirement
+
     pins = {}
     for line in lines:
-        line = line.strip().strip('"').strip(",").strip('"')
-        m = re.match(r"^([A-Za-z0-9_.\-]+)\s*(==|>=)\s*([^\s;]+)$", line)
-        if m:
-            pins[m.group(1).lower()] = m.group(2) + m.group(3)
+        req = Requirement(line)
+        pins[req.name.lower()] = (str(req.specifier), str(req.marker or ""))
     return pins
 
 
+def _project():
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def _environment_yml_requirements():
+    import yaml
+
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    return [line for line in pip if not line.startswith("-")]  # "-e ." is the lab itself
+
+
 def test_environment_yml_pins_match_pyproject():
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    project = _project()
     declared = _pins(project["dependencies"] + project["optional-dependencies"]["test"])
-    env_lines = [l.split("- ", 1)[1] for l in (ROOT / "environment.yml").read_text().splitlines()
-                 if l.strip().startswith("- ") and ("==" in l or ">=" in l) and "python=" not in l]
-    assert _pins(env_lines) == declared
+    assert _pins(_environment_yml_requirements()) == declared  # versions and markers alike
 
 
 def test_torch_and_triton_pins_are_the_pair_pypi_ships():
-    deps = _pins(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"])
-    # PyPI's torch 2.13.0 for Linux requires exactly triton 3.7.1: any other pin breaks GPU installs
-    assert deps["torch"] == "==2.13.0"
-    assert deps["triton"] == "==3.7.1"
-    assert deps["transformers"].startswith("==5.24.")
+    deps = _pins(_project()["dependencies"])
+    # PyPI's torch 2.13.0 for Linux requires exactly triton 3.7.1, under this very marker (its wheels'
+    # Requires-Dist): any other pin breaks GPU installs, and without the marker a Mac cannot install
+    assert deps["torch"] == ("==2.13.0", "")
+    assert deps["triton"] == ("==3.7.1", 'platform_system == "Linux" and python_version < "3.15"')
+    assert deps["transformers"][0].startswith("==5.24.")
+
+
+def _marker_env(system: str, python: str) -> dict:
+    sys_platform = {"Linux": "linux", "Darwin": "darwin", "Windows": "win32"}[system]
+    return {"platform_system": system, "sys_platform": sys_platform, "python_version": python,
+            "python_full_version": python + ".0", "os_name": "nt" if system == "Windows" else "posix",
+            "platform_machine": "AMD64" if system == "Windows" else "arm64" if system == "Darwin" else "x86_64",
+            "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+
+
+@pytest.mark.parametrize("system", ["Linux", "Darwin", "Windows"])
+def test_triton_is_required_on_linux_only(system):
+    """No network: evaluate the markers of both files as pip would on each system (a Mac's
+    `pip install -e .` must not ask for triton, which has no macOS or Windows wheel)."""
+    from packaging.requirements import Requirement
+
+    for source in (_project()["dependencies"], _environment_yml_requirements()):
+        reqs = [Requirement(line) for line in source]
+        wanted = {r.name for r in reqs if r.marker is None or r.marker.evaluate(_marker_env(system, "3.11"))}
+        assert ("triton" in wanted) == (system == "Linux"), source
+        assert "torch" in wanted
+
+
+def test_requires_python_is_what_the_pins_need():
+    from packaging.specifiers import SpecifierSet
+
+    # transformers 5.24 requires Python >= 3.11; the Makefile looks for such an interpreter
+    assert SpecifierSet(_project()["requires-python"]) == SpecifierSet(">=3.11")
+    assert "python=3.11" in (ROOT / "environment.yml").read_text()
 
 
 @pytest.mark.parametrize("cwd", ["/", str(ROOT)])

@@ -15,11 +15,13 @@ from kvlab.cache import BlockManager
 from kvlab.engine import LLM, SamplingParams, Scheduler, Sequence
 from kvlab.generate import hf_generate, paged_generate
 
-BACKENDS = ["reference", "torch", "triton"]
+TRITON = pytest.param("triton", marks=pytest.mark.triton)  # skipped with the reason where triton is missing
+BACKENDS = ["reference", "torch", TRITON]
 # every scheduling situation on the PyTorch backends; the Triton kernels (interpreted on a CPU, ~0.1 s a
 # launch) on the hardest one, preemption with chunked prefill; tests/test_05_kernels.py does the rest
 CASES = ["roomy", "chunked", "preempting", "late arrivals"]
-SCENARIOS = [(b, c) for b in ("reference", "torch") for c in CASES] + [("triton", "preempting")]
+SCENARIOS = [(b, c) for b in ("reference", "torch") for c in CASES] + [
+    pytest.param("triton", "preempting", marks=pytest.mark.triton)]
 SYSTEM = [30 + (i * 7) % 200 for i in range(40)]
 
 

@@ -3,8 +3,17 @@
 import pytest
 
 from kvlab.kernels import bench
-from kvlab.kernels.traffic import GPU_BANDWIDTH, project, step_bytes
+from kvlab.kernels.traffic import FORMATS, GPU_BANDWIDTH, project, step_bytes
 from kvlab.viz import bandwidth as bv
+
+
+def test_unfused_dequantization_moves_more_bytes_than_fp16():
+    shape = dict(num_layers=32, h_q=32, h_kv=8, d=128)
+    fp16 = step_bytes("fp16", 32, 4096, **shape)
+    fused = step_bytes("int8", 32, 4096, **shape)
+    unfused = step_bytes("int8", 32, 4096, **shape, fused=False)
+    assert fused < 0.52 * fp16 < fp16 < unfused  # the seed's claim: a dequantized copy erases the gain
+    assert FORMATS["k8v4"][1].value_bytes(128) == 64
 
 
 def test_figure_draws_the_byte_model():

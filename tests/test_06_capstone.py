@@ -65,16 +65,18 @@ def test_four_configs_one_budget(tiny, cal):
     budget = 2 * (MAX_LEN // 4) * per
     rows = {}
     for name in C.CONFIGS:
+        if C.skip_reason(name):  # the Triton one, where triton is missing (macOS, Windows)
+            continue
         rows[name], llm = _serve(model, tok, name, budget, cal, prompts, outs)
         llm.block_manager.check_invariants()
         assert llm.block_manager.stats()["blocks_used"] == 0  # everything freed
-    static, fp16, int8, tri = (rows[n] for n in C.CONFIGS)
+    static, fp16, int8 = (rows[n] for n in C.CONFIGS[:3])
     assert static["peak_running"] <= 2 < fp16["peak_running"] <= int8["peak_running"]
     assert static["held_at_limit"] < fp16["held_at_limit"] < int8["held_at_limit"]
     # the same storage, other schedules and batch shapes: the same tokens (batched ≡ sequential)
     assert static["tokens"] == fp16["tokens"]
     # the kernels on the same INT8 pool: the same tokens as the PyTorch path
-    assert tri["tokens"] == int8["tokens"]
+    assert rows.get("paged INT8 + Triton", int8)["tokens"] == int8["tokens"]
     assert [len(t) for t in int8["tokens"]] == outs
     assert C.agreement(static["tokens"], fp16["tokens"]) == {"identical": 10, "requests": 10, "prefix_share": 1.0}
     assert "k_clip_rate" in int8 and "k_clip_rate" not in fp16
@@ -110,6 +112,7 @@ def test_agreement_counts_only_up_to_the_first_difference():
     assert C.agreement(a, ref) == {"identical": 1, "requests": 3, "prefix_share": pytest.approx((1 + 0.5 + 0) / 3)}
 
 
+@pytest.mark.triton
 def test_count_step_bytes_reads_at_least_the_kv_pages(tiny, cal):
     from kvlab.engine import SamplingParams
 

@@ -182,6 +182,7 @@ def test_make_workload_rejects_bad_arguments(tiny):
     assert wl.arrivals == sorted(wl.arrivals) and wl.arrivals[0] == 0.0 and len(set(wl.arrivals)) == 5
 
 
+@pytest.mark.triton  # the correctness sweep runs the kernels; without triton: tests/test_platform.py
 def test_bench_kernels_on_the_cpu_prints_the_projection(capsys):
     assert main(["bench", "kernels", "--batches", "1", "8", "--contexts", "1024", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
@@ -197,6 +198,7 @@ def test_bench_kernels_on_the_cpu_prints_the_projection(capsys):
         assert r["projection_ms"]["H200"]["fp16"] < r["projection_ms"]["A100"]["fp16"]
 
 
+@pytest.mark.triton  # the correctness sweep runs the kernels; without triton: tests/test_platform.py
 def test_bench_kernels_table_and_bad_input(capsys):
     assert main(["bench", "kernels", "--shapes", "smollm2-135m", "--batches", "4", "--contexts", "256"]) == 0
     out = capsys.readouterr().out

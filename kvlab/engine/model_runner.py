@@ -23,8 +23,12 @@ class ModelRunner:
             raise ValueError(f"attn_backend must be one of {ATTENTION_BACKENDS}, got {attn_backend!r}")
         self.model, self.cache, self.attn_backend = model, cache, attn_backend
         if attn_backend == "triton":
-            from kvlab.kernels import check_cache_supported
+            from kvlab.kernels import WHY_NO_TRITON, available, check_cache_supported
 
+            if not available():  # macOS, Windows: say so now, not at the first forward
+                others = [b for b in ATTENTION_BACKENDS if b != "triton"]
+                raise ValueError(f"attn_backend='triton' cannot run here: {WHY_NO_TRITON}. Without triton, "
+                                 f"attn_backend must be one of {tuple(others)}")
             check_cache_supported(cache)  # an unsupported format fails here, not in the middle of a step
         self.device = next(model.parameters()).device
         self.attn_name = register_paged_attention()
