@@ -371,12 +371,11 @@ def online_softmax_update(fn) -> bool:
     scores s (G, N) and values v (N, D), each value row scaled by v_scale (N,), into the running max m
     (G,), running sum l (G,) and running output acc (G, D). Run by the decode kernel's loop under the
     interpreter; compared with softmax(s) @ (v * v_scale) over all tiles."""
+    if not callable(fn):  # checked here: the wrapper below is always callable
+        raise TypeError(f"online_softmax_update: pass your function itself, got {type(fn).__name__}")
     import torch
 
     from kvlab.kernels.decode import run_online_softmax
-
-    if not callable(fn):  # checked here: the wrapper below is always callable
-        raise TypeError(f"online_softmax_update: pass your function itself, got {type(fn).__name__}")
 
     cases = []
     for s, v, v_scale, tile in _softmax_cases():

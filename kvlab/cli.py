@@ -82,10 +82,52 @@ def cmd_size(args) -> None:
     _emit(obj, args.json, lines)
 
 
+# options that only the engine reads, with their defaults
+ENGINE_OPTIONS = {"attn_backend": "torch", "kv_dtype": "auto", "max_num_seqs": None, "max_num_batched_tokens": None,
+                  "temperature": 0.0, "top_p": 1.0, "seed": None}
+
+
+def _check_generate(args) -> None:
+    """Everything about ``kvlab generate``'s arguments that can be refused before the model loads."""
+    from kvlab.cache.paged import _check_block_size
+
+    given = [name for name in ENGINE_OPTIONS if getattr(args, name) is not None]
+    if not args.engine and given:
+        raise CLIError(f"--{given[0].replace('_', '-')} is an engine option: add --engine, or leave it out")
+    if args.engine and args.cache not in ("dynamic", "paged"):
+        raise CLIError(f"--engine serves from a paged pool; --cache {args.cache} cannot be combined with it")
+    if not args.engine and args.cache != "paged":
+        for name in ("block_size", "num_blocks"):
+            if getattr(args, name) is not None:
+                raise CLIError(f"--{name.replace('_', '-')} is for --cache paged or --engine, not --cache {args.cache}")
+    if args.max_seq_len is not None and (args.cache != "static" or args.engine):
+        raise CLIError("--max-seq-len is for --cache static (the slots it pre-allocates per sequence)")
+    args.block_size = _check_block_size(args.block_size or 16)
+    if args.engine:
+        from kvlab.engine import SamplingParams
+
+        for name, default in ENGINE_OPTIONS.items():
+            if getattr(args, name) is None and default is not None:
+                setattr(args, name, default)
+        SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        args.max_num_seqs = args.max_num_seqs or len(args.prompt)
+        args.max_num_batched_tokens = _batched_tokens(args.max_num_batched_tokens, args.max_num_seqs)
+
+
+def _batched_tokens(value: int | None, max_num_seqs: int) -> int:
+    if value is None:
+        return max(512, max_num_seqs)  # the default budget, raised so every running sequence can decode
+    if value < max_num_seqs:
+        raise CLIError(f"--max-num-batched-tokens ({value}) must be >= --max-num-seqs ({max_num_seqs}): every "
+                       "running sequence needs one token of budget per decode step")
+    return value
+
+
 def cmd_generate(args) -> None:
     from kvlab.generate import encode_prompts, greedy_generate
     from kvlab.models import load_model
 
+    _check_generate(args)
     model, tokenizer = load_model(args.model)
     prompts = encode_prompts(tokenizer, args.prompt)
     if args.engine:
@@ -119,13 +161,11 @@ def _generate_engine(args, model, tokenizer, prompts) -> None:
     """``kvlab generate --engine``: the prompts served concurrently by kvlab.engine.LLM."""
     from kvlab.engine import LLM, SamplingParams
 
-    if args.cache not in ("dynamic", "paged"):
-        raise CLIError(f"--engine serves from a paged pool; --cache {args.cache} cannot be combined with it")
     bs = args.block_size
     num_blocks = args.num_blocks or sum(-(-(len(p) + args.max_tokens) // bs) for p in prompts)
-    max_num_seqs = args.max_num_seqs or len(prompts)
+    max_num_seqs = args.max_num_seqs
     llm = LLM(model, tokenizer, num_blocks=num_blocks, block_size=bs, max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs),
+              max_num_batched_tokens=args.max_num_batched_tokens,
               attn_backend=args.attn_backend, kv_dtype=args.kv_dtype, model_name=args.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
@@ -228,9 +268,13 @@ def cmd_bench(args) -> None:
 
 
 def _bench_engine(args) -> None:
-    from kvlab.engine.bench import SYSTEMS, bench_engine, make_workload
+    from kvlab.cache.paged import _check_block_size
+    from kvlab.engine.bench import SYSTEMS, bench_engine, check_workload_args, make_workload
     from kvlab.models import load_model
 
+    check_workload_args(args.scale, args.arrival, args.rate)  # before the model loads
+    _check_block_size(args.block_size)
+    args.max_num_batched_tokens = _batched_tokens(args.max_num_batched_tokens, args.max_num_seqs)
     model, tokenizer = load_model(args.model)
     wl = make_workload(tokenizer, args.num_requests, args.workload, scale=args.scale, seed=args.seed,
                        arrival=args.arrival, rate=args.rate, shared_prefix=not args.no_shared_prefix)
@@ -343,6 +387,14 @@ def cmd_ppl(args) -> None:
     from kvlab.eval import evaluate, kv_bytes_per_token
     from kvlab.models import load_model
 
+    if args.stride is None:
+        args.stride = max(1, args.window // 2)
+    if args.window < 2 or args.stride > args.window:
+        raise CLIError(f"need --window >= 2 and --stride <= --window, got --window {args.window} --stride {args.stride}")
+    fed = min(args.window, args.tokens) - 1  # positions a window feeds (see kvlab.eval.evaluate)
+    if args.chunk >= fed > 1:
+        raise CLIError(f"--chunk must be smaller than the {fed} positions a window feeds, got --chunk {args.chunk}: "
+                       "in a single chunk the cache under test is never read")
     config = _quant_config(args)
     cal = _read_files_first(args)
     model, tokenizer = load_model(args.model)
@@ -376,7 +428,10 @@ def cmd_claims(args) -> None:
     """``kvlab claims``: every numeric claim of the source articles, measured now (kvlab/claims.py)."""
     from kvlab import claims
 
-    ids = [x.strip() for x in args.only.split(",") if x.strip()] if args.only else None
+    ids = [x.strip() for x in args.only.split(",") if x.strip()] if args.only is not None else None
+    if ids is not None and not ids:
+        raise CLIError(f"--only names no claim id (got {args.only!r}): give ids separated by commas, e.g. --only "
+                       "D1,Q2 (kvlab claims lists them)")
     say = None if args.json else (lambda cid: print(f"measuring {cid} ...", file=sys.stderr, flush=True))
     rows = claims.run(ids=ids, progress=say)
     _emit({"claims": rows, "counts": claims.counts(rows)}, args.json, [claims.format_table(rows)])
@@ -416,21 +471,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=32)
     s.add_argument("--max-seq-len", type=_positive_int("--max-seq-len"), default=None,
                    help="static cache slots per sequence (default: prompt + max tokens)")
-    s.add_argument("--block-size", type=_positive_int("--block-size"), default=16,
-                   help="paged cache: tokens per block, a power of two 1..256")
+    s.add_argument("--block-size", type=_positive_int("--block-size"), default=None,
+                   help="paged cache / engine: tokens per block, a power of two 1..256 (default 16)")
     s.add_argument("--num-blocks", type=_positive_int("--num-blocks"), default=None,
-                   help="paged cache: blocks in the pool (default: enough for prompt + max tokens)")
+                   help="paged cache / engine: blocks in the pool (default: enough for prompt + max tokens)")
     s.add_argument("--engine", action="store_true", help="serve through kvlab.engine.LLM (continuous batching)")
-    s.add_argument("--attn-backend", default="torch", choices=["reference", "torch", "triton"],
-                   help="engine: attention path (triton: the notebook 05 kernels; interpreted on a CPU)")
-    s.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "fp16", "int8", "fp8", "int4", "k8v4"],
-                   help="engine: storage of the block pool (quantized ones use the cached default calibration)")
+    s.add_argument("--attn-backend", default=None, choices=["reference", "torch", "triton"],
+                   help="engine: attention path (default torch; triton: the notebook 05 kernels, interpreted on a CPU)")
+    s.add_argument("--kv-dtype", default=None, choices=["auto", "fp32", "fp16", "int8", "fp8", "int4", "k8v4"],
+                   help="engine: storage of the block pool (default auto; quantized ones use the cached default "
+                        "calibration)")
     s.add_argument("--max-num-seqs", type=_positive_int("--max-num-seqs"), default=None,
                    help="engine: requests running at once (default: all prompts)")
-    s.add_argument("--max-num-batched-tokens", type=_positive_int("--max-num-batched-tokens"), default=512,
-                   help="engine: tokens per step (decodes + prefill chunks)")
-    s.add_argument("--temperature", type=float, default=0.0, help="engine: 0 = greedy")
-    s.add_argument("--top-p", type=float, default=1.0, help="engine: nucleus sampling")
+    s.add_argument("--max-num-batched-tokens", type=_positive_int("--max-num-batched-tokens"), default=None,
+                   help="engine: tokens per step, decodes + prefill chunks (default 512, at least --max-num-seqs)")
+    s.add_argument("--temperature", type=float, default=None, help="engine: 0 = greedy (the default)")
+    s.add_argument("--top-p", type=float, default=None, help="engine: nucleus sampling (default 1.0)")
     s.add_argument("--seed", type=int, default=None, help="engine: sampling seed")
     s.set_defaults(func=cmd_generate)
 
@@ -452,7 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rate", type=float, default=4.0, help="engine: Poisson arrival rate (requests/s)")
     s.add_argument("--max-num-seqs", type=_positive_int("--max-num-seqs"), default=32,
                    help="engine: running at once (and HF generate()'s batch size)")
-    s.add_argument("--max-num-batched-tokens", type=_positive_int("--max-num-batched-tokens"), default=512)
+    s.add_argument("--max-num-batched-tokens", type=_positive_int("--max-num-batched-tokens"), default=None,
+                   help="engine: tokens per step (default 512, at least --max-num-seqs)")
     s.add_argument("--scale", type=float, default=0.25, help="engine: lengths x scale (ShareGPT means 161/338)")
     s.add_argument("--attn-backend", default="torch", choices=["reference", "torch", "triton"])
     s.add_argument("--systems", nargs="+", default=None,
@@ -487,7 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--file", default=None, help="text to score (default: held-out Hamlet)")
     s.add_argument("--tokens", type=_positive_int("--tokens"), default=1024)
     s.add_argument("--window", type=_positive_int("--window"), default=512)
-    s.add_argument("--stride", type=_positive_int("--stride"), default=256)
+    s.add_argument("--stride", type=_positive_int("--stride"), default=None, help="default: half the window")
     s.add_argument("--chunk", type=_positive_int("--chunk"), default=32)
     s.set_defaults(func=cmd_ppl)
 

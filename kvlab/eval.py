@@ -68,6 +68,29 @@ def _windows(n: int, window: int, stride: int):
         start += stride
 
 
+def _check_tokens(tokens, vocab_size: int) -> list[int]:
+    """Token ids as a list of ints in the model's vocabulary (an id outside it would fail deep in the embedding)."""
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.flatten().tolist()
+    if not isinstance(tokens, (list, tuple)):
+        raise TypeError(f"tokens must be a list of token ids, got {type(tokens).__name__}")
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in tokens):
+        raise ValueError(f"tokens must be ints in 0..{vocab_size - 1} (the model's vocabulary)")
+    return list(tokens)
+
+
+def _check_configs(configs) -> None:
+    if not isinstance(configs, dict):
+        raise TypeError(f"configs must be a dict name -> KVQuantConfig, got {type(configs).__name__}")
+    for name, cfg in configs.items():
+        if not isinstance(cfg, KVQuantConfig):
+            raise TypeError(f"configs[{name!r}] must be a KVQuantConfig (e.g. kvlab.quant.named_config('int8')), "
+                            f"got {cfg!r}")
+    if "fp" in configs:
+        raise ValueError("configs must not use the name 'fp': it is the full-precision reference every config is "
+                         "compared with")
+
+
 @torch.inference_mode()
 def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: int = 512, stride: int = 256,
              chunk: int = 32, block_size: int = 16) -> dict:
@@ -80,6 +103,11 @@ def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: 
     It says how precisely Δppl is measured on THIS text, not how it would vary across texts."""
     from kvlab.hf import attention_implementation, register_paged_attention
 
+    tokens = _check_tokens(tokens, model.config.vocab_size)
+    _check_configs(configs)
+    for name, value in (("window", window), ("stride", stride), ("chunk", chunk), ("block_size", block_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an integer, got {value!r}")
     if len(tokens) < 2:
         raise ValueError("need at least 2 tokens to score")
     if chunk < 1:

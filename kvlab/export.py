@@ -121,6 +121,11 @@ def export_vllm(out_dir, calibration=None, *, strategy: str = "tensor", stat: st
         from kvlab.quant.calibrate import default_calibration
 
         calibration = default_calibration(model, tokenizer, model_name, progress=False)
+    from kvlab.quant.calibrate import Calibration
+
+    if not isinstance(calibration, Calibration):
+        raise TypeError(f"calibration must be a kvlab Calibration (Calibration.load(path) reads a `kvlab calibrate` "
+                        f"file), got {type(calibration).__name__}")
     scales = vllm_scales(calibration, strategy, stat)
     num_layers = calibration.num_layers
     num_kv_heads = calibration.stats["k"]["per-head"]["absmax"].shape[1]

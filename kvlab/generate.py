@@ -6,6 +6,7 @@ that anchors each new cache to the previous one.
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 
@@ -70,19 +71,35 @@ class _StepClock:
         self.t0 = t1
 
 
-def _validate(prompts, max_new_tokens: int) -> list[list[int]]:
+def _validate(prompts, max_new_tokens: int, model=None) -> list[list[int]]:
+    """Prompts as lists of token ids in the model's vocabulary (one prompt may come unwrapped)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of token-id lists")
     if isinstance(prompts[0], int):
         prompts = [prompts]
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     out = []
     for i, p in enumerate(prompts):
-        p = [int(t) for t in p]
+        if not isinstance(p, (list, tuple)) and not (isinstance(p, torch.Tensor) and p.dim() == 1):
+            raise ValueError(f"prompt {i} must be a list of token ids, got {type(p).__name__}")
+        p = p.tolist() if isinstance(p, torch.Tensor) else list(p)
         if not p:
             raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-        out.append(p)
+        ids = []
+        for t in p:
+            try:
+                if isinstance(t, bool):
+                    raise TypeError
+                t = operator.index(t)  # ints and integer scalars (numpy, 0-d tensors), not floats or strs
+                if t < 0 or (vocab and t >= vocab):
+                    raise TypeError
+            except TypeError:
+                allowed = f"0..{vocab - 1}" if vocab else ">= 0"
+                raise ValueError(f"prompt {i} token ids must be ints in {allowed}, got {t!r}") from None
+            ids.append(t)
+        out.append(ids)
     return out
 
 
@@ -101,7 +118,7 @@ def greedy_generate(model, prompts, max_new_tokens: int, cache="dynamic", eos_to
     if cache == "paged":
         return paged_generate(model, prompts, max_new_tokens, block_size=block_size, num_blocks=num_blocks,
                               eos_token_id=eos_token_id)
-    prompts = _validate(prompts, max_new_tokens)
+    prompts = _validate(prompts, max_new_tokens, model)
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_token_id)
     ids, mask = ids.to(device), mask.to(device)
@@ -187,7 +204,7 @@ def hf_generate(model, prompts, max_new_tokens: int, eos_token_id: int | None = 
 
     Returns the generated ids per row, cut after EOS like :func:`greedy_generate`.
     """
-    prompts = _validate(prompts, max_new_tokens)
+    prompts = _validate(prompts, max_new_tokens, model)
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_token_id)
     kwargs = {} if cache is None else {CACHE_KWARG: cache}
@@ -241,7 +258,9 @@ def paged_generate(model, prompts, max_new_tokens: int, block_size: int = 16, nu
     from kvlab.cache.paged import BlockManager
     from kvlab.engine import LLM, SamplingParams
 
-    prompts = _validate(prompts, max_new_tokens)
+    prompts = _validate(prompts, max_new_tokens, model)
+    if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1):
+        raise ValueError(f"num_blocks must be a positive integer or None (enough for every prompt), got {num_blocks!r}")
     if manager is None:
         num_blocks = num_blocks or _pool_for(prompts, max_new_tokens, block_size)
         manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)

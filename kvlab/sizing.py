@@ -10,6 +10,7 @@ the caches of later notebooks are checked against these numbers byte for byte.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
@@ -22,6 +23,7 @@ SCALE_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 # "per-token" ones grow with every stored token.
 STATIC_GRANULARITIES = ("per-tensor", "per-head", "per-channel")
 TOKEN_GRANULARITIES = ("per-token", "per-token-head")  # plus "group-<g>"
+MAX_COUNT = 2**53  # tokens, batch: larger counts are not exact as floats (and GiB would overflow one)
 DEFAULT_SCALES = {"fp32": "none", "fp16": "none", "bf16": "none", "fp8": "per-tensor", "int8": "per-head", "int4": "group-32"}
 
 # Small config dicts (HF field names) so that nothing needs a download. Values from the models'
@@ -118,7 +120,13 @@ def kv_config(model: Any) -> KVConfig:
     if not layers or not heads:
         raise ValueError("model config needs num_hidden_layers and num_attention_heads")
     kv_heads = _get(cfg, "num_key_value_heads") or heads
-    head_dim = _get(cfg, "head_dim") or _get(cfg, "hidden_size") // heads
+    hidden = _get(cfg, "hidden_size")
+    head_dim = _get(cfg, "head_dim") or (hidden // heads if _is_count(hidden) and _is_count(heads) else None)
+    for key, value in (("num_hidden_layers", layers), ("num_attention_heads", heads),
+                       ("num_key_value_heads", kv_heads), ("head_dim", head_dim)):
+        if not _is_count(value) or value < 1:
+            why = " (nor a hidden_size to derive it from)" if key == "head_dim" and value is None else ""
+            raise ValueError(f"model config: {key} must be a positive integer, got {value!r}{why}")
     return KVConfig(
         name=str(name),
         num_layers=int(layers),
@@ -133,8 +141,13 @@ def kv_config(model: Any) -> KVConfig:
     )
 
 
+def _is_count(value) -> bool:
+    """An integer (Python or numpy), not a bool, a float or a string."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral)
+
+
 def _check_dtype(dtype: str) -> str:
-    if dtype not in DTYPE_BITS:
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BITS)}, got {dtype!r}")
     return dtype
 
@@ -154,7 +167,7 @@ def _scale_counts(cfg: KVConfig, scales: str) -> tuple[int, int]:
         return per_layer_tensor, 0
     if scales == "per-token-head":
         return per_layer_tensor * cfg.scale_heads, 0
-    if scales.startswith("group-"):
+    if isinstance(scales, str) and scales.startswith("group-"):
         try:
             g = int(scales.split("-", 1)[1])
         except ValueError:
@@ -217,12 +230,14 @@ def kv_size(
     """
     cfg = kv_config(model)
     _check_dtype(dtype)
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise ValueError(f"tokens must be an integer >= 0, got {tokens!r}")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
-    if scale_dtype not in SCALE_DTYPE_BYTES:
+    if not _is_count(tokens) or not 0 <= tokens <= MAX_COUNT:
+        raise ValueError(f"tokens must be an integer from 0 to 2**53, got {tokens!r}")
+    if not _is_count(batch) or not 1 <= batch <= MAX_COUNT:
+        raise ValueError(f"batch must be an integer from 1 to 2**53, got {batch!r}")
+    if not isinstance(scale_dtype, str) or scale_dtype not in SCALE_DTYPE_BYTES:
         raise ValueError(f"scale_dtype must be one of {sorted(SCALE_DTYPE_BYTES)}, got {scale_dtype!r}")
+    if not isinstance(zero_points, bool):
+        raise ValueError(f"zero_points must be True or False, got {zero_points!r}")
     scales = DEFAULT_SCALES[dtype] if scales is None else scales
     if dtype in FLOAT_DTYPES and scales != "none":
         raise ValueError(f"{dtype} is stored as is: scales must be 'none', got {scales!r}")
@@ -263,6 +278,8 @@ def decode_step_bytes(model: Any, context: int, batch: int = 1, kv_dtype: str = 
     The new token's query attends to all ``context`` cached tokens, so the cache is read in full on
     every step; the weights are shared by the batch.
     """
+    if not _is_count(context) or context < 0:
+        raise ValueError(f"context must be an integer >= 0 (cached tokens), got {context!r}")
     w = weight_read_bytes(model, batch, weight_dtype)
     kv = kv_size(model, kv_dtype, tokens=context, batch=batch).total_bytes
     return {"weights": w, "kv": kv, "total": w + kv}

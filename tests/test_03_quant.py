@@ -301,7 +301,7 @@ def test_cli_ppl_and_calibrate_on_tiny(tmp_path, capsys):
     res = json.loads(capsys.readouterr().out)
     assert {"ppl", "ppl_fp", "kl", "top1"} <= res.keys() and res["scored"] == 119
     assert main(["ppl", "--model", "tiny", "--file", str(tmp_path / "missing.txt")]) == 2
-    assert "not a readable file" in capsys.readouterr().err
+    assert "missing.txt' does not exist" in capsys.readouterr().err
 
 
 def test_cli_ppl_without_scales_file_calibrates_once_and_caches(tmp_path, monkeypatch, capsys):

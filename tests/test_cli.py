@@ -40,8 +40,8 @@ def test_generate_tiny_json_matches_hf(capsys, tiny):
 
 def test_generate_paged_json_reports_block_stats(capsys, tiny):
     outs = {}
-    for cache in ("static", "paged"):
-        assert main(["generate", "--model", "tiny", "--cache", cache, "--block-size", "4", "--prompt", "hello world",
+    for cache, extra in (("static", []), ("paged", ["--block-size", "4"])):
+        assert main(["generate", "--model", "tiny", "--cache", cache, *extra, "--prompt", "hello world",
                      "--max-tokens", "9", "--json"]) == 0
         outs[cache] = json.loads(capsys.readouterr().out)
     paged = outs["paged"]

@@ -66,7 +66,7 @@ class ContiguousCache:
     kind = "dynamic"
 
     def __init__(self, num_layers: int):
-        if not isinstance(num_layers, int) or num_layers < 1:
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
         self.num_layers = num_layers
         self.keys: list[torch.Tensor | None] = [None] * num_layers  # each (B, H_kv, T, D)
@@ -171,6 +171,9 @@ class StaticCache:
         The cache itself only sees tensors: it cannot tell a left pad, or a pad written after a row
         has finished, from a token. Without this call every filled slot counts as a token.
         """
+        tokens_per_row = list(tokens_per_row)
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in tokens_per_row):
+            raise TypeError(f"tokens_per_row must be a list of ints, got {tokens_per_row!r}")
         if len(tokens_per_row) > self.max_batch or any(t < 0 for t in tokens_per_row):
             raise ValueError(
                 f"tokens_per_row must have <= {self.max_batch} non-negative entries, got {tokens_per_row}"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -60,6 +61,29 @@ class SeqBlocks:
     token_ids: list[int] = field(default_factory=list)  # tokens whose K/V are (or will be) in the cache
     hashes: list[bytes] = field(default_factory=list)  # chain hash of each full block
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at allocate()
+
+
+INT32 = 2**31
+
+
+def _token_id(t, name: str = "token_id") -> int:
+    """A token id as the hash chain stores it (4 bytes, signed): an int (or an integer scalar), not a
+    bool, float or str."""
+    try:
+        if isinstance(t, bool):
+            raise TypeError
+        t = operator.index(t)
+    except TypeError:
+        raise TypeError(f"{name} must be integers, got {type(t).__name__} {t!r}") from None
+    if not -INT32 <= t < INT32:
+        raise ValueError(f"{name} must fit in 32 bits, got {t}")
+    return t
+
+
+def _token_ids(token_ids) -> list[int]:
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
+        raise TypeError(f"token_ids must be a list of ints, got {type(token_ids).__name__}")
+    return [_token_id(t, "token_ids") for t in token_ids]
 
 
 def _check_block_size(block_size) -> int:
@@ -119,6 +143,9 @@ class BlockManager:
         """Slots of the sequence's tokens ``start..end-1``: where the storage writes their K/V."""
         seq = self._seq(seq_id)
         end = len(seq.token_ids) if end is None else end
+        for name, v in (("start", start), ("end", end)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int token position, got {type(v).__name__} {v!r}")
         if not 0 <= start <= end <= len(seq.token_ids):
             raise ValueError(f"token range [{start}, {end}) is outside sequence {seq_id}'s {len(seq.token_ids)} tokens")
         return self.slot_mapping_of(seq.block_table, self.block_size, start, end)
@@ -178,7 +205,7 @@ class BlockManager:
     def allocation_cost(self, token_ids, hits: list[int] | None = None) -> tuple[int, int]:
         """``(needed, available)``: new blocks a prompt would take after prefix hits, and blocks free
         for it (hit blocks waiting in the LRU are not free for us: we are about to use them)."""
-        token_ids = list(token_ids)
+        token_ids = _token_ids(token_ids)
         hits = self._match_prefix(token_ids) if hits is None else hits
         cached_hits = sum(1 for bid in hits if self.blocks[bid].ref_count == 0)
         return self.blocks_needed(len(token_ids)) - len(hits), self.num_free_blocks - cached_hits
@@ -196,7 +223,7 @@ class BlockManager:
         forward will fill before that request reads it.
         Raises :class:`OutOfBlocksError` (changing nothing) when the pool cannot hold the prompt.
         """
-        token_ids = [int(t) for t in token_ids]
+        token_ids = _token_ids(token_ids)
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         if not token_ids:
@@ -247,6 +274,7 @@ class BlockManager:
         storage, which must apply it before writing the new token.
         """
         seq = self._seq(seq_id)
+        token_id = _token_id(token_id)  # before anything changes
         bs = self.block_size
         n = len(seq.token_ids)
         if n % bs == 0:  # last block full (or no block yet): a fresh block
@@ -264,7 +292,7 @@ class BlockManager:
                 seq.block_table[-1] = new
                 self.pending_copies.append((last.block_id, new))
                 self.counters["cow_copies"] += 1
-        seq.token_ids.append(int(token_id))
+        seq.token_ids.append(token_id)
         block = self.blocks[seq.block_table[-1]]
         block.num_tokens += 1
         if block.num_tokens == bs:  # registers every full block not registered yet, in chain order

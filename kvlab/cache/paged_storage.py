@@ -43,8 +43,14 @@ class PagedKVCache:
             raise ValueError(f"k/v must be (N, {self.num_kv_heads}, {self.head_dim}), got {tuple(k.shape)}, {tuple(v.shape)}")
         if slot_mapping.shape != (k.shape[0],):
             raise ValueError(f"slot_mapping must have one slot per token: {tuple(slot_mapping.shape)} vs {k.shape[0]} tokens")
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"layer_idx must be in [0, {self.num_layers}), got {layer_idx!r}")
         flat = (-1, self.num_kv_heads, self.head_dim)
-        self.k_cache[layer_idx].view(flat)[slot_mapping] = k.to(self.dtype)
+        try:  # an out-of-pool slot fails on the first write (K), before anything was written
+            self.k_cache[layer_idx].view(flat)[slot_mapping] = k.to(self.dtype)
+        except IndexError:
+            raise ValueError(f"slot_mapping must hold slots in [0, {self.num_blocks * self.block_size}) "
+                             f"({self.num_blocks} blocks of {self.block_size})") from None
         self.v_cache[layer_idx].view(flat)[slot_mapping] = v.to(self.dtype)
 
     def copy_blocks(self, pairs) -> None:

@@ -40,6 +40,16 @@ class Workload:
     meta: dict = field(default_factory=dict)
 
 
+def check_workload_args(scale: float, arrival: str = "all", rate: float = 4.0) -> None:
+    """The workload's knobs, checked before anything is loaded (``kvlab bench engine`` calls it first)."""
+    if arrival not in ("all", "poisson"):
+        raise ValueError(f"arrival must be 'all' or 'poisson', got {arrival!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1:  # NaN too
+        raise ValueError(f"scale must be in (0, 1], got {scale!r}")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < float("inf"):
+        raise ValueError(f"rate must be > 0 requests/s (and finite), got {rate!r}")
+
+
 def make_workload(tokenizer, n: int = 32, shape: str = "sharegpt", scale: float = 0.25, seed: int = 0,
                   arrival: str = "all", rate: float = 4.0, shared_prefix: bool = True,
                   max_len: int = 1024) -> Workload:
@@ -48,12 +58,7 @@ def make_workload(tokenizer, n: int = 32, shape: str = "sharegpt", scale: float 
     from kvlab.cache.simulate import workload
     from kvlab.data import play_text
 
-    if arrival not in ("all", "poisson"):
-        raise ValueError(f"arrival must be 'all' or 'poisson', got {arrival!r}")
-    if not 0 < scale <= 1:
-        raise ValueError(f"scale must be in (0, 1], got {scale!r}")
-    if rate <= 0:
-        raise ValueError(f"rate must be > 0 requests/s, got {rate!r}")
+    check_workload_args(scale, arrival, rate)
     reqs = workload(shape, n, seed=seed, max_seq_len=max_len)
     text = tokenizer.encode(play_text("hamlet"))
     prefix = tokenizer.encode(SYSTEM_PROMPT) if shared_prefix else []
@@ -226,9 +231,15 @@ def _warm_up(model, tokenizer, wl: Workload, systems) -> None:
 def bench_engine(model, tokenizer, wl: Workload, max_num_seqs: int = 32, systems=SYSTEMS, progress: bool = True,
                  **engine_kw) -> dict:
     """Serve ``wl`` with each of ``systems`` in turn; the JSON of ``kvlab bench engine``."""
+    from kvlab.cache.paged import _check_block_size
+    from kvlab.hf import ATTENTION_BACKENDS
+
     unknown = set(systems) - set(SYSTEMS)
     if unknown or not systems:
         raise ValueError(f"systems must be a non-empty subset of {SYSTEMS}, got {sorted(unknown)}")
+    _check_block_size(engine_kw.get("block_size", 16))  # before the progress bar and the warm-up
+    if engine_kw.get("attn_backend", "torch") not in ATTENTION_BACKENDS:
+        raise ValueError(f"attn_backend must be one of {ATTENTION_BACKENDS}, got {engine_kw['attn_backend']!r}")
     bar = None
     if progress:
         from tqdm.auto import tqdm

@@ -69,8 +69,11 @@ def _make_cache(model, tokenizer, num_blocks, block_size, kv_dtype, quant_config
 
     if quant_config is None and kv_dtype == "auto":
         return PagedKVCache.from_model(model, num_blocks, block_size)
-    from kvlab.quant import QuantizedPagedKVCache, named_config
+    from kvlab.quant import KVQuantConfig, QuantizedPagedKVCache, named_config
 
+    if quant_config is not None and not isinstance(quant_config, KVQuantConfig):
+        raise TypeError(f"quant_config must be a KVQuantConfig (e.g. kvlab.quant.named_config('int8')) or None, got "
+                        f"{type(quant_config).__name__} {quant_config!r}; for a named format use kv_dtype=...")
     if quant_config is None:
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
@@ -103,6 +106,9 @@ class LLM:
                  model_name: str = "smollm2-135m", enable_prefix_caching: bool = True, watermark: float = 0.01,
                  eos_token_id: int | None = None, block_manager: BlockManager | None = None, cache=None):
         self.model, self.tokenizer = model, tokenizer
+        if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)):
+            raise TypeError(f"eos_token_id must be an int token id or None, got {type(eos_token_id).__name__} "
+                            f"{eos_token_id!r}")
         if block_manager is None:
             block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         if cache is None:

@@ -52,7 +52,8 @@ class Calibration:
         if tensor not in TENSORS:
             raise ValueError(f"tensor must be one of {TENSORS}, got {tensor!r}")
         if granularity not in ("per-tensor", "per-head", "per-channel"):
-            raise ValueError(f"static scales exist per-tensor, per-head or per-channel, got {granularity!r}")
+            raise ValueError(f"granularity must be one of ('per-tensor', 'per-head', 'per-channel') (static scales), "
+                             f"got {granularity!r}")
         if stat not in STATS:
             raise ValueError(f"stat must be one of {STATS}, got {stat!r}")
         table = self.stats[tensor][granularity][stat]

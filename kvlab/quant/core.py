@@ -28,8 +28,14 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 ZERO_GUARD = 1e-6
 
 
+def _check_tensor(x, name: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+
+
 def check_finite(x: torch.Tensor, name: str = "tensor") -> None:
     """K/V must be finite: a NaN or Inf would silently poison a whole scale group."""
+    _check_tensor(x, name)
     if not torch.isfinite(x).all():
         bad = (~torch.isfinite(x)).sum().item()
         raise ValueError(f"{name} contains {bad} NaN/Inf value(s); refusing to quantize them into the cache")
@@ -45,13 +51,16 @@ def _reduce_dims(granularity: str) -> tuple[int, ...]:
 
 def absmax(x: torch.Tensor, granularity: str) -> torch.Tensor:
     """Max |x| over the axes that share a scale, keeping dims so it broadcasts against ``x`` (T, H, D)."""
+    _check_tensor(x, "x")
     if x.dim() != 3:
-        raise ValueError(f"expected a (T, H, D) tensor, got shape {tuple(x.shape)}")
+        raise ValueError(f"x must be a (T, H, D) tensor, got shape {tuple(x.shape)}")
     return x.abs().amax(dim=_reduce_dims(granularity), keepdim=True)
 
 
 def scale_from_absmax(amax: torch.Tensor, qmax: float = 127.0) -> torch.Tensor:
     """``absmax / qmax``, with the zero guard: 1.0 where absmax < 1e-6."""
+    if isinstance(qmax, bool) or not isinstance(qmax, (int, float)) or not 0 < qmax < math.inf:
+        raise ValueError(f"qmax must be a finite number > 0 (127 for INT8, 448 for FP8), got {qmax!r}")
     amax = amax.float()
     # divide by a full tensor, not a Python scalar: CUDA torch turns "tensor / scalar" into a multiply by the
     # rounded reciprocal, which is not the correctly rounded quotient the CPU (and the Triton kernel) compute
@@ -61,6 +70,8 @@ def scale_from_absmax(amax: torch.Tensor, qmax: float = 127.0) -> torch.Tensor:
 def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Round half to even (``torch.round``), then clamp to +-127. Never truncate: truncation biases
     every value towards zero (and Triton's ``.to(int8)`` truncates and wraps, see notebook 05)."""
+    _check_tensor(x, "x")
+    _check_tensor(scale, "scale")
     return torch.clamp(torch.round(x.float() / scale), -127, 127).to(torch.int8)
 
 
@@ -92,7 +103,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 def _groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
     d = x.shape[-1]
-    if group_size < 1 or d % group_size:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or d % group_size:
         raise ValueError(f"group_size must be a positive divisor of head_dim={d}, got {group_size}")
     return x.reshape(*x.shape[:-1], d // group_size, group_size)  # (..., G, g)
 
@@ -118,6 +129,8 @@ def quantize_int4(x: torch.Tensor, group_size: int = 32, symmetric: bool = True)
     skewed groups (V) but costs one more number per group.
     """
     check_finite(x, "x")
+    if not isinstance(symmetric, bool):
+        raise TypeError(f"symmetric must be True or False, got {symmetric!r}")
     g = _groups(x.float(), group_size)  # (T, H, G, g)
     if symmetric:
         scale = scale_from_absmax(g.abs().amax(-1, keepdim=True), 7.0)
@@ -141,6 +154,8 @@ def dequantize_int4(t: Int4Tensor, dtype: torch.dtype = torch.float32) -> torch.
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Scaled cast to float8_e4m3fn (torch rounds to nearest even); values beyond +-448 saturate."""
+    _check_tensor(x, "x")
+    _check_tensor(scale, "scale")
     return torch.clamp(x.float() / scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 

@@ -39,8 +39,10 @@ class TensorFormat:
         if self.dtype in ("int8", "fp8") and self.granularity not in STATIC_GRANULARITIES + TOKEN_GRANULARITIES:
             raise ValueError(f"granularity must be one of {STATIC_GRANULARITIES + TOKEN_GRANULARITIES}, "
                              f"got {self.granularity!r}")
-        if self.dtype == "int4" and self.group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
+            raise ValueError(f"group_size must be an integer >= 1, got {self.group_size!r}")
+        if not isinstance(self.symmetric, bool):
+            raise ValueError(f"symmetric must be True or False, got {self.symmetric!r}")
 
     @property
     def quantized(self) -> bool:
@@ -79,8 +81,21 @@ class KVQuantConfig:
     layers: dict = field(default_factory=dict)  # layer -> (k TensorFormat, v TensorFormat)
 
     def __post_init__(self):
+        from kvlab.quant.calibrate import STATS
+
+        for name in ("k", "v"):
+            if not isinstance(getattr(self, name), TensorFormat):
+                raise TypeError(f"{name} must be a TensorFormat, got {getattr(self, name)!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.stat not in STATS:
+            raise ValueError(f"stat must be one of {STATS}, got {self.stat!r}")
+        if not isinstance(self.rotate_k, bool):
+            raise ValueError(f"rotate_k must be True or False, got {self.rotate_k!r}")
+        if not isinstance(self.layers, dict) or any(
+                not (isinstance(f, tuple) and len(f) == 2 and all(isinstance(x, TensorFormat) for x in f))
+                for f in self.layers.values()):
+            raise TypeError(f"layers must map a layer to a (k, v) pair of TensorFormats, got {self.layers!r}")
 
     def formats(self, layer: int) -> tuple[TensorFormat, TensorFormat]:
         return self.layers.get(layer, (self.k, self.v))
@@ -126,7 +141,7 @@ def named_config(name: str, **kw) -> KVQuantConfig:
         "int4": (TensorFormat("int4"), TensorFormat("int4")),
         "k8v4": (TensorFormat("int8"), TensorFormat("int4")),
     }
-    if name not in table:
+    if not isinstance(name, str) or name not in table:
         raise ValueError(f"kv format must be one of {sorted(table)}, got {name!r}")
     k, v = table[name]
     gran = kw.pop("granularity", None)
