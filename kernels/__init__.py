@@ -32,8 +32,8 @@ WHY_NO_TRITON = ("the Triton kernels need triton, which installs on Linux only (
 #: a comment line at the top of a notebook cell that needs triton (the kernels, or a result of theirs)
 CELL_MARKER = "# needs triton"
 #: what such a cell prints instead of running, where triton is missing
-SKIPPED_CELL = ("skipped (needs triton, which installs on Linux only): run this cell on a Linux machine or in a "
-                "Linux container, e.g. Docker or WSL 2 on Windows")
+SKIPPED_CELL = ("skipped: this cell needs triton, which installs on Linux only (run it on Linux or in a Linux "
+                "container; README, 'On a Mac or Windows')")
 
 
 @functools.cache
