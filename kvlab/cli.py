@@ -384,17 +384,12 @@ def _eval_tokens(args, tokenizer):
 
 
 def cmd_ppl(args) -> None:
-    from kvlab.eval import evaluate, kv_bytes_per_token
+    from kvlab.eval import check_scoring, evaluate, kv_bytes_per_token
     from kvlab.models import load_model
 
     if args.stride is None:
         args.stride = max(1, args.window // 2)
-    if args.window < 2 or args.stride > args.window:
-        raise CLIError(f"need --window >= 2 and --stride <= --window, got --window {args.window} --stride {args.stride}")
-    fed = min(args.window, args.tokens) - 1  # positions a window feeds (see kvlab.eval.evaluate)
-    if args.chunk >= fed > 1:
-        raise CLIError(f"--chunk must be smaller than the {fed} positions a window feeds, got --chunk {args.chunk}: "
-                       "in a single chunk the cache under test is never read")
+    check_scoring(args.tokens, args.window, args.stride, args.chunk)  # before the model loads
     config = _quant_config(args)
     cal = _read_files_first(args)
     model, tokenizer = load_model(args.model)

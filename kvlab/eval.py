@@ -56,8 +56,7 @@ def _windows(n: int, window: int, stride: int):
     """(start, end, first target scored, relative to start) of sliding windows covering n tokens:
     every target token after the first is scored exactly once, with up to window - stride tokens of
     context before it."""
-    if window < 2 or not 1 <= stride <= window:
-        raise ValueError(f"need window >= 2 and 1 <= stride <= window, got window={window}, stride={stride}")
+    _check_window(window, stride)
     start, done = 0, 0  # targets 1..done are scored
     while True:
         end = min(start + window, n)
@@ -68,15 +67,38 @@ def _windows(n: int, window: int, stride: int):
         start += stride
 
 
+def _check_window(window: int, stride: int) -> None:
+    if window < 2 or not 1 <= stride <= window:
+        raise ValueError(f"need window >= 2 and 1 <= stride <= window, got window={window}, stride={stride}")
+
+
+def check_scoring(num_tokens: int, window: int, stride: int, chunk: int, block_size: int = 16) -> None:
+    """The numbers of an evaluation of ``num_tokens`` tokens, checked before any model work
+    (``kvlab ppl`` calls it before it loads the model)."""
+    for name, value in (("window", window), ("stride", stride), ("chunk", chunk), ("block_size", block_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an integer, got {value!r}")
+    if num_tokens < 2:
+        raise ValueError("need at least 2 tokens to score")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    fed = min(window, num_tokens) - 1  # positions each window feeds (its last token is only a target)
+    if chunk >= fed and fed > 1:
+        raise ValueError(f"chunk must be smaller than the {fed} positions a window feeds, got chunk={chunk}: in a "
+                         "single chunk every position attends to its own K/V in full precision, so the cache "
+                         "under test would never be read")
+    _check_window(window, stride)
+
+
 def _check_tokens(tokens, vocab_size: int) -> list[int]:
     """Token ids as a list of ints in the model's vocabulary (an id outside it would fail deep in the embedding)."""
     if isinstance(tokens, torch.Tensor):
         tokens = tokens.flatten().tolist()
     if not isinstance(tokens, (list, tuple)):
         raise TypeError(f"tokens must be a list of token ids, got {type(tokens).__name__}")
-    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in tokens):
-        raise ValueError(f"tokens must be ints in 0..{vocab_size - 1} (the model's vocabulary)")
-    return list(tokens)
+    from kvlab.cache.paged import check_token_ids
+
+    return check_token_ids(tokens, "tokens", vocab_size)
 
 
 def _check_configs(configs) -> None:
@@ -105,18 +127,7 @@ def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: 
 
     tokens = _check_tokens(tokens, model.config.vocab_size)
     _check_configs(configs)
-    for name, value in (("window", window), ("stride", stride), ("chunk", chunk), ("block_size", block_size)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an integer, got {value!r}")
-    if len(tokens) < 2:
-        raise ValueError("need at least 2 tokens to score")
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
-    fed = min(window, len(tokens)) - 1  # positions each window feeds (its last token is only a target)
-    if chunk >= fed and fed > 1:
-        raise ValueError(f"chunk must be smaller than the {fed} positions a window feeds, got chunk={chunk}: in a "
-                         "single chunk every position attends to its own K/V in full precision, so the cache "
-                         "under test would never be read")
+    check_scoring(len(tokens), window, stride, chunk, block_size)
     names = ["fp"] + list(configs)
     nll = {n: 0.0 for n in names}
     kl = {n: 0.0 for n in configs}

@@ -95,8 +95,7 @@ def write_atomic(path, data: bytes | str, what: str = "file") -> Path:
     p = Path(path)
     if isinstance(data, str):
         data = data.encode("utf-8")
-    if p.is_dir():
-        raise FileError(f"cannot write {what} {str(p)!r}: it is a folder")
+    check_writable_target(p, what)
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:

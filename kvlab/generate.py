@@ -6,13 +6,13 @@ that anchors each new cache to the previous one.
 
 from __future__ import annotations
 
-import operator
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from kvlab.cache import CACHE_KINDS, StaticCache, static_tokens_stored
+from kvlab.cache.paged import check_token_ids
 from kvlab.hf import CACHE_KWARG, KVLabCache, make_store
 
 
@@ -87,19 +87,7 @@ def _validate(prompts, max_new_tokens: int, model=None) -> list[list[int]]:
         p = p.tolist() if isinstance(p, torch.Tensor) else list(p)
         if not p:
             raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-        ids = []
-        for t in p:
-            try:
-                if isinstance(t, bool):
-                    raise TypeError
-                t = operator.index(t)  # ints and integer scalars (numpy, 0-d tensors), not floats or strs
-                if t < 0 or (vocab and t >= vocab):
-                    raise TypeError
-            except TypeError:
-                allowed = f"0..{vocab - 1}" if vocab else ">= 0"
-                raise ValueError(f"prompt {i} token ids must be ints in {allowed}, got {t!r}") from None
-            ids.append(t)
-        out.append(ids)
+        out.append(check_token_ids(p, f"prompt {i} token ids", vocab))
     return out
 
 

@@ -66,24 +66,27 @@ class SeqBlocks:
 INT32 = 2**31
 
 
-def _token_id(t, name: str = "token_id") -> int:
-    """A token id as the hash chain stores it (4 bytes, signed): an int (or an integer scalar), not a
-    bool, float or str."""
-    try:
-        if isinstance(t, bool):
-            raise TypeError
-        t = operator.index(t)
-    except TypeError:
-        raise TypeError(f"{name} must be integers, got {type(t).__name__} {t!r}") from None
-    if not -INT32 <= t < INT32:
-        raise ValueError(f"{name} must fit in 32 bits, got {t}")
-    return t
-
-
-def _token_ids(token_ids) -> list[int]:
-    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
-        raise TypeError(f"token_ids must be a list of ints, got {type(token_ids).__name__}")
-    return [_token_id(t, "token_ids") for t in token_ids]
+def check_token_ids(ids, name: str = "token_ids", vocab_size: int | None = None) -> list[int]:
+    """Token ids as a list of Python ints, or a ValueError naming ``name``: ints or integer scalars
+    (numpy, 0-d tensors), not bools, floats or strs; in ``0..vocab_size - 1`` when a vocabulary is
+    given, else within the 32 bits the block hash stores. The one check behind the block manager,
+    the decode loops, the engine's requests and the evaluation."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"{name} must be a list of ints, got {type(ids).__name__}")
+    lo, hi = (0, vocab_size) if vocab_size else (-INT32, INT32)
+    out = []
+    for t in ids:
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            i = operator.index(t)
+            if not lo <= i < hi:
+                raise TypeError
+        except TypeError:
+            allowed = f"ints in {lo}..{hi - 1}" if vocab_size else "ints that fit in 32 bits"
+            raise ValueError(f"{name} must be {allowed}, got {t!r}") from None
+        out.append(i)
+    return out
 
 
 def _check_block_size(block_size) -> int:
@@ -205,10 +208,12 @@ class BlockManager:
     def allocation_cost(self, token_ids, hits: list[int] | None = None) -> tuple[int, int]:
         """``(needed, available)``: new blocks a prompt would take after prefix hits, and blocks free
         for it (hit blocks waiting in the LRU are not free for us: we are about to use them)."""
-        token_ids = _token_ids(token_ids)
-        hits = self._match_prefix(token_ids) if hits is None else hits
+        token_ids = check_token_ids(token_ids)
+        return self._cost(len(token_ids), self._match_prefix(token_ids) if hits is None else hits)
+
+    def _cost(self, num_tokens: int, hits: list[int]) -> tuple[int, int]:
         cached_hits = sum(1 for bid in hits if self.blocks[bid].ref_count == 0)
-        return self.blocks_needed(len(token_ids)) - len(hits), self.num_free_blocks - cached_hits
+        return self.blocks_needed(num_tokens) - len(hits), self.num_free_blocks - cached_hits
 
     def can_allocate(self, token_ids) -> bool:
         needed, available = self.allocation_cost(token_ids)
@@ -223,13 +228,13 @@ class BlockManager:
         forward will fill before that request reads it.
         Raises :class:`OutOfBlocksError` (changing nothing) when the pool cannot hold the prompt.
         """
-        token_ids = _token_ids(token_ids)
+        token_ids = check_token_ids(token_ids)
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         if not token_ids:
             raise ValueError("token_ids must not be empty")
         hits = self._match_prefix(token_ids)
-        needed, available = self.allocation_cost(token_ids, hits)
+        needed, available = self._cost(len(token_ids), hits)
         if needed > available:
             raise OutOfBlocksError(needed, available, f"a prompt of {len(token_ids)} tokens")
         # commit: nothing below can fail
@@ -274,7 +279,7 @@ class BlockManager:
         storage, which must apply it before writing the new token.
         """
         seq = self._seq(seq_id)
-        token_id = _token_id(token_id)  # before anything changes
+        (token_id,) = check_token_ids([token_id], "token_id")  # before anything changes
         bs = self.block_size
         n = len(seq.token_ids)
         if n % bs == 0:  # last block full (or no block yet): a fresh block

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.cache.paged import BlockManager
+from kvlab.cache.paged import BlockManager, check_token_ids
 from kvlab.engine.metrics import StepStats, summarize
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.engine.sampler import sample
@@ -146,9 +146,7 @@ class LLM:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not prompt:
             raise ValueError("prompt must not be empty: it needs at least one token")
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
-            raise ValueError(f"prompt token ids must be ints in 0..{self.vocab_size - 1}")
-        return list(prompt)
+        return check_token_ids(prompt, "prompt token ids", self.vocab_size)
 
     def _check(self, prompt, sampling_params) -> tuple[list[int], SamplingParams]:
         params = SamplingParams() if sampling_params is None else sampling_params
