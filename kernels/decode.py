@@ -26,6 +26,11 @@ One program = one sequence x one KV head (x one split of its context):
 
 For a quantized pool, the sequence's own new token is attended at full precision (``k_own``,
 ``v_own``), as the PyTorch reference does: only what is stored is quantized.
+
+6. **What the model asks for** (issue 12), as :mod:`kvlab.attention` does it: a sliding ``window``
+   starts the block-table walk at the first tile the window reaches (the tiles before it are not
+   read at all) and masks the keys before it; ``softcap`` caps the scores with tanh; ``sinks`` join
+   the softmax once, in the last split, as a key whose value is zero.
 """
 
 from __future__ import annotations
@@ -78,6 +83,15 @@ def online_softmax_update(m, l, acc, s, v, v_scale):
 
 
 @triton.jit
+def soft_cap(s, cap):
+    """cap * tanh(s / cap), tanh written with exp (tl has no tanh on every backend), overflow-free."""
+    x = s / cap
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return cap * tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _load_pages(ptr, scale_ptr, blk, offs_t, tok_mask, head,
                 s_blk, s_tok, s_head, c_blk, c_tok, c_head, c_grp,
                 FMT: tl.constexpr, SCALE: tl.constexpr, PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -121,7 +135,8 @@ def _paged_decode_kernel(
     k_ptr, v_ptr, ks_ptr, vs_ptr,  # pool pages and their scales (static [H, D] or per-slot pages)
     kown_ptr, vown_ptr,  # (B, H_kv, D) the own new token at full precision (HAS_OWN)
     table_ptr, ctx_ptr,  # (B, max_blocks) block ids; (B,) context lengths incl. the own token
-    sm_scale, iters_per_split,
+    sinks_ptr,  # (H_q,) sink logits (HAS_SINKS)
+    sm_scale, iters_per_split, window, softcap,  # window: keys seen by the new token (a huge number: all)
     s_qb, s_qh, s_ob, s_oh, s_os, s_lb, s_lh,
     sk_blk, sk_tok, sk_head, sv_blk, sv_tok, sv_head,
     ck_blk, ck_tok, ck_head, ck_grp, cv_blk, cv_tok, cv_head, cv_grp,
@@ -130,7 +145,7 @@ def _paged_decode_kernel(
     K_GROUP: tl.constexpr, V_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
     QPP: tl.constexpr, QPP_PAD: tl.constexpr, GQA: tl.constexpr, HAS_OWN: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     pid_h = tl.program_id(1)  # a KV head (grouped) or a query head (QPP == 1)
@@ -153,8 +168,11 @@ def _paged_decode_kernel(
     ctx = tl.load(ctx_ptr + b).to(tl.int32)
     n_pool = ctx - HAS_OWN  # tokens read from the pool
     n_iters = tl.cdiv(n_pool, N)
+    lo = tl.maximum(ctx - window, 0)  # the first position the sliding window still sees
     it_start = split * iters_per_split
     it_end = tl.minimum(it_start + iters_per_split, n_iters)
+    it_start = tl.maximum(it_start, lo // N)  # tiles wholly before the window are never loaded
+    it_end = tl.where(lo < n_pool, it_end, it_start)  # the window holds only the own token: no tile at all
 
     m = tl.full((QPP_PAD,), float("-inf"), tl.float32)
     l = tl.zeros((QPP_PAD,), tl.float32)
@@ -163,7 +181,7 @@ def _paged_decode_kernel(
         page = it * PAGES + offs_p  # (PAGES,) logical block numbers
         blk = tl.load(table_ptr + b * s_tab + page, mask=page * BLOCK_SIZE < n_pool, other=0).to(tl.int64)
         pos = page[:, None] * BLOCK_SIZE + offs_t[None, :]  # (PAGES, BS) token positions
-        tok_mask = pos < n_pool
+        tok_mask = (pos < n_pool) & (pos >= lo)
         k, k_sc = _load_pages(k_ptr, ks_ptr, blk, offs_t, tok_mask, kv_head, sk_blk, sk_tok, sk_head,
                               ck_blk, ck_tok, ck_head, ck_grp, K_FMT, K_SCALE, PAGES, BLOCK_SIZE, HEAD_DIM, K_GROUP,
                               DOT_DTYPE)
@@ -173,6 +191,8 @@ def _paged_decode_kernel(
         s = dot(q_pool, tl.trans(k))  # (QPP_PAD, D) @ (D, N) -> (QPP_PAD, N) scores
         if K_SCALE == PER_SLOT and K_FMT == INT8:
             s = s * k_sc[None, :]  # per-slot K scale folded into QK
+        if HAS_SOFTCAP:
+            s = soft_cap(s, softcap)
         s = tl.where(tl.reshape(tok_mask, (N,))[None, :], s, float("-inf"))
         m, l, acc = online_softmax_update(m, l, acc, s, v, v_sc)  # a per-slot V scale is folded into P
 
@@ -183,11 +203,21 @@ def _paged_decode_kernel(
             k_own = tl.load(kown_ptr + b * s_own_b + kv_head * s_own_h + offs_d).to(tl.float32)
             v_own = tl.load(vown_ptr + b * s_own_b + kv_head * s_own_h + offs_d).to(tl.float32)
             s_own = tl.sum(q * k_own[None, :], axis=1) * sm_scale  # (QPP_PAD,)
+            if HAS_SOFTCAP:
+                s_own = soft_cap(s_own, softcap)
             m_new = tl.maximum(m, s_own)  # the same recurrence for a tile of one position
             alpha = tl.exp(m - m_new)
             p_own = tl.exp(s_own - m_new)
             l = l * alpha + p_own
             acc = acc * alpha[:, None] + p_own[:, None] * v_own[None, :]
+            m = m_new
+    if HAS_SINKS:
+        if split == tl.num_programs(2) - 1:  # the sink joins the softmax once: a key of value zero
+            sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32)
+            m_new = tl.maximum(m, sink)
+            alpha = tl.exp(m - m_new)
+            l = l * alpha + tl.exp(sink - m_new)
+            acc = acc * alpha[:, None]
             m = m_new
 
     if SPLIT:
@@ -255,7 +285,8 @@ def default_splits(programs_per_split: int, max_blocks: int, pages: int) -> int:
 def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Tensor, context_lens: torch.Tensor,
                  scale: float, k_own: torch.Tensor | None = None, v_own: torch.Tensor | None = None,
                  num_splits: int | None = None, pages: int | None = None, group_heads: bool = True,
-                 out: torch.Tensor | None = None, num_warps: int | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, num_warps: int | None = None, *, window: int | None = None,
+                 softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of one query token per sequence over a paged pool.
 
     q (B, H_q, D); k, v operands (:func:`kvlab.kernels.operands`); block_tables (B, max_blocks)
@@ -263,8 +294,9 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
     at most max_blocks * block_size (checked when the tensors are on the CPU; on a GPU the check would
     cost a synchronization per layer, and the engine's ``DecodeIndex`` guarantees it).
     ``k_own, v_own`` (B, H_kv, D): give them to attend the new token at full precision (it is then
-    not read from the pool). ``out``: write the result here (same shape as q). Returns (B, H_q, D)
-    in q's dtype.
+    not read from the pool). ``out``: write the result here (same shape as q). ``window``,
+    ``softcap``, ``sinks`` (H_q,): sliding window, soft cap and attention sinks, as in
+    :mod:`kvlab.attention`. Returns (B, H_q, D) in q's dtype.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be (B, H_q, D), got shape {tuple(q.shape)}")
@@ -286,6 +318,12 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
                          f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}")
     if (k_own is None) != (v_own is None):
         raise ValueError("give both k_own and v_own, or neither")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+    if sinks is not None and (sinks.shape != (h_q,) or sinks.device != q.device):
+        raise ValueError(f"sinks must be (H_q={h_q},) on {q.device}, got {tuple(sinks.shape)} on {sinks.device}")
     if out is not None and (out.shape != q.shape or out.stride(-1) != 1):
         raise ValueError(f"out must have q's shape {tuple(q.shape)} and be contiguous along head_dim, "
                          f"got {tuple(out.shape)}")
@@ -340,7 +378,8 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
     grid = (bsz, h_q // qpp, num_splits)
     _paged_decode_kernel[grid](
         q, dst, lse_arg, kd, vd, ks, vs, own_k, own_v, block_tables, context_lens,
-        float(scale), iters_per_split,
+        sinks.float().contiguous() if sinks is not None else q,
+        float(scale), iters_per_split, window or 1 << 30, float(softcap or 1.0),
         q.stride(0), q.stride(1), *s_o, *s_l,
         kd.stride(0), kd.stride(1), kd.stride(2), vd.stride(0), vd.stride(1), vd.stride(2),
         *k.scale_strides(), *v.scale_strides(),
@@ -349,6 +388,7 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
         K_GROUP=k.group_size or 1, V_GROUP=v.group_size or 1,
         HEAD_DIM=d, BLOCK_SIZE=block_size, PAGES=pages,
         QPP=qpp, QPP_PAD=max(16, _pow2(qpp)), GQA=gqa, HAS_OWN=has_own, SPLIT=split,
+        HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
         DOT_DTYPE=tl.float32 if triton_mode() == "interpreter" else _DOT_DTYPES.get(q.dtype, tl.float32),
         **({"num_warps": num_warps} if num_warps else {}),
     )

@@ -52,7 +52,8 @@ def decode_from_cache(q: torch.Tensor, cache, layer: int, index, scale: float, k
                       v_new: torch.Tensor | None = None, **kw) -> torch.Tensor:
     """One decode token per sequence, q (B, H_q, D), over ``cache`` through ``index`` (a
     :class:`kvlab.attention.DecodeIndex`). A quantized pool attends each sequence's own new token
-    (``k_new, v_new`` (B, H_kv, D)) at full precision, as the PyTorch reference does."""
+    (``k_new, v_new`` (B, H_kv, D)) at full precision, as the PyTorch reference does. ``kw`` goes to
+    :func:`~kvlab.kernels.decode.paged_decode` (``window``, ``softcap``, ``sinks``, tuning knobs)."""
     from kvlab.quant.rotation import rotate
 
     k_op, v_op = operands(cache, layer)

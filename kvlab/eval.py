@@ -123,11 +123,12 @@ def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: 
     differences (config - FP) on the same positions, mean +- 1.96 standard errors, treating
     positions as independent (they are not quite, so read it as a scale of the noise, not a test).
     It says how precisely Δppl is measured on THIS text, not how it would vary across texts."""
-    from kvlab.hf import attention_implementation, register_paged_attention
+    from kvlab.hf import attention_implementation, paged_attention_spec, register_paged_attention
 
     tokens = _check_tokens(tokens, model.config.vocab_size)
     _check_configs(configs)
     check_scoring(len(tokens), window, stride, chunk, block_size)
+    paged_attention_spec(model)  # a model the paged attention cannot run is refused before any work
     names = ["fp"] + list(configs)
     nll = {n: 0.0 for n in names}
     kl = {n: 0.0 for n in configs}

@@ -241,7 +241,9 @@ def paged_generate(model, prompts, max_new_tokens: int, block_size: int = 16, nu
     :class:`~kvlab.quant.QuantizedPagedKVCache` to decode from INT8/INT4/FP8 blocks) to keep state
     across calls: a later request then finds an earlier one's prompt blocks in the prefix cache.
     ``cache_stats`` is the block manager's ``stats()`` at the step that held the most blocks, with
-    the prefix counters at the end.
+    the prefix counters at the end. A model the paged attention cannot run faithfully (a feature it
+    does not honour, :func:`kvlab.hf.paged_attention_spec`) is refused with an
+    :class:`~kvlab.hf.UnsupportedModelError` before anything is allocated.
     """
     from kvlab.cache.paged import BlockManager
     from kvlab.engine import LLM, SamplingParams

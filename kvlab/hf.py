@@ -10,11 +10,19 @@ this file (the "shim"): the name of the cache keyword (``cache=`` from 5.24 on, 
 before) and the argument of ``get_mask_sizes`` (an int query length now, a ``cache_position``
 tensor in older 5.x). Introduced in notebook 01; the decode loops that drive these caches live in
 :mod:`kvlab.generate`.
+
+The paged path (notebook 02 on) goes further: it registers its own attention function, so it must
+honour whatever a model's layers hand that function (sliding windows, soft caps, sinks, the score
+scale). :func:`paged_attention_spec` checks that once per model, before any paged forward, and
+refuses the rest in one line (issue 12; the mask-function hook it relies on is transformers 5.x's
+``masking_utils``).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -122,6 +130,23 @@ class PagedBatch:
 ATTENTION_BACKENDS = ("reference", "torch", "triton")
 
 
+#: keyword arguments HF models hand their attention function that carry no attention feature: forward
+#: flags passed through. Anything else a model passes is a feature kvlab honours (``FEATURES``) or refuses.
+PASSED_THROUGH = frozenset({"position_ids", "use_cache", "output_attentions", "output_router_logits",
+                            "output_hidden_states", "return_dict", "cache_position", "kvlab_paged"})
+#: what the paged attention honours, by the names HF passes them under: the score scale, dropout (only 0,
+#: eval mode), a sliding window, a logit soft cap, attention sinks (gpt-oss's ``s_aux``), is_causal (True)
+FEATURES = frozenset({"scaling", "dropout", "sliding_window", "softcap", "s_aux", "is_causal"})
+
+
+def _features(kwargs: dict) -> dict:
+    """The paged attention's keyword arguments from what a model passed (window, softcap, sinks)."""
+    window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    return dict(window=int(window) if window is not None else None,
+                softcap=float(softcap) if softcap is not None else None,
+                sinks=sinks.detach() if sinks is not None else None)
+
+
 def _paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     from kvlab import attention as A
 
@@ -129,6 +154,12 @@ def _paged_attention_forward(module, query, key, value, attention_mask, scaling=
     if batch is None:
         raise RuntimeError(f"attention '{PAGED_ATTENTION}' needs a kvlab_paged=PagedBatch(...) argument; "
                            "use kvlab.engine.LLM or kvlab.generate.paged_generate")
+    unknown = sorted(k for k in kwargs.keys() - PASSED_THROUGH - FEATURES if kwargs[k] is not None)
+    if unknown or dropout or kwargs.get("is_causal") is False:  # paged_attention_spec refuses these up front
+        what = unknown or ([f"dropout={dropout}"] if dropout else ["is_causal=False"])
+        raise UnsupportedModelError(f"{type(module).__name__} passes {', '.join(what)} to its attention function, "
+                                    "which kvlab's paged attention does not honour")
+    feat = _features(kwargs)
     layer = module.layer_idx
     # query (1, H_q, T, D); key/value (1, H_kv, T, D), post-RoPE, new tokens only
     q, k_new, v_new = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # (T, H, D)
@@ -148,20 +179,22 @@ def _paged_attention_forward(module, query, key, value, attention_mask, scaling=
         from kvlab.kernels.ops import decode_from_cache
 
         out[:nd] = decode_from_cache(q[:nd], cache, layer, batch.decode, scale, k_new[:nd] if quantized else None,
-                                     v_new[:nd] if quantized else None)
+                                     v_new[:nd] if quantized else None, **feat)
     elif nd:  # decodes (packed first, one token each): one batched gather + SDPA
         if quantized:
             out[:nd] = A.quantized_batched_decode_attention(q[:nd], k_new[:nd], v_new[:nd], cache, layer,
-                                                            batch.decode, scale)
+                                                            batch.decode, scale, **feat)
         else:
             out[:nd] = A.batched_decode_attention(q[:nd], cache.k_cache[layer], cache.v_cache[layer], batch.decode,
-                                                  scale)
+                                                  scale, **feat)
     if nd < q.shape[0]:  # everything else one sequence at a time: the reference, the specification
         rest = (batch.block_tables[nd:], batch.context_lens[nd:], batch.query_lens[nd:])
         if quantized:
-            out[nd:] = A.quantized_paged_attention(q[nd:], k_new[nd:], v_new[nd:], cache, layer, *rest, scale)
+            out[nd:] = A.quantized_paged_attention(q[nd:], k_new[nd:], v_new[nd:], cache, layer, *rest, scale,
+                                                   **feat)
         else:
-            out[nd:] = A.paged_attention(q[nd:], cache.k_cache[layer], cache.v_cache[layer], *rest, scale=scale)
+            out[nd:] = A.paged_attention(q[nd:], cache.k_cache[layer], cache.v_cache[layer], *rest, scale=scale,
+                                         **feat)
     return out.unsqueeze(0), None  # (1, T, H_q, D), as HF's attention functions return
 
 
@@ -176,6 +209,199 @@ def register_paged_attention() -> str:
     AttentionInterface.register(PAGED_ATTENTION, _paged_attention_forward)
     AttentionMaskInterface.register(PAGED_ATTENTION, _no_mask)
     return PAGED_ATTENTION
+
+
+# ---- which models the paged path can run (issue 12) -----------------------------------------------
+# The paged attention function replaces HF's: whatever a model's layers hand their attention function
+# must be honoured there, or the model refused, never silently dropped. Before the first paged forward,
+# kvlab runs the model once on 3 tokens with a recording attention function (the "probe") and checks
+# every layer's arguments and every attention mask the model builds.
+
+class UnsupportedModelError(ValueError):
+    """kvlab's paged attention cannot run this model faithfully; raised before any paged forward."""
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer hands its attention function, as the probe saw it."""
+
+    layer: int
+    scaling: float
+    sliding_window: int | None = None
+    softcap: float | None = None
+    sinks: bool = False
+
+    def describe(self) -> str:
+        parts = [f"window {self.sliding_window}" if self.sliding_window else "global", f"scale {self.scaling:.4g}"]
+        if self.softcap is not None:
+            parts.append(f"softcap {self.softcap:g}")
+        if self.sinks:
+            parts.append("sinks")
+        return ", ".join(parts)
+
+
+_PROBE = "kvlab_probe"
+_probe_record: dict = {}
+_SPECS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (fingerprint, specs or error)
+
+
+def _probe_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    mask = _probe_record["masks"].get(attention_mask.data_ptr()) if torch.is_tensor(attention_mask) else None
+    _probe_record["calls"].append((module, tuple(query.shape), tuple(key.shape), tuple(value.shape), scaling,
+                                   dropout, {k: v for k, v in kwargs.items() if k != "kvlab_paged"}, mask))
+    return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+
+def _probe_mask(*args, mask_function=None, **kwargs):
+    """Hand out a token tensor per mask built; the layer that receives it tells which mask is its own."""
+    token = torch.ones((1, 1, 1, 1), dtype=torch.bool)
+    _probe_record["masks"][token.data_ptr()] = (token, mask_function)
+    return token
+
+
+@functools.cache
+def _mask_grid() -> tuple[torch.Tensor, torch.Tensor]:
+    """(query, key) absolute positions to read a mask function at: every pair below 256, and around
+    powers of two up to 2**20 (window and chunk edges) for the long contexts."""
+    dense = torch.arange(256)
+    q_big = torch.tensor(sorted({b + d for k in range(8, 21) for b in (2 ** k, 3 * 2 ** (k - 1)) for d in (-1, 0, 1)}))
+    offsets = torch.tensor(sorted({-1, 0} | {2 ** j + d for j in range(21) for d in (-1, 0, 1)}))
+    q = torch.cat([dense.repeat_interleave(256), q_big.repeat_interleave(len(offsets))])
+    kv = torch.cat([dense.repeat(256), (q_big[:, None] - offsets[None, :]).clamp(min=0).flatten()])
+    return q, kv
+
+
+def _read_mask(mask_function) -> torch.Tensor | None:
+    """An HF mask function read on the grid of :func:`_mask_grid` (None: it cannot be read there)."""
+    q, kv = _mask_grid()
+    zero = torch.zeros((), dtype=torch.long)
+    try:
+        return torch.as_tensor(mask_function(zero, zero, q, kv)).bool().expand_as(q)
+    except Exception:  # a mask function that only works under vmap or on a device: not one we can check
+        return None
+
+
+def _describe_mask(got: torch.Tensor | None) -> str:
+    """What a mask that is not the expected one is, in words, for the refusal."""
+    from kvlab.attention import visible
+
+    if got is None:
+        return "a mask function kvlab cannot evaluate"
+    q, kv = _mask_grid()
+    if bool((got & (kv > q)).any()):
+        return "bidirectional attention (a query sees later tokens)"
+    causal = visible(q, kv)
+    cut = q[causal & ~got]  # queries that miss a key causal attention would let them see
+    if not len(cut):
+        return "causal attention without a window"
+    first = int(cut.min())  # a window W first hides a key at query W; a chunk C first at query C
+    if torch.equal(got, causal & (kv // first == q // first)):
+        return f"chunked attention (chunks of {first} tokens)"
+    if torch.equal(got, visible(q, kv, first)):
+        return f"a sliding window of {first} tokens"
+    return "a mask pattern kvlab does not build"
+
+
+def _model_name(model) -> str:
+    return getattr(model.config, "model_type", None) or type(model).__name__
+
+
+def _fingerprint(model) -> str:
+    cfgs = [{k: v for k, v in c.to_dict().items() if not k.startswith("_attn")} for c in model_configs(model)]
+    return repr((cfgs, model.training))
+
+
+def paged_attention_spec(model) -> tuple[LayerAttention, ...]:
+    """What each layer of ``model`` hands its attention function, checked to be something kvlab's paged
+    attention honours: causal attention with the score ``scaling``, a per-layer ``sliding_window``,
+    ``softcap`` and attention sinks. Anything else is an :class:`UnsupportedModelError` (one line naming
+    the model and the feature). One 3-token forward, remembered per model until its config changes."""
+    key = _fingerprint(model)
+    hit = _SPECS.get(model)
+    if hit is not None and hit[0] == key:
+        if isinstance(hit[1], Exception):
+            raise hit[1]
+        return hit[1]
+    try:
+        spec = _probe(model)
+    except UnsupportedModelError as e:
+        _SPECS[model] = (key, e)
+        raise
+    _SPECS[model] = (key, spec)
+    return spec
+
+
+def _probe(model) -> tuple[LayerAttention, ...]:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from kvlab.attention import visible
+    from kvlab.sizing import kv_config
+
+    name = _model_name(model)
+
+    def refuse(reason: str):
+        return UnsupportedModelError(f"kvlab's paged cache cannot run {name!r}: {reason}; the 'dynamic' and "
+                                     "'static' caches can (they use HF's own attention)")
+
+    AttentionInterface.register(_PROBE, _probe_attention)
+    AttentionMaskInterface.register(_PROBE, _probe_mask)
+    device = next(model.parameters()).device
+    _probe_record.update(calls=[], masks={})
+    try:
+        with torch.inference_mode(), attention_implementation(model, _PROBE):
+            model(input_ids=torch.tensor([[1, 2, 3]], device=device), position_ids=torch.arange(3, device=device)[None],
+                  use_cache=False, logits_to_keep=1)
+    except (KeyboardInterrupt, MemoryError):
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise refuse(f"its forward fails with packed inputs ({type(e).__name__}: {first})") from None
+    calls, _ = _probe_record.pop("calls"), _probe_record.pop("masks")
+    if not calls:
+        raise refuse("its layers compute attention themselves instead of calling transformers' AttentionInterface, "
+                     "so there is no attention function to replace")
+    cfg = kv_config(model)
+    layers = [getattr(c[0], "layer_idx", None) for c in calls]
+    if None in layers or sorted(layers) != list(range(cfg.num_layers)):
+        raise refuse(f"its attention is called for layers {layers}, not once for each of its {cfg.num_layers} layers")
+    spec = []
+    for module, q_shape, k_shape, v_shape, scaling, dropout, kw, mask in sorted(calls, key=lambda c: c[0].layer_idx):
+        i = module.layer_idx
+        if k_shape[-1] != v_shape[-1]:
+            raise refuse(f"its keys and values have different head sizes ({k_shape[-1]} and {v_shape[-1]}, multi-head "
+                         "latent attention?) and the pool stores both at one head_dim")
+        if (k_shape[1], k_shape[-1]) != (cfg.num_kv_heads, cfg.head_dim) or k_shape != v_shape:
+            raise refuse(f"layer {i} has {k_shape[1]} KV heads of {k_shape[-1]} dims, its config says "
+                         f"{cfg.num_kv_heads} of {cfg.head_dim}, and the pool is sized from the config")
+        if q_shape[1] % k_shape[1] or q_shape[-1] != k_shape[-1]:
+            raise refuse(f"layer {i} has {q_shape[1]} query heads of {q_shape[-1]} dims for {k_shape[1]} KV heads "
+                         f"of {k_shape[-1]}")
+        unknown = sorted(k for k, v in kw.items() if v is not None and k not in PASSED_THROUGH | FEATURES)
+        if unknown:
+            raise refuse(f"layer {i} passes {', '.join(unknown)} to its attention function, which kvlab's paged "
+                         "attention does not honour")
+        if dropout:
+            raise refuse(f"attention dropout {dropout} is on (the model is in training mode: call model.eval())")
+        if kw.get("is_causal") is False:
+            raise refuse(f"layer {i} asks for non-causal attention")
+        sinks = kw.get("s_aux")
+        if sinks is not None and tuple(sinks.shape) != (q_shape[1],):
+            raise refuse(f"layer {i}'s attention sinks have shape {tuple(sinks.shape)}, not one per query head")
+        window, softcap = kw.get("sliding_window"), kw.get("softcap")
+        window = int(window) if window is not None else None
+        # HF's own attention obeys the mask, not the sliding_window argument: they must say the same
+        if mask is None:
+            raise refuse(f"layer {i} gets no attention mask from transformers' masking_utils, so kvlab cannot "
+                         "check that its attention is causal")
+        got = _read_mask(mask[1])
+        if got is None or not torch.equal(got, visible(*_mask_grid(), window)):
+            told = f"a window of {window}" if window else "no window"
+            raise refuse(f"layer {i} attends with {_describe_mask(got)}, but the paged attention builds only causal "
+                         f"masks with the sliding window a layer passes it (layer {i} passes {told})")
+        spec.append(LayerAttention(i, float(scaling if scaling is not None else q_shape[-1] ** -0.5), window,
+                                   float(softcap) if softcap is not None else None, sinks is not None))
+    return tuple(spec)
 
 
 def model_configs(model) -> list:
@@ -203,5 +429,5 @@ def attention_implementation(model, name: str, configs=None):
 
 
 __all__ = ["CACHE_KWARG", "KVLabCache", "make_store", "PAGED_ATTENTION", "PagedBatch", "ATTENTION_BACKENDS",
-           "register_paged_attention",
+           "register_paged_attention", "paged_attention_spec", "LayerAttention", "UnsupportedModelError",
            "attention_implementation"]

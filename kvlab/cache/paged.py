@@ -12,6 +12,12 @@ sequence lives in physical block ``block_table[i]``. Token t of a sequence is st
 share full blocks between sequences with the same prefix (hash chain + token check + refcounts,
 LRU eviction of freed-but-cached blocks), fork with copy-on-write. :class:`PagedKVCache` holds the
 tensors, ``[num_blocks, block_size, H_kv, D]`` per layer, and applies what the manager decides.
+
+Sliding-window models (Mistral, Gemma-2/3, gpt-oss; issue 12): kvlab keeps every block of a sequence
+until the sequence finishes, also those that fell out of the window, so a later prompt can still hit
+them in the prefix cache. vLLM instead frees them as the window passes. ``stats()`` says which blocks
+those are: ``blocks_outside_window`` counts held blocks that no layer reads anymore (only when every
+layer slides, ``sliding_window`` set by the engine; a model with a global layer reads them all).
 """
 
 from __future__ import annotations
@@ -113,6 +119,8 @@ class BlockManager:
         self.finished: set[int] = set()
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the storage
         self.counters = dict(prefix_queries=0, prefix_hits=0, evictions=0, cow_copies=0)
+        #: the most tokens any layer reads back when every layer slides (set by the engine), else None
+        self.sliding_window: int | None = None
 
     # ---- queries ---------------------------------------------------------------------------------
 
@@ -369,8 +377,25 @@ class BlockManager:
             "prefix_hits": h,
             "prefix_hit_rate": h / q if q else 0.0,
             "blocks_saved": self.blocks_needed_for_all() - len(used),  # by prefix sharing and forks
+            "sliding_window": self.sliding_window,
+            "blocks_outside_window": self.blocks_outside_window(),
             **{k: v for k, v in self.counters.items() if k not in ("prefix_queries", "prefix_hits")},
         }
+
+    def blocks_outside_window(self) -> int:
+        """Held blocks no layer reads anymore: every token in them is before the window of the newest
+        token of every sequence holding them (kvlab keeps them; vLLM would free them). 0 without
+        ``sliding_window``."""
+        if self.sliding_window is None:
+            return 0
+        outside, inside = set(), set()
+        for s in self.seqs.values():
+            # the newest token sits at position n - 1 and sees keys > n - 1 - window: block i is out of
+            # reach when its last position (i + 1) * block_size - 1 <= n - 1 - window
+            cut = max(0, (len(s.token_ids) - self.sliding_window) // self.block_size)
+            outside.update(s.block_table[:cut])
+            inside.update(s.block_table[cut:])
+        return len(outside - inside)
 
     def blocks_needed_for_all(self) -> int:
         """Blocks the live sequences would hold without any sharing."""

@@ -97,7 +97,9 @@ class LLM:
     "triton": the kernels of notebook 05), ``kv_dtype`` ("auto":
     the model's dtype; "fp16", "int8", "fp8", "int4", "k8v4": a quantized pool, scales from
     ``calibration`` or the cached default), ``enable_prefix_caching``. Pass ``block_manager`` and
-    ``cache`` to share a pool across engines.
+    ``cache`` to share a pool across engines. Sliding windows, soft caps and attention sinks are
+    honoured; a model whose attention needs something else is refused here, before any pool exists,
+    with a one-line :class:`kvlab.hf.UnsupportedModelError` (:func:`kvlab.hf.paged_attention_spec`).
     """
 
     def __init__(self, model, tokenizer=None, *, num_blocks: int = 256, block_size: int = 16,
@@ -106,6 +108,9 @@ class LLM:
                  model_name: str = "smollm2-135m", enable_prefix_caching: bool = True, watermark: float = 0.01,
                  eos_token_id: int | None = None, block_manager: BlockManager | None = None, cache=None):
         self.model, self.tokenizer = model, tokenizer
+        from kvlab.hf import paged_attention_spec
+
+        layers = paged_attention_spec(model)  # a model the paged attention cannot run is refused before any pool
         if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)):
             raise TypeError(f"eos_token_id must be an int token id or None, got {type(eos_token_id).__name__} "
                             f"{eos_token_id!r}")
@@ -117,6 +122,9 @@ class LLM:
         if (cache.num_blocks, cache.block_size) != (block_manager.num_blocks, block_manager.block_size):
             raise ValueError("cache and block_manager disagree on num_blocks / block_size")
         self.block_manager, self.cache = block_manager, cache
+        windows = [a.sliding_window for a in layers]
+        if None not in windows:  # every layer slides: the stats count the blocks out of every window
+            block_manager.sliding_window = max(windows)
         self.scheduler = Scheduler(block_manager, max_num_seqs, max_num_batched_tokens, policy, watermark)
         self.runner = ModelRunner(model, cache, attn_backend)
         if eos_token_id is None:
