@@ -39,6 +39,7 @@ import math
 
 import torch
 
+from kvlab.attention import check_features
 from kvlab.kernels import require_triton
 
 require_triton("kvlab.kernels.decode")  # where triton is missing (macOS, Windows): an ImportError that says why
@@ -318,12 +319,9 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
                          f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}")
     if (k_own is None) != (v_own is None):
         raise ValueError("give both k_own and v_own, or neither")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive int or None, got {window!r}")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
-        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
-    if sinks is not None and (sinks.shape != (h_q,) or sinks.device != q.device):
-        raise ValueError(f"sinks must be (H_q={h_q},) on {q.device}, got {tuple(sinks.shape)} on {sinks.device}")
+    check_features(h_q, window, softcap, sinks)
+    if sinks is not None and sinks.device != q.device:
+        raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
     if out is not None and (out.shape != q.shape or out.stride(-1) != 1):
         raise ValueError(f"out must have q's shape {tuple(q.shape)} and be contiguous along head_dim, "
                          f"got {tuple(out.shape)}")

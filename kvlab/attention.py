@@ -11,7 +11,7 @@ Every function here also honours what an HF model hands its attention function b
 
 - ``window``: sliding-window attention (Mistral, Gemma-2/3's local layers, gpt-oss): the query at
   position p sees keys ``p - window < j <= p``, HF's rule (``masking_utils.sliding_window_overlay``).
-  Only the mask changes: the paged cache keeps every block (see :mod:`kvlab.hf`).
+  Only the mask changes: the paged cache keeps every block (see :mod:`kvlab.cache.paged`).
 - ``softcap``: logit soft-capping (Gemma-2): scores become ``softcap * tanh(scores / softcap)``
   after scaling, before the mask.
 - ``sinks``: attention sinks (gpt-oss's ``s_aux``), one learned logit per query head that joins
@@ -31,6 +31,18 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table, num_tok
     k = k_cache[table].flatten(0, 1)[:num_tokens]  # (n_blocks * block_size, H_kv, D) -> (T, H_kv, D)
     v = v_cache[table].flatten(0, 1)[:num_tokens]
     return k, v
+
+
+def check_features(h_q: int, window=None, softcap=None, sinks=None) -> None:
+    """A ValueError naming the argument unless ``window`` is a positive int, ``softcap`` a positive
+    number and ``sinks`` one logit per query head (H_q,), each or None."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int (tokens a query sees, itself included) or None, got {window!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (h_q,)):
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"sinks must be a tensor of one logit per query head, shape ({h_q},), got {shape}")
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
@@ -65,12 +77,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, w
 
     q: (q_len, H_q, D); k, v: (ctx, H_kv, D) -> (q_len, H_q, D). Query j sits at position
     ``ctx - q_len + j`` and sees keys 0..that position (the last ``window`` of them under a sliding
-    window). Without a soft cap or sinks this is one SDPA call; with them, the scores are written out.
+    window). Without a soft cap or sinks this is one SDPA call; with them, the (q_len, ctx) scores of
+    every head are written out, as HF's eager attention does for Gemma-2 and gpt-oss.
     """
     q_len, h_q, d = q.shape
     ctx, h_kv, _ = k.shape
     if h_q % h_kv:
         raise ValueError(f"query heads ({h_q}) must be a multiple of KV heads ({h_kv})")
+    check_features(h_q, window, softcap, sinks)
     group = h_q // h_kv  # query heads sharing one KV head
     qh = q.reshape(q_len, h_kv, group, d).permute(1, 2, 0, 3)  # (H_kv, G, q_len, D)
     kh = k.permute(1, 0, 2).unsqueeze(1)  # (H_kv, 1, ctx, D)
@@ -145,6 +159,7 @@ def quantized_paged_attention(q, k_new, v_new, cache, layer: int, block_tables, 
     """
     from kvlab.quant.rotation import rotate
 
+    check_features(q.shape[1], window, softcap, sinks)
     out = torch.empty_like(q, dtype=torch.float32)
     bs = cache.block_size
     start = 0
@@ -205,6 +220,7 @@ class DecodeIndex:
         """(B, S) the key positions each sequence's new token sees: the last ``window`` of its context
         under a sliding window. Built once per window and step, shared by the layers that use it."""
         if window not in self._windowed:
+            check_features(1, window)
             self._windowed[window] = self.valid & (self._pos[None, :] >= self.context_lens[:, None] - window)
         return self._windowed[window]
 
@@ -216,6 +232,7 @@ def _decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch
     soft cap or sinks need the scores written out)."""
     b, h_q, d = q.shape
     h_kv = k.shape[2]
+    check_features(h_q, None, softcap, sinks)
     qh = q.reshape(b, h_kv, h_q // h_kv, d)  # (B, H_kv, G, D)
     kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # (B, H_kv, S, D)
     if softcap is None and sinks is None:

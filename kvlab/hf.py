@@ -242,7 +242,9 @@ class LayerAttention:
 
 _PROBE = "kvlab_probe"
 _probe_record: dict = {}
-_SPECS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (fingerprint, specs or error)
+#: model -> (config fingerprint, its layers' spec or the refusal's message); only strings and plain values,
+#: so a refused model is not kept alive by its own exception's traceback
+_SPECS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _probe_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -260,20 +262,26 @@ def _probe_mask(*args, mask_function=None, **kwargs):
 
 
 @functools.cache
-def _mask_grid() -> tuple[torch.Tensor, torch.Tensor]:
-    """(query, key) absolute positions to read a mask function at: every pair below 256, and around
-    powers of two up to 2**20 (window and chunk edges) for the long contexts."""
+def _mask_grid(window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query, key) absolute positions to read a mask function at: every pair below 256; around powers
+    of two up to 2**20 (window and chunk edges) for the long contexts; and, for a layer told a sliding
+    ``window``, keys at distance window - 1, window and window + 1 from queries beyond it (an off-by-one
+    between the mask and the argument shows there, whatever the window's size)."""
     dense = torch.arange(256)
-    q_big = torch.tensor(sorted({b + d for k in range(8, 21) for b in (2 ** k, 3 * 2 ** (k - 1)) for d in (-1, 0, 1)}))
-    offsets = torch.tensor(sorted({-1, 0} | {2 ** j + d for j in range(21) for d in (-1, 0, 1)}))
+    q_big = {b + d for k in range(8, 21) for b in (2 ** k, 3 * 2 ** (k - 1)) for d in (-1, 0, 1)}
+    offsets = {-1, 0} | {2 ** j + d for j in range(21) for d in (-1, 0, 1)}
+    if window is not None:
+        q_big |= {window + d for d in (-1, 0, 1, 2, 7)} | {3 * window + 5}
+        offsets |= {window - 1, window, window + 1}
+    q_big, offsets = torch.tensor(sorted(q_big)), torch.tensor(sorted(offsets))
     q = torch.cat([dense.repeat_interleave(256), q_big.repeat_interleave(len(offsets))])
     kv = torch.cat([dense.repeat(256), (q_big[:, None] - offsets[None, :]).clamp(min=0).flatten()])
     return q, kv
 
 
-def _read_mask(mask_function) -> torch.Tensor | None:
+def _read_mask(mask_function, window: int | None = None) -> torch.Tensor | None:
     """An HF mask function read on the grid of :func:`_mask_grid` (None: it cannot be read there)."""
-    q, kv = _mask_grid()
+    q, kv = _mask_grid(window)
     zero = torch.zeros((), dtype=torch.long)
     try:
         return torch.as_tensor(mask_function(zero, zero, q, kv)).bool().expand_as(q)
@@ -281,13 +289,13 @@ def _read_mask(mask_function) -> torch.Tensor | None:
         return None
 
 
-def _describe_mask(got: torch.Tensor | None) -> str:
+def _describe_mask(got: torch.Tensor | None, window: int | None) -> str:
     """What a mask that is not the expected one is, in words, for the refusal."""
     from kvlab.attention import visible
 
     if got is None:
         return "a mask function kvlab cannot evaluate"
-    q, kv = _mask_grid()
+    q, kv = _mask_grid(window)
     if bool((got & (kv > q)).any()):
         return "bidirectional attention (a query sees later tokens)"
     causal = visible(q, kv)
@@ -315,20 +323,40 @@ def paged_attention_spec(model) -> tuple[LayerAttention, ...]:
     """What each layer of ``model`` hands its attention function, checked to be something kvlab's paged
     attention honours: causal attention with the score ``scaling``, a per-layer ``sliding_window``,
     ``softcap`` and attention sinks. Anything else is an :class:`UnsupportedModelError` (one line naming
-    the model and the feature). One 3-token forward, remembered per model until its config changes."""
+    the model and the feature). One 3-token forward, remembered per model until its config changes (a
+    forward that fails is not remembered: it may be an out-of-memory error or a bug, not the model)."""
     key = _fingerprint(model)
     hit = _SPECS.get(model)
     if hit is not None and hit[0] == key:
-        if isinstance(hit[1], Exception):
-            raise hit[1]
+        if isinstance(hit[1], str):
+            raise UnsupportedModelError(hit[1]) from None
         return hit[1]
     try:
         spec = _probe(model)
+    except _ForwardFailed as e:
+        raise UnsupportedModelError(str(e)) from None
     except UnsupportedModelError as e:
-        _SPECS[model] = (key, e)
-        raise
+        _SPECS[model] = (key, str(e))
+        raise UnsupportedModelError(str(e)) from None
     _SPECS[model] = (key, spec)
     return spec
+
+
+class _ForwardFailed(Exception):
+    """The probe's forward raised: refused now, not remembered."""
+
+
+#: RoPE variants that recompute their frequencies from the largest position in each forward
+#: (``modeling_rope_utils.dynamic_rope_update``): in a packed batch that is the longest sequence's
+SEQUENCE_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _rope_types(model) -> set[str]:
+    types = set()
+    for m in model.modules():
+        rt = getattr(m, "rope_type", None)
+        types |= set(rt.values()) if isinstance(rt, dict) else {rt} if isinstance(rt, str) else set()
+    return types
 
 
 def _probe(model) -> tuple[LayerAttention, ...]:
@@ -340,10 +368,16 @@ def _probe(model) -> tuple[LayerAttention, ...]:
 
     name = _model_name(model)
 
-    def refuse(reason: str):
-        return UnsupportedModelError(f"kvlab's paged cache cannot run {name!r}: {reason}; the 'dynamic' and "
-                                     "'static' caches can (they use HF's own attention)")
+    def refuse(reason: str, hf_attention_runs: bool = True):
+        # where only the attention function is the problem, HF's own attention (and kvlab's caches that
+        # plug into it) still runs the model; not where the cache shapes or the forward are the problem
+        tail = "; the 'dynamic' and 'static' caches can (they use HF's own attention)" if hf_attention_runs else ""
+        return UnsupportedModelError(f"kvlab's paged cache cannot run {name!r}: {reason}{tail}")
 
+    rope = sorted(_rope_types(model) & set(SEQUENCE_DEPENDENT_ROPE))
+    if rope:
+        raise refuse(f"its RoPE ({rope[0]!r}) recomputes its frequencies from the largest position in each forward, "
+                     "so in a packed batch one sequence's positions would be encoded by another's length")
     AttentionInterface.register(_PROBE, _probe_attention)
     AttentionMaskInterface.register(_PROBE, _probe_mask)
     device = next(model.parameters()).device
@@ -352,28 +386,33 @@ def _probe(model) -> tuple[LayerAttention, ...]:
         with torch.inference_mode(), attention_implementation(model, _PROBE):
             model(input_ids=torch.tensor([[1, 2, 3]], device=device), position_ids=torch.arange(3, device=device)[None],
                   use_cache=False, logits_to_keep=1)
-    except (KeyboardInterrupt, MemoryError):
+        calls = _probe_record["calls"]
+    except torch.OutOfMemoryError:
         raise
-    except Exception as e:
+    except Exception as e:  # e.g. a forward without logits_to_keep or position_ids: the engine passes both
         first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise refuse(f"its forward fails with packed inputs ({type(e).__name__}: {first})") from None
-    calls, _ = _probe_record.pop("calls"), _probe_record.pop("masks")
+        raise _ForwardFailed(str(refuse(f"its 3-token forward with kvlab's arguments fails ({type(e).__name__}: "
+                                        f"{first})", False))) from None
+    finally:
+        _probe_record.clear()  # no module or mask kept alive here
     if not calls:
         raise refuse("its layers compute attention themselves instead of calling transformers' AttentionInterface, "
                      "so there is no attention function to replace")
     cfg = kv_config(model)
     layers = [getattr(c[0], "layer_idx", None) for c in calls]
     if None in layers or sorted(layers) != list(range(cfg.num_layers)):
-        raise refuse(f"its attention is called for layers {layers}, not once for each of its {cfg.num_layers} layers")
+        raise refuse(f"its attention is called for layers {layers}, not once for each of its {cfg.num_layers} layers",
+                     False)
     spec = []
     for module, q_shape, k_shape, v_shape, scaling, dropout, kw, mask in sorted(calls, key=lambda c: c[0].layer_idx):
         i = module.layer_idx
         if k_shape[-1] != v_shape[-1]:
-            raise refuse(f"its keys and values have different head sizes ({k_shape[-1]} and {v_shape[-1]}, multi-head "
-                         "latent attention?) and the pool stores both at one head_dim")
-        if (k_shape[1], k_shape[-1]) != (cfg.num_kv_heads, cfg.head_dim) or k_shape != v_shape:
-            raise refuse(f"layer {i} has {k_shape[1]} KV heads of {k_shape[-1]} dims, its config says "
-                         f"{cfg.num_kv_heads} of {cfg.head_dim}, and the pool is sized from the config")
+            raise refuse(f"its keys and values have different head sizes ({k_shape[-1]} and {v_shape[-1]}: multi-head "
+                         "latent attention) and kvlab's caches store both at one head_dim", False)
+        for what, shape in (("key", k_shape), ("value", v_shape)):
+            if (shape[1], shape[-1]) != (cfg.num_kv_heads, cfg.head_dim):
+                raise refuse(f"layer {i} has {shape[1]} {what} heads of {shape[-1]} dims, its config says "
+                             f"{cfg.num_kv_heads} of {cfg.head_dim}, and kvlab sizes its caches from the config", False)
         if q_shape[1] % k_shape[1] or q_shape[-1] != k_shape[-1]:
             raise refuse(f"layer {i} has {q_shape[1]} query heads of {q_shape[-1]} dims for {k_shape[1]} KV heads "
                          f"of {k_shape[-1]}")
@@ -390,15 +429,17 @@ def _probe(model) -> tuple[LayerAttention, ...]:
             raise refuse(f"layer {i}'s attention sinks have shape {tuple(sinks.shape)}, not one per query head")
         window, softcap = kw.get("sliding_window"), kw.get("softcap")
         window = int(window) if window is not None else None
+        if window is not None and window < 1:
+            raise refuse(f"layer {i} passes sliding_window={window}: a query would see no key, not even itself")
         # HF's own attention obeys the mask, not the sliding_window argument: they must say the same
         if mask is None:
             raise refuse(f"layer {i} gets no attention mask from transformers' masking_utils, so kvlab cannot "
                          "check that its attention is causal")
-        got = _read_mask(mask[1])
-        if got is None or not torch.equal(got, visible(*_mask_grid(), window)):
+        got = _read_mask(mask[1], window)
+        if got is None or not torch.equal(got, visible(*_mask_grid(window), window)):
             told = f"a window of {window}" if window else "no window"
-            raise refuse(f"layer {i} attends with {_describe_mask(got)}, but the paged attention builds only causal "
-                         f"masks with the sliding window a layer passes it (layer {i} passes {told})")
+            raise refuse(f"layer {i} attends with {_describe_mask(got, window)}, but the paged attention builds only "
+                         f"causal masks with the sliding window a layer passes it (layer {i} passes {told})")
         spec.append(LayerAttention(i, float(scaling if scaling is not None else q_shape[-1] ** -0.5), window,
                                    float(softcap) if softcap is not None else None, sinks is not None))
     return tuple(spec)

@@ -187,9 +187,8 @@ TINY_ARCHS = {
     "qwen2": ("qwen2", {}, "runs"),
     "qwen3": ("qwen3", {}, "runs"),  # q/k RMSNorm per head
     "mistral": ("mistral", dict(sliding_window=8), "runs"),  # a window shorter than the prompts
-    # local/global layers alternate; eager attention; weights large enough (and a cap small enough) that the
-    # soft cap changes the tokens: at the default init the scores stay near 0, where tanh does nothing
-    "gemma2": ("gemma2", dict(sliding_window=8, attn_logit_softcapping=2.0, initializer_range=0.3), "runs"),
+    # local/global layers alternate; eager attention; a soft cap small enough to change the tokens
+    "gemma2": ("gemma2", dict(sliding_window=8, attn_logit_softcapping=2.0), "runs"),
     "gemma3": ("gemma3_text", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]), "runs"),
     "phi3": ("phi3", {}, "runs"),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2), "runs"),  # MoE
@@ -202,12 +201,24 @@ TINY_ARCHS = {
     "bloom": ("bloom", dict(n_layer=2, n_head=4), "refused"),  # attention computed in its own layers (ALiBi)
     "llama4": ("llama4_text", dict(attention_chunk_size=8, num_local_experts=2, intermediate_size_mlp=128,
                                    num_experts_per_tok=1), "refused"),  # chunked attention
+    "deepseek-v3": ("deepseek_v3", dict(head_dim=8, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                                        qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1),
+                    "refused"),  # multi-head latent attention: keys of 16 dims, values of 8
+    "phi3-longrope": ("phi3", dict(original_max_position_embeddings=64, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, factor=8.0, short_factor=[1.0] * 8, long_factor=[4.0] * 8)),
+        "refused"),  # RoPE frequencies chosen by the longest position in a forward: past 64, the long ones
 }
 
 
 def tiny_model(arch: str, seed: int = 0, **overrides):
     """A seeded, randomly initialised tiny model of another HF architecture (:data:`TINY_ARCHS`), built
-    from its config alone (no download), with :func:`tiny_llama`'s sizes and the ByteTokenizer's vocabulary."""
+    from its config alone (no download), with :func:`tiny_llama`'s sizes and the ByteTokenizer's vocabulary.
+
+    Weights are drawn 15x larger than HF's default (``initializer_range`` 0.3, not 0.02): at 0.02 the
+    attention scores stay within a few hundredths of 0 (+-0.03 on Gemma-2), attention is close to
+    uniform, and a soft cap or a wrong RoPE changes no token, so a token-identity test could not see them.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if arch not in TINY_ARCHS:
@@ -215,7 +226,7 @@ def tiny_model(arch: str, seed: int = 0, **overrides):
     model_type, extra, _ = TINY_ARCHS[arch]
     cfg = dict(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
-               eos_token_id=2, tie_word_embeddings=False)
+               eos_token_id=2, tie_word_embeddings=False, initializer_range=0.3)
     cfg = {k: v for k, v in {**cfg, **extra, **overrides}.items() if v is not None}
     config = AutoConfig.for_model(model_type, **cfg)
     with torch.random.fork_rng():

@@ -122,9 +122,8 @@ class LLM:
         if (cache.num_blocks, cache.block_size) != (block_manager.num_blocks, block_manager.block_size):
             raise ValueError("cache and block_manager disagree on num_blocks / block_size")
         self.block_manager, self.cache = block_manager, cache
-        windows = [a.sliding_window for a in layers]
-        if None not in windows:  # every layer slides: the stats count the blocks out of every window
-            block_manager.sliding_window = max(windows)
+        windows = [a.sliding_window for a in layers]  # every layer slides: the stats count blocks out of every window
+        block_manager.sliding_window = max(windows) if None not in windows else None
         self.scheduler = Scheduler(block_manager, max_num_seqs, max_num_batched_tokens, policy, watermark)
         self.runner = ModelRunner(model, cache, attn_backend)
         if eos_token_id is None:
