@@ -37,7 +37,8 @@ def check_features(h_q: int, window=None, softcap=None, sinks=None) -> None:
     """A ValueError naming the argument unless ``window`` is a positive int, ``softcap`` a positive
     number and ``sinks`` one logit per query head (H_q,), each or None."""
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive int (tokens a query sees, itself included) or None, got {window!r}")
+        raise ValueError(f"window must be a positive int (the keys a query sees, itself included) or None, "
+                         f"got {window!r}")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
         raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (h_q,)):

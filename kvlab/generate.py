@@ -243,7 +243,7 @@ def paged_generate(model, prompts, max_new_tokens: int, block_size: int = 16, nu
     ``cache_stats`` is the block manager's ``stats()`` at the step that held the most blocks, with
     the prefix counters at the end. A model the paged attention cannot run faithfully (a feature it
     does not honour, :func:`kvlab.hf.paged_attention_spec`) is refused with an
-    :class:`~kvlab.hf.UnsupportedModelError` before anything is allocated.
+    :class:`~kvlab.hf.UnsupportedModelError` before any pool is allocated or any token computed.
     """
     from kvlab.cache.paged import BlockManager
     from kvlab.engine import LLM, SamplingParams

@@ -267,7 +267,8 @@ def test_decode_kernel_honours_window_softcap_and_sinks(feature, splits):
     ref = paged_attention(q, pool.k_cache[0].nan_to_num(), pool.v_cache[0].nan_to_num(), tables, ctx, [1] * 3, 0.3,
                           **feat)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
-    plain = paged_attention(q, pool.k_cache[0].nan_to_num(), pool.v_cache[0].nan_to_num(), tables, ctx, [1] * 3, 0.3)
+    k_pool, v_pool = pool.k_cache[0].nan_to_num(), pool.v_cache[0].nan_to_num()
+    plain = paged_attention(q, k_pool, v_pool, tables, ctx, [1] * 3, 0.3)
     assert (ref - plain).abs().max() > 1e-2  # the feature changes the answer: the comparison means something
     cache = _quant_cache(named_config("int8"), h_kv, d, bs, 64, k, v, slots)
     last = torch.tensor([sum(ctx[:i + 1]) - 1 for i in range(len(ctx))])

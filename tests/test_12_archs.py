@@ -1,10 +1,11 @@
 """Models beyond Llama (issue 12): a matrix of tiny random HF architectures, every cache against HF.
 
 Each architecture in :data:`kvlab.models.TINY_ARCHS` is built from its config alone (2 layers, 4
-query heads on 2 KV heads where it has GQA, random weights, fp32). For those the paged path runs, every way kvlab decodes must give the
-tokens of HF's own ``generate()``; the others must be refused up front with one line that names the
-model and the feature. The last tests break each feature on purpose and check that the matrix notices:
-a matrix that passes whatever the attention does would prove nothing.
+query heads on 2 KV heads where it has GQA, random weights, fp32). For those the paged path runs,
+every way kvlab decodes must give the tokens of HF's own ``generate()``; the others must be refused
+up front with one line that names the model and the feature. The last tests break each feature on
+purpose and check that the matrix notices: a matrix that passes whatever the attention does would
+prove nothing.
 """
 
 from __future__ import annotations
@@ -115,9 +116,9 @@ def test_quantized_paged_path_runs(arch):
 @TRITON
 @pytest.mark.parametrize("arch, kv_dtype", [("gemma2", "auto"), ("gpt-oss", "auto"), ("gemma2", "int8")])
 def test_triton_engine_gives_hf_tokens(arch, kv_dtype):
-    """The kernels honour the window and the soft cap (Gemma-2), the window and the sinks (gpt-oss), a
-    Gemma-2 scale (query_pre_attn_scalar ** -0.5, not head_dim ** -0.5), over float and INT8 pools (interpreted on a CPU: slow, so
-    two models; tests/test_05_kernels.py checks each feature alone)."""
+    """The kernels honour the window and the soft cap (Gemma-2), the window and the sinks (gpt-oss) and
+    Gemma-2's scale (query_pre_attn_scalar ** -0.5, not head_dim ** -0.5), over float and INT8 pools.
+    Interpreted on a CPU, so only two models; tests/test_05_kernels.py checks each feature alone."""
     m = model(arch)
     if kv_dtype == "auto":
         assert engine_tokens(m, "triton") == reference(arch)
@@ -297,7 +298,8 @@ def _dense(q, k, v, scale, window=None, softcap=None, sinks=None):
     return out
 
 
-FEATS = {"window": dict(window=5), "softcap": dict(softcap=1.5), "sinks": dict(sinks=torch.tensor([0.5, 2.0, -1.0, 3.0])),
+FEATS = {"window": dict(window=5), "softcap": dict(softcap=1.5),
+         "sinks": dict(sinks=torch.tensor([0.5, 2.0, -1.0, 3.0])),
          "all": dict(window=7, softcap=2.0, sinks=torch.tensor([1.0, 0.0, -2.0, 4.0]))}
 
 
@@ -345,7 +347,8 @@ def test_every_pytorch_path_honours_the_feature(feature):
 
 @pytest.mark.parametrize("bad, match", [(dict(window=0), "window"), (dict(window=True), "window"),
                                         (dict(softcap=0.0), "softcap"), (dict(softcap="50"), "softcap"),
-                                        (dict(sinks=torch.zeros(3)), r"sinks .*\(4,\)"), (dict(sinks=[0.0] * 4), "sinks")])
+                                        (dict(sinks=torch.zeros(3)), r"sinks .*\(4,\)"),
+                                        (dict(sinks=[0.0] * 4), "sinks")])
 def test_bad_features_are_refused_by_name(bad, match):
     from kvlab.attention import DecodeIndex, batched_decode_attention, paged_attention
 

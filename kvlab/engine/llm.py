@@ -24,6 +24,7 @@ from kvlab.engine.sampler import sample
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.sequence import Sequence
+from kvlab.hf import paged_attention_spec
 
 KV_DTYPES = ("auto", "fp32", "fp16", "int8", "fp8", "int4", "k8v4")
 
@@ -108,8 +109,6 @@ class LLM:
                  model_name: str = "smollm2-135m", enable_prefix_caching: bool = True, watermark: float = 0.01,
                  eos_token_id: int | None = None, block_manager: BlockManager | None = None, cache=None):
         self.model, self.tokenizer = model, tokenizer
-        from kvlab.hf import paged_attention_spec
-
         layers = paged_attention_spec(model)  # a model the paged attention cannot run is refused before any pool
         if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)):
             raise TypeError(f"eos_token_id must be an int token id or None, got {type(eos_token_id).__name__} "
