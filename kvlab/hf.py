@@ -139,6 +139,11 @@ PASSED_THROUGH = frozenset({"position_ids", "use_cache", "output_attentions", "o
 FEATURES = frozenset({"scaling", "dropout", "sliding_window", "softcap", "s_aux", "is_causal"})
 
 
+def _unknown_arguments(kwargs: dict) -> list[str]:
+    """Arguments a model passes its attention function that kvlab neither ignores safely nor honours."""
+    return sorted(k for k, v in kwargs.items() if v is not None and k not in PASSED_THROUGH | FEATURES)
+
+
 def _features(kwargs: dict) -> dict:
     """The paged attention's keyword arguments from what a model passed (window, softcap, sinks)."""
     window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
@@ -154,7 +159,7 @@ def _paged_attention_forward(module, query, key, value, attention_mask, scaling=
     if batch is None:
         raise RuntimeError(f"attention '{PAGED_ATTENTION}' needs a kvlab_paged=PagedBatch(...) argument; "
                            "use kvlab.engine.LLM or kvlab.generate.paged_generate")
-    unknown = sorted(k for k in kwargs.keys() - PASSED_THROUGH - FEATURES if kwargs[k] is not None)
+    unknown = _unknown_arguments(kwargs)
     if unknown or dropout or kwargs.get("is_causal") is False:  # paged_attention_spec refuses these up front
         what = unknown or ([f"dropout={dropout}"] if dropout else ["is_causal=False"])
         raise UnsupportedModelError(f"{type(module).__name__} passes {', '.join(what)} to its attention function, "
@@ -230,14 +235,6 @@ class LayerAttention:
     sliding_window: int | None = None
     softcap: float | None = None
     sinks: bool = False
-
-    def describe(self) -> str:
-        parts = [f"window {self.sliding_window}" if self.sliding_window else "global", f"scale {self.scaling:.4g}"]
-        if self.softcap is not None:
-            parts.append(f"softcap {self.softcap:g}")
-        if self.sinks:
-            parts.append("sinks")
-        return ", ".join(parts)
 
 
 _PROBE = "kvlab_probe"
@@ -416,7 +413,7 @@ def _probe(model) -> tuple[LayerAttention, ...]:
         if q_shape[1] % k_shape[1] or q_shape[-1] != k_shape[-1]:
             raise refuse(f"layer {i} has {q_shape[1]} query heads of {q_shape[-1]} dims for {k_shape[1]} KV heads "
                          f"of {k_shape[-1]}")
-        unknown = sorted(k for k, v in kw.items() if v is not None and k not in PASSED_THROUGH | FEATURES)
+        unknown = _unknown_arguments(kw)
         if unknown:
             raise refuse(f"layer {i} passes {', '.join(unknown)} to its attention function, which kvlab's paged "
                          "attention does not honour")

@@ -148,6 +148,22 @@ class ByteTokenizer:
         return data.decode("utf-8", errors="replace")
 
 
+#: the tiny random models' sizes (tiny_llama has 3 layers, the other architectures 2)
+TINY_SIZES = dict(
+    vocab_size=259,  # ByteTokenizer: 3 specials + 256 bytes
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # GQA: 2 query heads share each KV head
+    head_dim=16,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+
+
 def tiny_llama(seed: int = 0, **overrides):
     """A seeded, randomly initialised Llama with GQA: fast enough for token-identity tests.
 
@@ -156,22 +172,7 @@ def tiny_llama(seed: int = 0, **overrides):
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = dict(
-        vocab_size=259,  # ByteTokenizer: 3 specials + 256 bytes
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # GQA: 2 query heads share each KV head
-        head_dim=16,
-        max_position_embeddings=512,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    cfg.update(overrides)
-    config = LlamaConfig(**cfg)
+    config = LlamaConfig(**{**TINY_SIZES, "num_hidden_layers": 3, **overrides})
     gen = torch.random.fork_rng()
     with gen:
         torch.manual_seed(seed)
@@ -213,7 +214,7 @@ TINY_ARCHS = {
 
 def tiny_model(arch: str, seed: int = 0, **overrides):
     """A seeded, randomly initialised tiny model of another HF architecture (:data:`TINY_ARCHS`), built
-    from its config alone (no download), with :func:`tiny_llama`'s sizes and the ByteTokenizer's vocabulary.
+    from its config alone (no download), with :data:`TINY_SIZES` (2 layers) and the ByteTokenizer's vocabulary.
 
     Weights are drawn 15x larger than HF's default (``initializer_range`` 0.3, not 0.02): at 0.02 the
     attention scores stay within a few hundredths of 0 (+-0.03 on Gemma-2), attention is close to
@@ -224,10 +225,8 @@ def tiny_model(arch: str, seed: int = 0, **overrides):
     if arch not in TINY_ARCHS:
         raise ValueError(f"arch must be one of {sorted(TINY_ARCHS)}, got {arch!r}")
     model_type, extra, _ = TINY_ARCHS[arch]
-    cfg = dict(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
-               eos_token_id=2, tie_word_embeddings=False, initializer_range=0.3)
-    cfg = {k: v for k, v in {**cfg, **extra, **overrides}.items() if v is not None}
+    cfg = {**TINY_SIZES, "num_hidden_layers": 2, "initializer_range": 0.3, **extra, **overrides}
+    cfg = {k: v for k, v in cfg.items() if v is not None}
     config = AutoConfig.for_model(model_type, **cfg)
     with torch.random.fork_rng():
         torch.manual_seed(seed)

@@ -14,8 +14,7 @@ import time
 import torch
 
 from kvlab.attention import DecodeIndex
-from kvlab.hf import (ATTENTION_BACKENDS, PagedBatch, attention_implementation, model_configs, paged_attention_spec,
-                      register_paged_attention)
+from kvlab.hf import ATTENTION_BACKENDS, PagedBatch, attention_implementation, model_configs, register_paged_attention
 
 
 class ModelRunner:
@@ -23,8 +22,6 @@ class ModelRunner:
         if attn_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attn_backend must be one of {ATTENTION_BACKENDS}, got {attn_backend!r}")
         self.model, self.cache, self.attn_backend = model, cache, attn_backend
-        #: what each layer's attention needs (window, soft cap, sinks); an unsupported model is refused here
-        self.attention = paged_attention_spec(model)
         if attn_backend == "triton":
             from kvlab.kernels import WHY_NO_TRITON, available, check_cache_supported
 
