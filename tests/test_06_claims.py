@@ -1,4 +1,4 @@
-"""The claims table (kvlab/claims.py): verdicts follow measurements, every claim points to a section
+"""The claims table (kvlab/claims/): verdicts follow measurements, every claim points to a section
 that exists, and the CLI prints the same rows."""
 
 import json

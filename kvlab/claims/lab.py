@@ -1,0 +1,130 @@
+"""The measuring lab of the claims table (notebook 06): what the SmolLM2 claims measure, made once.
+
+:class:`Lab` loads SmolLM2-135M on first use and caches each measurement (calibration, K/V
+tensors, quality of four INT8/INT4 formats, saturated scales, per-layer sensitivity, recompute vs
+cache, engine step times, notebook 02's slot breakdown), so that the claims needing the same
+numbers share one run. ``Lab.seconds`` says what each cost.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from functools import cached_property
+from typing import Callable
+
+from kvlab.bench.caches import recompute_vs_cache
+from kvlab.cache import simulate
+from kvlab.calibrate import collect_kv, default_calibration
+from kvlab.data import EVAL_PLAY, calibration_chunks, chat_prompts, text_tokens
+from kvlab.engine import LLM, SamplingParams
+from kvlab.eval import evaluate, layer_sensitivity
+from kvlab.models import load_model
+from kvlab.quant import KVQuantConfig, TensorFormat, named_config
+from kvlab.quant.calibration import Calibration
+
+
+class Lab:
+    """Measurements on SmolLM2, made once on first use and shared by the claims that need them.
+
+    Small on purpose (a few hundred tokens each) so the whole table runs in about a minute on two CPU
+    cores; the notebooks named by each claim measure at full size.
+    """
+
+    def __init__(self, model=None, tokenizer=None, held_out_tokens: int = 256):
+        self._model, self._tokenizer = model, tokenizer
+        self.held_out_tokens = held_out_tokens
+        self.seconds: dict[str, float] = {}  # what each measurement cost, for the notebook
+
+    def _timed(self, name: str, fn: Callable):
+        t0 = time.perf_counter()
+        out = fn()
+        self.seconds[name] = time.perf_counter() - t0
+        return out
+
+    @property
+    def model(self):
+        if self._model is None:
+            self._model, self._tokenizer = load_model("smollm2-135m")
+        return self._model
+
+    @property
+    def tokenizer(self):
+        self.model  # noqa: B018  (loads both)
+        return self._tokenizer
+
+    @cached_property
+    def sharegpt(self) -> dict:
+        """Notebook 02's slot breakdown of a ShareGPT-like batch, per reservation policy (no model)."""
+        reqs = simulate.workload("sharegpt", n=64, seed=0)
+        return {p: simulate.simulate(reqs, p, block_size=16) for p in simulate.POLICIES}
+
+    @cached_property
+    def calibration(self):
+        return self._timed("calibration", lambda: default_calibration(self.model, self.tokenizer, "smollm2-135m",
+                                                                      progress=False))
+
+    @cached_property
+    def kv(self):
+        """Post-RoPE K and V of every layer for 256 tokens of calibration text: lists of (T, H, D)."""
+        return self._timed("kv", lambda: collect_kv(self.model, calibration_chunks(self.tokenizer, 256, 256),
+                                                    progress=False))
+
+    @cached_property
+    def held_out(self) -> list[int]:
+        return text_tokens(self.tokenizer, self.held_out_tokens, play=EVAL_PLAY)
+
+    @cached_property
+    def quality(self) -> dict:
+        """Perplexity, KL and top-1 of INT8 (abs-max, p99.9), K8V4 and K4V8 against the FP cache."""
+        formats = {"int8": named_config("int8"), "int8 p99.9": named_config("int8", stat="p99.9"),
+                   "k8v4": named_config("k8v4"), "k4v8": KVQuantConfig(TensorFormat("int4"), TensorFormat("int8"))}
+        n = len(self.held_out)
+        return self._timed("quality", lambda: evaluate(self.model, self.held_out, formats, self.calibration,
+                                                       window=n, stride=n, chunk=32))
+
+    @cached_property
+    def saturation(self) -> dict:
+        """Static INT8 scales 4x too small (a drifted distribution): plain, and with the 1.2x correction."""
+        def run():
+            cal = self.calibration
+            shrunk = Calibration({t: {g: {s: v / 4 for s, v in ss.items()} for g, ss in gs.items()}
+                                  for t, gs in cal.stats.items()}, dict(cal.meta, note="scales / 4"))
+            n = len(self.held_out)
+            return evaluate(self.model, self.held_out, {"static": named_config("int8", policy="static"),
+                                                        "corrected": named_config("int8", policy="corrected")},
+                            shrunk, window=n, stride=n, chunk=32)
+        return self._timed("saturation", run)
+
+    @cached_property
+    def sensitivity(self) -> list[float]:
+        """KL when only one layer's cache is INT4, for every layer: notebook 03's setting (128 tokens of
+        calibration text, chunks of 64, so the second chunk reads the first through the cache)."""
+        tokens = text_tokens(self.tokenizer, 128, play="twelfth-night", offset=1024)
+        return self._timed("sensitivity", lambda: layer_sensitivity(self.model, tokens, self.calibration, chunk=64))
+
+    @cached_property
+    def speedups(self) -> list[dict]:
+        """Recompute vs cache at 32- and 256-token prompts, 16 new tokens each (notebook 01)."""
+        return self._timed("speedups", lambda: recompute_vs_cache(self.model, self.tokenizer, prompt_lens=(32, 256),
+                                                                  new_tokens=16))
+
+    @cached_property
+    def step_ms(self) -> dict[tuple[str, int], float]:
+        """Median decode-step time of the engine at batch 1 and 16, with short chat prompts and with
+        1,000-token contexts (one shared text: the prefix cache prefills it once), ms. Notebook 04 §5."""
+        def run():
+            prompts = chat_prompts(self.tokenizer)
+            long_text = text_tokens(self.tokenizer, 1000, offset=4000)
+            out = {}
+            for context in ("short", "1k"):
+                for batch in (1, 16):
+                    reqs = ([prompts[i % len(prompts)] for i in range(batch)] if context == "short"
+                            else [long_text + [200 + i] for i in range(batch)])
+                    eng = LLM(self.model, self.tokenizer, num_blocks=200, block_size=16, max_num_seqs=batch,
+                              max_num_batched_tokens=1024)
+                    eng.generate(reqs, SamplingParams(max_tokens=6, ignore_eos=True))
+                    pure = [s.total_s for s in eng.step_stats if s.prefill_tokens == 0 and s.decode_tokens == batch]
+                    out[context, batch] = 1e3 * statistics.median(pure)
+            return out
+        return self._timed("step_ms", run)

@@ -1,0 +1,86 @@
+"""The six verdict rules of the claims table (notebook 06): a verdict is computed, never typed in.
+
+Each rule turns a claimed figure and our measurement into one of ``holds``, ``off by N×``,
+``wrong`` or ``not settled (...)``:
+
+* :func:`ratio` — a number: ``holds`` within a tolerance, else ``off by N×``;
+* :func:`in_range` — a range: ``holds`` inside it, else ``off by N×`` from the nearer end;
+* :func:`truth` — a statement (an ordering, "fits", "is faster"): ``holds`` or ``wrong``;
+* :func:`cost_range` — a claimed cost range measured with noise (an interval): ``holds`` when they
+  overlap, ``off by N×`` when we measure more, ``not settled`` when we measure less on a smaller model;
+* :func:`shown` — a claimed gain: ``wrong`` when the bytes cannot allow it, ``holds`` when our run
+  reaches it, ``not settled`` when the bytes allow it and our run did not reach it;
+* :func:`margin` — "it fits" / "it does not fit" against a limit, ``not settled`` within a margin.
+
+:func:`corrected` says whether a verdict corrects the article: ``not settled`` is neither a
+confirmation nor a correction, the lab's measurement cannot decide it.
+"""
+
+from __future__ import annotations
+
+HOLDS = "holds"
+UNSETTLED = "not settled"
+
+
+def ratio(claimed: float, measured: float, tol: float = 0.15) -> str:
+    """``holds`` when claimed and measured agree within ``tol`` (relative), else ``off by N×``."""
+    if claimed <= 0 or measured <= 0:
+        raise ValueError(f"ratio needs positive numbers, got claimed={claimed!r}, measured={measured!r}")
+    r = max(claimed, measured) / min(claimed, measured)
+    return HOLDS if r <= 1 + tol else f"off by {r:.1f}×" + (f" (±{tol:.0%} allowed)" if tol else "")
+
+
+def in_range(lo: float, hi: float, measured: float, tol: float = 0.0) -> str:
+    """``holds`` when ``lo <= measured <= hi`` (widened by ``tol``), else ``off by N×`` from the nearer
+    end; a measurement <= 0 against a positive range is ``wrong``."""
+    if not 0 < lo <= hi:
+        raise ValueError(f"need 0 < lo <= hi, got lo={lo!r}, hi={hi!r}")
+    if lo * (1 - tol) <= measured <= hi * (1 + tol):
+        return HOLDS
+    if measured <= 0:
+        return "wrong"
+    off = f"off by {(lo / measured if measured < lo else measured / hi):.1f}×"
+    return off + (f" (±{tol:.0%} allowed)" if tol else "")
+
+
+def truth(ok: bool) -> str:
+    """A statement (an ordering, "fits", "is faster"): ``holds`` when it is true, else ``wrong``."""
+    return HOLDS if ok else "wrong"
+
+
+def cost_range(lo: float, hi: float, measured: float, interval: tuple[float, float]) -> str:
+    """A claimed cost (e.g. +0.5-1.5 % perplexity) against our measurement and its noise interval:
+    ``holds`` when the interval meets [lo, hi]; ``off by N×`` when all of it lies above hi (we measure
+    a bigger cost); ``not settled`` when all of it lies below lo (a smaller cost, measured on a smaller
+    model and text, cannot refute a floor claimed for another)."""
+    if not 0 < lo <= hi:
+        raise ValueError(f"need 0 < lo <= hi, got lo={lo!r}, hi={hi!r}")
+    a, b = sorted(interval)
+    if b >= lo and a <= hi:
+        return HOLDS
+    if a > hi:
+        return f"off by {measured / hi:.1f}×"
+    return f"{UNSETTLED} (below the claimed range, on another model)"
+
+
+def shown(possible: bool, reached: bool) -> str:
+    """A claimed gain: ``wrong`` if the bytes rule it out, ``holds`` if our measurement reaches it,
+    ``not settled`` if it is possible but our run did not show it."""
+    if not possible:
+        return "wrong"
+    return HOLDS if reached else f"{UNSETTLED} (possible, not reproduced)"
+
+
+def margin(value: float, limit: float, slack: float = 0.10) -> str:
+    """Claim "value exceeds limit": ``holds`` above it, ``wrong`` more than ``slack`` below it,
+    ``not settled`` within the slack (borderline: the answer depends on what else must fit)."""
+    if value > limit:
+        return HOLDS
+    if value < limit * (1 - slack):
+        return "wrong"
+    return f"{UNSETTLED} (borderline: within {slack:.0%} of the limit)"
+
+
+def corrected(verdict: str) -> bool:
+    """Off or wrong: the notebook corrects the article. ``not settled`` is not a correction."""
+    return verdict != HOLDS and not verdict.startswith(UNSETTLED)

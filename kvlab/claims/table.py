@@ -1,0 +1,59 @@
+"""Running the claims table (notebook 06, ``kvlab claims``): measure, judge, count and print.
+
+:func:`run` measures every claim of the catalog (or some of them) with one shared
+:class:`~kvlab.claims.lab.Lab`; :func:`counts` says how many hold, are corrected or are not
+settled; :func:`format_table` is the plain-text table the notebook and the CLI print.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+from kvlab.claims.catalog import CLAIMS
+from kvlab.claims.lab import Lab
+from kvlab.claims.rules import HOLDS, UNSETTLED
+
+
+def run(lab: Lab | None = None, ids=None, progress=None) -> list[dict]:
+    """Measure every claim (or those in ``ids``) and judge it. One dict per claim, in table order."""
+    lab = lab or Lab()
+    known = {c.id for c in CLAIMS}
+    if ids is not None:
+        unknown = sorted(set(ids) - known)
+        if unknown:
+            raise ValueError(f"unknown claim id(s) {unknown}: choose from {sorted(known)}")
+    rows = []
+    for c in CLAIMS:
+        if ids is not None and c.id not in ids:
+            continue
+        if progress is not None:
+            progress(c.id)
+        measured, verdict, why = c.measure(lab)
+        rows.append(dict(id=c.id, article=c.article, where=c.where, claim=c.text, measured=measured, verdict=verdict,
+                         why=why, notebook=c.notebook, section=c.section))
+    return rows
+
+
+def counts(rows: list[dict]) -> dict:
+    """How many claims hold, how many the lab corrects (off by N×, or wrong) and how many it cannot
+    settle."""
+    holds = sum(r["verdict"] == HOLDS for r in rows)
+    unsettled = sum(r["verdict"].startswith(UNSETTLED) for r in rows)
+    return {"claims": len(rows), "holds": holds, "corrected": len(rows) - holds - unsettled, "unsettled": unsettled,
+            "off": sum(r["verdict"].startswith("off") for r in rows), "wrong": sum(r["verdict"] == "wrong" for r in rows)}
+
+
+def format_table(rows: list[dict], width: int = 64) -> str:
+    """The table as plain text: one block per claim (the notebook and the CLI print this)."""
+    out = []
+    for i, r in enumerate(rows, 1):
+        mark = "✓" if r["verdict"] == HOLDS else "?" if r["verdict"].startswith(UNSETTLED) else "✗"
+        out.append(f"{i:>2}. {mark} [{r['article']} {r['where']}] {r['claim']}")
+        for label, text in (("measured", r["measured"]), ("verdict", f"{r['verdict']} — {r['why']}"),
+                            ("see", f"notebook {r['notebook']}, “{r['section']}”")):
+            out.append(textwrap.fill(text, width + 14, initial_indent=f"      {label:<9}",
+                                     subsequent_indent=" " * 15))
+    c = counts(rows)
+    out.append(f"{c['claims']} claims: {c['holds']} hold, {c['corrected']} corrected ({c['off']} off by a factor, "
+               f"{c['wrong']} wrong), {c['unsettled']} not settled")
+    return "\n".join(out)
