@@ -1,16 +1,53 @@
 """The kvlab command: JSON on stdout, clear errors with exit status 2."""
 
+import importlib
 import json
 import subprocess
 import sys
 
 import pytest
 
-from kvlab.cli import main
+import kvlab.cli
+from kvlab.cli import build_parser, main
+from kvlab.cli.parser import BENCH_WHAT, COMMAND_MODULES
 
 
 def run(*args):
     return subprocess.run([sys.executable, "-m", "kvlab", *args], capture_output=True, text=True)
+
+
+def _subcommands() -> dict:
+    return next(a for a in build_parser()._actions if a.dest == "command").choices
+
+
+def test_docstring_lists_every_subcommand_and_every_bench_measurement():
+    doc = kvlab.cli.__doc__
+    assert all(f"- ``{name}" in doc for name in _subcommands()), doc
+    assert all(f"- ``{what}``: " in doc for what in BENCH_WHAT), doc
+
+
+def test_every_subcommand_has_a_handler_in_its_module():
+    assert set(COMMAND_MODULES) == set(_subcommands())
+    for name, module in COMMAND_MODULES.items():
+        assert callable(getattr(importlib.import_module(f"kvlab.cli.{module}"), "cmd_" + name.replace("-", "_")))
+
+
+HELP_THEN_LIST_MODULES = """
+import sys
+from kvlab.cli import main
+try:
+    main(["bench", "--help"])
+except SystemExit as e:
+    assert e.code == 0
+print([m for m in ("transformers", "kvlab.hf", "kvlab.cli.bench") if m in sys.modules], file=sys.stderr)
+"""
+
+
+def test_help_loads_no_model_code():
+    """A command's module is imported only when the command runs: ``kvlab --help`` stays fast."""
+    r = subprocess.run([sys.executable, "-c", HELP_THEN_LIST_MODULES], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("usage: kvlab bench"), r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "[]"
 
 
 def test_size_acceptance_figures(capsys):
