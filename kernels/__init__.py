@@ -11,7 +11,7 @@ package, which transformers probes for.
 | `decode.py`   | paged decode attention: block-table walk, online softmax, GQA, fused dequant, split-KV |
 | `ops.py`      | the kernels applied to kvlab's caches (the engine's ``attn_backend="triton"``) |
 | `traffic.py`  | bytes per launch, predicted and counted; projections per GPU                |
-| `bench.py`    | ``kvlab bench kernels``                                                     |
+| `bench_h200.json` | one ``kvlab bench kernels`` run on an H200 (the benchmark: `kvlab/bench/kernels.py`) |
 
 Every kernel runs compiled on a GPU and interpreted on the CPU (``TRITON_INTERPRET=1``). PyPI has
 triton for Linux only: on a Mac or Windows :func:`available` is False, the kernels say why they
@@ -116,7 +116,7 @@ def __getattr__(name):
 
     if name in _LAZY:
         return getattr(importlib.import_module(f"kvlab.kernels.{_LAZY[name]}"), name)
-    if name in ("traffic", "decode", "write", "ops", "pool", "bench"):
+    if name in ("traffic", "decode", "write", "ops", "pool"):
         return importlib.import_module(f"kvlab.kernels.{name}")
     raise AttributeError(f"module 'kvlab.kernels' has no attribute {name!r}")
 

@@ -138,7 +138,7 @@ def token_forwards(fn: Callable[[int, int, bool], int]) -> bool:
     prompt goes through once and each later step feeds one token. The last token is sampled,
     never fed back.
     """
-    from kvlab.bench import token_forwards as ref
+    from kvlab.bench.caches import token_forwards as ref
 
     cases = [((p, n, c), ref(p, n, c)) for p, n in ((1, 1), (4, 3), (16, 16), (128, 16), (512, 64))
              for c in (False, True)]

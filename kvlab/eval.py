@@ -1,4 +1,5 @@
-"""How much does a KV format cost in quality? Perplexity, KL, top-1 and greedy agreement (notebook 03).
+"""How much does a KV format cost in quality? Perplexity, KL, top-1 and greedy agreement, and the
+per-layer sensitivity behind a mixed-precision choice (notebook 03).
 
 Every configuration is run in lockstep with a full-precision reference through the SAME paged
 attention path, over the same text: the text is cut into sliding windows, each window is fed in
@@ -11,20 +12,23 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 import torch
 
-from kvlab.quant.cache import saturation_summary
-from kvlab.quant.formats import FP32, KVQuantConfig
+from kvlab.cache import BlockManager, QuantizedPagedKVCache, saturation_summary
+from kvlab.cache.paged import check_token_ids
+from kvlab.generate import paged_generate
+from kvlab.hf import PagedBatch, attention_implementation, register_paged_attention
+from kvlab.probe import paged_attention_spec
+from kvlab.quant.formats import FP32, KVQuantConfig, TensorFormat
+from kvlab.sizing import kv_config, kv_size
 
 
 class _Runner:
     """One sequence through one paged pool (quantized or not), chunk by chunk."""
 
     def __init__(self, model, config: KVQuantConfig, calibration, num_tokens: int, block_size: int):
-        from kvlab.cache import BlockManager
-        from kvlab.quant.cache import QuantizedPagedKVCache
-
         blocks = -(-num_tokens // block_size)
         self.bm = BlockManager(blocks, block_size, enable_prefix_caching=False)
         self.cache = QuantizedPagedKVCache.from_model(model, blocks, block_size, config, calibration)
@@ -33,8 +37,6 @@ class _Runner:
 
     def forward(self, ids: list[int]) -> torch.Tensor:
         """Logits (len(ids), V) of the next chunk."""
-        from kvlab.hf import PagedBatch
-
         if not self.started:
             self.bm.allocate(0, ids)
             start, slots = 0, self.bm.slot_mapping(0)
@@ -44,7 +46,7 @@ class _Runner:
             slots = [self.bm.append_slot(0, t) for t in ids]
         device = next(self.model.parameters()).device
         batch = PagedBatch(cache=self.cache, block_tables=[self.bm.block_table(0)],
-                           context_lens=[self.bm.num_tokens(0)], query_lens=[len(ids)],
+                           seq_lens=[self.bm.num_tokens(0)], query_lens=[len(ids)],
                            slot_mapping=torch.tensor(slots, device=device))
         out = self.model(input_ids=torch.tensor([ids], device=device),
                          position_ids=torch.arange(start, start + len(ids), device=device)[None],
@@ -96,8 +98,6 @@ def _check_tokens(tokens, vocab_size: int) -> list[int]:
         tokens = tokens.flatten().tolist()
     if not isinstance(tokens, (list, tuple)):
         raise TypeError(f"tokens must be a list of token ids, got {type(tokens).__name__}")
-    from kvlab.cache.paged import check_token_ids
-
     return check_token_ids(tokens, "tokens", vocab_size)
 
 
@@ -123,8 +123,6 @@ def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: 
     differences (config - FP) on the same positions, mean +- 1.96 standard errors, treating
     positions as independent (they are not quite, so read it as a scale of the noise, not a test).
     It says how precisely Δppl is measured on THIS text, not how it would vary across texts."""
-    from kvlab.hf import attention_implementation, paged_attention_spec, register_paged_attention
-
     tokens = _check_tokens(tokens, model.config.vocab_size)
     _check_configs(configs)
     check_scoring(len(tokens), window, stride, chunk, block_size)
@@ -193,8 +191,6 @@ def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: 
 def kv_bytes_per_token(model, config: KVQuantConfig) -> float:
     """Bytes one token adds to the cache under ``config`` (data + per-token scales; static scale
     tables are amortised away), from :mod:`kvlab.sizing` layer by layer."""
-    from kvlab.sizing import kv_config, kv_size
-
     cfg = kv_config(model)
     one = dict(num_hidden_layers=1, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
                head_dim=cfg.head_dim)
@@ -217,10 +213,6 @@ def greedy_comparison(model, prompts: list[list[int]], config: KVQuantConfig, ca
     first divergence the two texts continue from different tokens, so position-wise agreement beyond
     it is mostly chance: the divergence points are the measure.
     """
-    from kvlab.cache import BlockManager
-    from kvlab.generate import paged_generate
-    from kvlab.quant.cache import QuantizedPagedKVCache
-
     blocks = sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts)
     runs = []
     for cfg in (FP32, config):
@@ -243,3 +235,46 @@ def greedy_agreement(model, prompts: list[list[int]], config: KVQuantConfig, cal
     """Share of greedily generated tokens identical to the full-precision cache's, position by position
     (see :func:`greedy_comparison` for where they first differ)."""
     return greedy_comparison(model, prompts, config, calibration, max_new_tokens, block_size)["position_share"]
+
+
+# ---- mixed precision: which layers can take fewer bits? Measure, then choose under a byte budget ----
+# A layer's sensitivity = mean next-token KL(FP || model) when only that layer's cache is stored in
+# the low-bit format. auto_config starts with every layer at the high format and moves the least
+# sensitive layers to the low one until the cache fits the byte budget (notebook 03, section 5).
+
+FP = TensorFormat("fp32")
+
+
+def layer_sensitivity(model, tokens: list[int], calibration=None, fmt: TensorFormat = TensorFormat("int4"),
+                      which: str = "kv", chunk: int = 32, policy: str = "static") -> list[float]:
+    """KL per layer when only that layer's K (``which="k"``), V ("v") or both ("kv") use ``fmt``."""
+    if which not in ("k", "v", "kv"):
+        raise ValueError(f"which must be 'k', 'v' or 'kv', got {which!r}")
+    layers = kv_config(model).num_layers
+    configs = {}
+    for layer in range(layers):
+        k = fmt if "k" in which else FP
+        v = fmt if "v" in which else FP
+        configs[layer] = KVQuantConfig(FP, FP, policy=policy, layers={layer: (k, v)})
+    res = evaluate(model, tokens, configs, calibration, window=len(tokens), stride=len(tokens), chunk=chunk)
+    return [res["configs"][layer]["kl"] for layer in range(layers)]
+
+
+def auto_config(model, sensitivity: list[float], budget_bytes_per_token: float,
+                high: KVQuantConfig, low: KVQuantConfig) -> KVQuantConfig:
+    """Every layer ``high``; then the least sensitive layers become ``low`` until the budget holds.
+
+    Raises ValueError if even all-``low`` does not fit.
+    """
+    layers = len(sensitivity)
+    chosen: dict[int, tuple] = {layer: high.formats(layer) for layer in range(layers)}
+    cfg = replace(high, layers=dict(chosen))
+    for layer in sorted(range(layers), key=lambda i: sensitivity[i]):
+        if kv_bytes_per_token(model, cfg) <= budget_bytes_per_token:
+            break
+        chosen[layer] = low.formats(layer)
+        cfg = replace(high, layers=dict(chosen))
+    if kv_bytes_per_token(model, cfg) > budget_bytes_per_token:
+        raise ValueError(f"budget {budget_bytes_per_token:.0f} B/token is below what the low format needs "
+                         f"({kv_bytes_per_token(model, cfg):.0f} B/token)")
+    return cfg

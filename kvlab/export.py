@@ -17,7 +17,7 @@ and declare them in ``config.json`` under ``quantization_config`` (compressed-te
 
 A stored value is ``fp8_e4m3(clamp(x / scale, -448, 448))``, so the scale that uses the whole
 range without clipping is ``absmax / 448``: exactly the scale of kvlab's own static FP8 cache
-(``named_config("fp8")``, :mod:`kvlab.quant.cache`), which is what the tests check bit for bit.
+(``named_config("fp8")``, :mod:`kvlab.cache.quantized`), which is what the tests check bit for bit.
 When a checkpoint declares a ``kv_cache_scheme``, vLLM turns ``kv_cache_dtype="auto"`` into "fp8"
 and switches ``calculate_kv_scales`` off; per-head scales need its FlashAttention backend.
 
@@ -44,7 +44,10 @@ from typing import NamedTuple
 
 import torch
 
+from kvlab.calibrate import default_calibration
+from kvlab.quant.calibration import Calibration
 from kvlab.quant.core import FP8_MAX
+from kvlab.sizing import kv_config
 
 STRATEGIES = ("tensor", "attn_head")
 SCALES_FILE = "kv_cache_scales.safetensors"
@@ -103,7 +106,7 @@ def export_vllm(out_dir, calibration=None, *, strategy: str = "tensor", stat: st
                 tokenizer=None, model_name: str = "smollm2-135m") -> dict:
     """Write ``out_dir/kv_cache_scales.safetensors`` and ``out_dir/config.json`` for vLLM.
 
-    ``calibration``: a :class:`~kvlab.quant.calibrate.Calibration` (``kvlab calibrate`` output); when
+    ``calibration``: a :class:`~kvlab.quant.calibration.Calibration` (``kvlab calibrate`` output); when
     None, the lab's cached default calibration of ``model`` (needs ``tokenizer``). ``model``: a model,
     its HF config or a dict. With it, ``config.json`` is the model's own config with
     ``quantization_config`` added (and layers / KV heads are checked against the calibration);
@@ -118,11 +121,7 @@ def export_vllm(out_dir, calibration=None, *, strategy: str = "tensor", stat: st
     if calibration is None:
         if model is None or tokenizer is None:
             raise ValueError("export_vllm needs calibration=... or model= and tokenizer= to calibrate the default text")
-        from kvlab.quant.calibrate import default_calibration
-
         calibration = default_calibration(model, tokenizer, model_name, progress=False)
-    from kvlab.quant.calibrate import Calibration
-
     if not isinstance(calibration, Calibration):
         raise TypeError(f"calibration must be a kvlab Calibration (Calibration.load(path) reads a `kvlab calibrate` "
                         f"file), got {type(calibration).__name__}")
@@ -133,8 +132,6 @@ def export_vllm(out_dir, calibration=None, *, strategy: str = "tensor", stat: st
     if config is None:
         config = {"quantization_config": quantization_config(strategy)}
     else:
-        from kvlab.sizing import kv_config
-
         c = kv_config(model)
         if (c.num_layers, c.num_kv_heads) != (num_layers, num_kv_heads):
             raise ValueError(f"calibration has {num_layers} layers x {num_kv_heads} KV heads but the model has "

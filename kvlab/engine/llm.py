@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.cache.paged import BlockManager, check_token_ids
+from kvlab.calibrate import default_calibration
 from kvlab.engine.metrics import StepStats, summarize
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.engine.sampler import sample
@@ -83,8 +84,6 @@ def _make_cache(model, tokenizer, num_blocks, block_size, kv_dtype, quant_config
         if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
             raise ValueError(f"kv_dtype {kv_dtype!r} with static scales needs calibration=... (a kvlab "
                              "Calibration) or a real tokenizer to calibrate the default text")
-        from kvlab.quant.calibrate import default_calibration
-
         calibration = default_calibration(model, tokenizer, model_name, progress=False)
     return QuantizedPagedKVCache.from_model(model, num_blocks, block_size, quant_config, calibration)
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from kvlab.quant.calibration import STATS
+
 FLOAT_FORMATS = ("fp32", "fp16", "bf16")
 STORAGE_DTYPES = FLOAT_FORMATS + ("int8", "int4", "fp8")
 STATIC_GRANULARITIES = ("per-tensor", "per-head", "per-channel")
@@ -81,8 +83,6 @@ class KVQuantConfig:
     layers: dict = field(default_factory=dict)  # layer -> (k TensorFormat, v TensorFormat)
 
     def __post_init__(self):
-        from kvlab.quant.calibrate import STATS
-
         for name in ("k", "v"):
             if not isinstance(getattr(self, name), TensorFormat):
                 raise TypeError(f"{name} must be a TensorFormat, got {getattr(self, name)!r}")

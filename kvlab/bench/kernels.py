@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import json
 import time
+from importlib.resources import files
 
 import torch
 
+from kvlab import kernels  # kernels.decode imports triton (Linux only) on first use, not here
+from kvlab.attention import paged_attention
 from kvlab.kernels.pool import FLOAT, INT4, INT8, STATIC, PER_SLOT, Operand
 from kvlab.kernels.traffic import FORMATS, GPU_BANDWIDTH, SHAPES, decode_traffic, project, step_bytes
+from kvlab.quant.core import Int4Tensor, dequantize_int4
 
 BATCHES = (1, 8, 32)
 CONTEXTS = (1024, 4096, 16384)
@@ -64,9 +68,7 @@ def dequantize(op: Operand, dtype=torch.float16) -> torch.Tensor:
         return op.data.to(dtype)
     if op.fmt == INT8:  # the cheapest PyTorch route: widen to the target dtype, scale in place
         return op.data.to(dtype).mul_(op.static_scale.to(dtype)[None, None])
-    from kvlab.quant import core
-
-    return core.dequantize_int4(core.Int4Tensor(op.data, op.slot_scale, None, op.group_size), dtype)
+    return dequantize_int4(Int4Tensor(op.data, op.slot_scale, None, op.group_size), dtype)
 
 
 def _tables(batch: int, context: int, num_blocks: int, device, seed: int = 0):
@@ -86,9 +88,6 @@ CHECK_CASES = [  # (h_q, h_kv, d, batch, context, num_splits)
 
 def check_sweep(device) -> list[dict]:
     """Kernel vs the float reference over the dequantized pool, for each format and case."""
-    from kvlab.attention import paged_attention
-    from kvlab.kernels.decode import paged_decode
-
     rows = []
     for h_q, h_kv, d, batch, context, splits in CHECK_CASES:
         n_blocks = batch * -(-context // BLOCK_SIZE) + 2
@@ -96,7 +95,7 @@ def check_sweep(device) -> list[dict]:
         q = torch.randn(batch, h_q, d, device=device, dtype=torch.float16)
         for fmt in ("fp16", "int8", "k8v4"):
             k_op, v_op = random_operands(fmt, n_blocks, h_kv, d, device, seed=h_q)
-            out = paged_decode(q, k_op, v_op, table, ctx, d ** -0.5, num_splits=splits,
+            out = kernels.decode.paged_decode(q, k_op, v_op, table, ctx, d ** -0.5, num_splits=splits,
                                out=torch.full_like(q, float("nan")))
             kf, vf = dequantize(k_op, torch.float32), dequantize(v_op, torch.float32)
             ref = paged_attention(q.float(), kf, vf, table.tolist(), ctx.tolist(), [1] * batch, d ** -0.5)
@@ -112,7 +111,7 @@ def check_sweep(device) -> list[dict]:
 
 def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
     """Device-to-device copy, bytes read + written per second (the achievable ceiling)."""
-    from triton.testing import do_bench
+    from triton.testing import do_bench  # triton: Linux only, and only a GPU run times anything
 
     x = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
     y = torch.empty_like(x)
@@ -121,9 +120,11 @@ def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
 
 
 def time_case(shape: str, batch: int, context: int, device) -> dict:
-    from triton.testing import do_bench
+    """One (shape, batch, context) point on the GPU: microseconds and GB/s per format, the unfused
+    INT8 path and torch SDPA, all from ``triton.testing.do_bench`` medians."""
+    from triton.testing import do_bench  # triton: Linux only, and only a GPU run times anything
 
-    from kvlab.kernels.decode import default_pages, default_splits, paged_decode
+    decode = kernels.decode
 
     layers, h_q, h_kv, d = SHAPES[shape]
     n_blocks = batch * -(-context // BLOCK_SIZE)
@@ -131,18 +132,19 @@ def time_case(shape: str, batch: int, context: int, device) -> dict:
     q = torch.randn(batch, h_q, d, device=device, dtype=torch.float16)
     scale = d ** -0.5
     row = {"shape": shape, "batch": batch, "context": context, "us": {}, "GBps": {}, "bytes_per_layer": {}}
-    splits = default_splits(batch * h_kv, table.shape[1], default_pages(BLOCK_SIZE))
+    splits = decode.default_splits(batch * h_kv, table.shape[1], decode.default_pages(BLOCK_SIZE))
     row["splits"] = splits
     for fmt in ("fp16", "int8", "k8v4"):
         k_op, v_op = random_operands(fmt, n_blocks, h_kv, d, device)
-        ms = do_bench(lambda: paged_decode(q, k_op, v_op, table, ctx, scale, num_splits=splits))
+        ms = do_bench(lambda: decode.paged_decode(q, k_op, v_op, table, ctx, scale, num_splits=splits))
         nbytes = decode_traffic(ctx.tolist(), h_q, h_kv, d, *FORMATS[fmt], num_splits=splits)["total"]
         row["us"][fmt], row["bytes_per_layer"][fmt] = ms * 1e3, nbytes
         row["GBps"][fmt] = nbytes / (ms * 1e-3) / 1e9
         if fmt == "int8":  # the unfused path: a dequantized FP16 copy of the pool, then the FP16 kernel
             def unfused():
                 k16, v16 = dequantize(k_op), dequantize(v_op)
-                return paged_decode(q, Operand(k16, FLOAT), Operand(v16, FLOAT), table, ctx, scale, num_splits=splits)
+                return decode.paged_decode(q, Operand(k16, FLOAT), Operand(v16, FLOAT), table, ctx, scale,
+                                           num_splits=splits)
 
             row["us"]["int8_unfused"] = do_bench(unfused) * 1e3
             row["unfused_path"] = UNFUSED_PATH
@@ -161,20 +163,19 @@ def time_case(shape: str, batch: int, context: int, device) -> dict:
 # ---- the command -----------------------------------------------------------------------------------------
 
 def run(shapes=None, batches=BATCHES, contexts=CONTEXTS, gpu: str = "H100", progress=print) -> dict:
-    from kvlab.kernels import WHY_NO_TRITON, available, triton_mode, triton_version
-
+    """What ``kvlab bench kernels`` prints (as JSON): the sweep, the projection and, on a GPU, timings."""
     shapes = list(shapes or SHAPES)
     t0 = time.perf_counter()
-    on_gpu = available() and torch.cuda.is_available() and triton_mode() == "compiled"
+    on_gpu = kernels.available() and torch.cuda.is_available() and kernels.triton_mode() == "compiled"
     device = torch.device("cuda" if on_gpu else "cpu")
-    result = {"mode": "gpu" if on_gpu else "interpreter" if available() else "no triton",
-              "triton": triton_version() if available() else None, "torch": torch.__version__,
+    result = {"mode": "gpu" if on_gpu else "interpreter" if kernels.available() else "no triton",
+              "triton": kernels.triton_version() if kernels.available() else None, "torch": torch.__version__,
               "device": torch.cuda.get_device_name() if on_gpu else "cpu"}
-    if available():
+    if kernels.available():
         progress(f"correctness sweep ({'compiled' if on_gpu else 'interpreter'}) ...")
         result["checks"] = check_sweep(device)
     else:  # macOS, Windows: the projection below needs no kernel
-        result["checks"], result["skipped"] = [], f"correctness sweep skipped: {WHY_NO_TRITON}"
+        result["checks"], result["skipped"] = [], f"correctness sweep skipped: {kernels.WHY_NO_TRITON}"
     rows = []
     for shape in shapes:
         layers, h_q, h_kv, d = SHAPES[shape]
@@ -237,22 +238,9 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    """``python -m kvlab.kernels.bench [args]`` = ``kvlab bench kernels [args]`` (the GPU run used this form)."""
-    import sys
-
-    from kvlab.cli import main as cli_main
-
-    return cli_main(["bench", "kernels", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
-
 
 def recorded_h200() -> dict:
     """The result of one ``kvlab bench kernels`` run on an NVIDIA H200 (2026-11-30: triton 3.6.0, torch
-    2.11.0), shipped so that machines without a GPU can set measured points beside the projection."""
-    from importlib.resources import files
-
+    2.11.0), shipped so that machines without a GPU can set measured points beside the projection
+    (``kernels/bench_h200.json``, package data of ``kvlab.kernels``)."""
     return json.loads(files("kvlab.kernels").joinpath("bench_h200.json").read_text())

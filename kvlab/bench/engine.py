@@ -25,7 +25,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvlab.attention import BACKEND_NAMES
+from kvlab.cache.paged import check_block_size
+from kvlab.cache.simulate import workload
+from kvlab.data import play_text
+from kvlab.engine import LLM, SamplingParams
 from kvlab.engine.metrics import percentile
+from kvlab.generate import left_pad
 
 SYSTEMS = ("kvlab_continuous", "kvlab_static", "hf_generate", "hf_generate_batch")
 SYSTEM_PROMPT = ("You are a helpful assistant in a literature class. Answer questions about the passage the "
@@ -55,9 +61,6 @@ def make_workload(tokenizer, n: int = 32, shape: str = "sharegpt", scale: float 
                   max_len: int = 1024) -> Workload:
     """``n`` requests: lengths drawn from ``shape`` (means x ``scale``), text slices of Hamlet after
     a shared system prompt, arrivals all at 0 or Poisson at ``rate`` requests/s."""
-    from kvlab.cache.simulate import workload
-    from kvlab.data import play_text
-
     check_workload_args(scale, arrival, rate)
     reqs = workload(shape, n, seed=seed, max_seq_len=max_len)
     text = tokenizer.encode(play_text("hamlet"))
@@ -101,8 +104,6 @@ def _wait_until(t: float) -> None:
 def run_kvlab(model, tokenizer, wl: Workload, policy: str = "continuous", max_num_seqs: int = 32,
               num_blocks: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 512,
               attn_backend: str = "torch", kv_dtype: str = "auto", progress=None) -> tuple[dict, object]:
-    from kvlab.engine import LLM, SamplingParams
-
     if num_blocks is None:  # room for the max_num_seqs longest requests at once: no preemption by default
         need = sorted((-(-(len(p) + o) // block_size) for p, o in zip(wl.prompts, wl.output_lens)), reverse=True)
         num_blocks = sum(need[:max_num_seqs])
@@ -153,8 +154,6 @@ class _StepClock:
 
 @torch.inference_mode()
 def run_hf_generate(model, tokenizer, wl: Workload, max_num_seqs: int = 32, progress=None) -> dict:
-    from kvlab.generate import left_pad
-
     pad = getattr(tokenizer, "pad_token_id", None) or 0
     device = next(model.parameters()).device
     order = sorted(range(len(wl.prompts)), key=lambda i: wl.arrivals[i])
@@ -185,7 +184,8 @@ def run_hf_generate(model, tokenizer, wl: Workload, max_num_seqs: int = 32, prog
 @torch.inference_mode()
 def run_hf_generate_batch(model, wl: Workload, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
                           progress=None) -> dict:
-    from transformers import GenerationConfig
+    # transformers' continuous batching: only this system needs it
+    from transformers import GenerationConfig  # heavy: imported when this system runs
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     gc = GenerationConfig(max_new_tokens=max(wl.output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0)
@@ -231,18 +231,15 @@ def _warm_up(model, tokenizer, wl: Workload, systems) -> None:
 def bench_engine(model, tokenizer, wl: Workload, max_num_seqs: int = 32, systems=SYSTEMS, progress: bool = True,
                  **engine_kw) -> dict:
     """Serve ``wl`` with each of ``systems`` in turn; the JSON of ``kvlab bench engine``."""
-    from kvlab.cache.paged import _check_block_size
-    from kvlab.hf import ATTENTION_BACKENDS
-
     unknown = set(systems) - set(SYSTEMS)
     if unknown or not systems:
         raise ValueError(f"systems must be a non-empty subset of {SYSTEMS}, got {sorted(unknown)}")
-    _check_block_size(engine_kw.get("block_size", 16))  # before the progress bar and the warm-up
-    if engine_kw.get("attn_backend", "torch") not in ATTENTION_BACKENDS:
-        raise ValueError(f"attn_backend must be one of {ATTENTION_BACKENDS}, got {engine_kw['attn_backend']!r}")
+    check_block_size(engine_kw.get("block_size", 16))  # before the progress bar and the warm-up
+    if engine_kw.get("attn_backend", "torch") not in BACKEND_NAMES:
+        raise ValueError(f"attn_backend must be one of {BACKEND_NAMES}, got {engine_kw['attn_backend']!r}")
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # optional: only for the progress bar
 
         bar = tqdm(total=len(wl.prompts) * len(systems), desc="bench engine", unit="req", file=sys.stderr)
     _warm_up(model, tokenizer, wl, systems)

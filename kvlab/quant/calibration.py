@@ -1,9 +1,10 @@
-"""Calibration: what ranges do K and V actually take, per layer and head? (notebook 03)
+"""Calibration data: what ranges do K and V actually take, per layer and head? (notebook 03)
 
-Run the model over calibration text, keep the post-RoPE K and V of every layer, and summarise
-|x| per layer x KV head (and per channel, and per layer) as abs-max and percentiles. Static INT8
-scales are one of those statistics divided by 127. A percentile below 100 clips the rarest
-outliers on purpose, trading a few saturated values for finer steps everywhere else.
+A :class:`Calibration` holds |x| of the post-RoPE K and V of every layer, summarised per layer x KV
+head (and per channel, and per layer) as abs-max and percentiles. Static INT8 scales are one of
+those statistics divided by 127. A percentile below 100 clips the rarest outliers on purpose,
+trading a few saturated values for finer steps everywhere else. Taking one needs a model: that
+run is :mod:`kvlab.calibrate`; this module needs only tensors.
 
 Saved as one safetensors file whose metadata holds JSON (model, text, tokens, percentiles).
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from kvlab.files import FileError, read_bytes, write_atomic
 from kvlab.quant.core import scale_from_absmax
 
 PERCENTILES = (99.0, 99.9, 99.99)
@@ -79,9 +81,7 @@ class Calibration:
 
     def save(self, path: str | Path) -> Path:
         """Write one safetensors file, atomically (a temporary name, then a rename)."""
-        from safetensors.torch import save
-
-        from kvlab.files import write_atomic
+        from safetensors.torch import save  # only saving and loading need safetensors
 
         flat = {f"{t}.{g}.{s}": v.contiguous() for t, gs in self.stats.items() for g, ss in gs.items()
                 for s, v in ss.items()}
@@ -91,10 +91,8 @@ class Calibration:
     def load(cls, path: str | Path) -> "Calibration":
         """Read a ``kvlab calibrate`` file. Anything else (missing, empty, not safetensors, another
         program's tensors, inconsistent shapes) is a one-line :class:`~kvlab.files.FileError`."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load
-
-        from kvlab.files import FileError, read_bytes
+        from safetensors import SafetensorError  # only saving and loading need safetensors
+        from safetensors.torch import load  # only saving and loading need safetensors
 
         data = read_bytes(path, "calibration file")
         where = f"calibration file {str(path)!r}"
@@ -153,66 +151,3 @@ def summarize(samples: list[torch.Tensor], percentiles=PERCENTILES) -> dict:
         for i, name in enumerate(names):
             out[gran][name] = stacked[..., i + 1].contiguous()
     return out
-
-
-@torch.inference_mode()
-def collect_kv(model, chunks: list[list[int]], progress: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Post-RoPE K and V of every layer over all chunks, concatenated: lists of (T_total, H, D)."""
-    from kvlab.cache import ContiguousCache
-    from kvlab.hf import CACHE_KWARG, KVLabCache
-
-    keys, values = None, None
-    device = next(model.parameters()).device
-    it = chunks
-    if progress:
-        from tqdm.auto import tqdm
-
-        it = tqdm(chunks, desc="calibrating", unit="chunk")
-    for ids in it:
-        store = ContiguousCache.from_model(model)
-        model(input_ids=torch.tensor([ids], device=device), use_cache=True, **{CACHE_KWARG: KVLabCache(store)})
-        ks = [k[0].transpose(0, 1).float().cpu() for k in store.keys]  # (T, H, D) per layer
-        vs = [v[0].transpose(0, 1).float().cpu() for v in store.values]
-        keys = ks if keys is None else [torch.cat([a, b]) for a, b in zip(keys, ks)]
-        values = vs if values is None else [torch.cat([a, b]) for a, b in zip(values, vs)]
-    return keys, values
-
-
-def calibrate(model, chunks: list[list[int]], percentiles=PERCENTILES, progress: bool = True,
-              meta: dict | None = None) -> Calibration:
-    """Calibrate on token chunks (each run as its own sequence from position 0)."""
-    from kvlab.quant.rotation import rotate
-
-    if not chunks or any(not c for c in chunks):
-        raise ValueError("chunks must be a non-empty list of non-empty token lists")
-    keys, values = collect_kv(model, chunks, progress)
-    stats = {"k": summarize(keys, percentiles), "v": summarize(values, percentiles),
-             "k_rot": summarize([rotate(k) for k in keys], percentiles)}
-    info = {"tokens": sum(len(c) for c in chunks), "chunks": len(chunks), "percentiles": list(percentiles)}
-    return Calibration(stats, {**info, **(meta or {})})
-
-
-def default_calibration(model, tokenizer, model_name: str, tokens: int = 2048, progress: bool = True) -> Calibration:
-    """Calibrate on the lab's default set once per model and size; later calls load the cached file."""
-    from kvlab.data import CALIBRATION_PLAY, calibration_chunks
-    from kvlab.models import cache_dir
-
-    path = cache_dir() / "calibration" / f"{model_name}-{CALIBRATION_PLAY}-{tokens}.safetensors"
-    if path.exists():
-        from kvlab.files import warn
-        from kvlab.sizing import kv_config
-
-        c = kv_config(model)
-        try:
-            cal = Calibration.load(path)
-            cal.check_model(c.num_layers, c.num_kv_heads, c.head_dim, f"cached calibration {str(path)!r}")
-            return cal
-        except ValueError as e:  # a cache we own: rebuild it rather than fail on every run from now on
-            warn(f"{e}; recalibrating")
-    from kvlab.files import check_writable_target
-
-    check_writable_target(path, "calibration file")  # before the work, not after it
-    cal = calibrate(model, calibration_chunks(tokenizer, tokens), progress=progress,
-                    meta={"model": model_name, "text": CALIBRATION_PLAY})
-    cal.save(path)
-    return cal

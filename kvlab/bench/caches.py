@@ -1,5 +1,7 @@
-"""Measurements the notebooks and ``kvlab bench`` share. Every ratio is taken against a baseline run
-in the same process, on the same machine, a moment before: never against a remembered number.
+"""Measurements of the caches that notebooks 00-03 and ``kvlab bench recompute | static | quant`` share.
+
+Every ratio is taken against a baseline run in the same process, on the same machine, a moment
+before: never against a remembered number.
 """
 
 from __future__ import annotations
@@ -9,7 +11,12 @@ import time
 
 import torch
 
+from kvlab.cache import StaticCache
+from kvlab.calibrate import default_calibration
+from kvlab.data import CALIBRATION_PLAY, EVAL_PLAY, chat_prompts, text_tokens
+from kvlab.eval import auto_config, evaluate, kv_bytes_per_token, layer_sensitivity
 from kvlab.generate import greedy_generate
+from kvlab.quant.formats import KVQuantConfig, TensorFormat, named_config
 
 
 def memory_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
@@ -35,8 +42,6 @@ def memory_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
 def _prompt(tokenizer, n: int) -> list[int]:
     if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
         return [(7 * i) % 250 + 3 for i in range(n)]  # tiny model: any byte tokens do
-    from kvlab.data import text_tokens
-
     return text_tokens(tokenizer, n)
 
 
@@ -89,10 +94,6 @@ def static_vs_paged(model, tokenizer, max_new_tokens: int = 64, block_size: int 
 
     Returns each cache's stats; all three must produce the same tokens (checked).
     """
-    from kvlab.cache import StaticCache
-    from kvlab.data import chat_prompts
-    from kvlab.generate import greedy_generate
-
     prompts = chat_prompts(tokenizer)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id or 0
     out, tokens = {}, None
@@ -118,8 +119,6 @@ def static_vs_paged(model, tokenizer, max_new_tokens: int = 64, block_size: int 
 
 def quant_configs(mixed=None) -> dict:
     """The format table of notebook 03 and the quantization issue: name -> KVQuantConfig."""
-    from kvlab.quant.formats import KVQuantConfig, TensorFormat, named_config
-
     out = {"fp16": named_config("fp16")}
     for gran in ("per-tensor", "per-channel", "per-head"):
         for stat in ("absmax", "p99.9"):
@@ -139,17 +138,9 @@ def quant_configs(mixed=None) -> dict:
 def quant_table(model, tokenizer, tokens: int = 1024, calib_tokens: int = 2048, mixed: bool = True,
                 chunk: int = 32, model_name: str = "smollm2-135m", progress: bool = False) -> dict:
     """Every format of :func:`quant_configs` on held-out text, in lockstep with the FP cache."""
-    from kvlab.data import EVAL_PLAY, text_tokens
-    from kvlab.eval import evaluate, kv_bytes_per_token
-    from kvlab.quant.calibrate import default_calibration
-    from kvlab.quant.formats import named_config
-    from kvlab.quant.mixed import auto_config, layer_sensitivity
-
     cal = default_calibration(model, tokenizer, model_name, calib_tokens, progress=progress)
     mix = None
     if mixed:  # sensitivity on the END of the calibration play: still not the evaluation text
-        from kvlab.data import CALIBRATION_PLAY
-
         sens_tokens = text_tokens(tokenizer, 256, play=CALIBRATION_PLAY, offset=calib_tokens)
         sens = layer_sensitivity(model, sens_tokens, cal)
         hi, lo = named_config("int8"), named_config("int4")
