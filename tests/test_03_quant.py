@@ -8,9 +8,9 @@ import torch
 
 from kvlab import sizing
 from kvlab.attention import paged_attention, quantized_paged_attention
-from kvlab.cache import BlockManager, PagedKVCache
-from kvlab.quant import (Calibration, KVQuantConfig, QuantizedPagedKVCache, TensorFormat, calibrate, core,
-                         hadamard, named_config, rotate)
+from kvlab.cache import BlockManager, PagedKVCache, QuantizedPagedKVCache
+from kvlab.calibrate import calibrate
+from kvlab.quant import Calibration, KVQuantConfig, TensorFormat, core, hadamard, named_config, rotate
 
 
 def test_round_half_to_even_not_truncation():
@@ -321,7 +321,7 @@ def test_cli_ppl_without_scales_file_calibrates_once_and_caches(tmp_path, monkey
 
 
 def test_granularity_explorer_switches_statistic(tiny):
-    from kvlab.quant.calibrate import collect_kv
+    from kvlab.calibrate import collect_kv
     from kvlab.viz.quant import granularity_explorer
 
     model, _ = tiny

@@ -138,7 +138,9 @@ def test_static_policy_admits_nothing_while_a_batch_runs(tiny):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_quantized_engine_equals_paged_generate_on_the_same_quantized_cache(tiny, backend):
-    from kvlab.quant import KVQuantConfig, QuantizedPagedKVCache, TensorFormat, calibrate, named_config
+    from kvlab.cache import QuantizedPagedKVCache
+    from kvlab.calibrate import calibrate
+    from kvlab.quant import KVQuantConfig, TensorFormat, named_config
 
     model, tok = tiny
     prompts = _prompts(6, seed=5, system=SYSTEM[:9])

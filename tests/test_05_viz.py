@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvlab.kernels import bench
+from kvlab.bench.kernels import recorded_h200
 from kvlab.kernels.traffic import FORMATS, GPU_BANDWIDTH, project, step_bytes
 from kvlab.viz import bandwidth as bv
 
@@ -28,7 +28,7 @@ def test_figure_draws_the_byte_model():
 
 
 def test_figure_shows_recorded_gpu_points():
-    rec = bench.recorded_h200()
+    rec = recorded_h200()
     assert rec["mode"] == "gpu" and "H200" in rec["device"] and len(rec["measured"]) == 18
     fig = bv.bandwidth_figure("llama-3-8b", batch=32, context=4096, gpu="H200", bench=rec)
     measured_fp16 = fig.data[5]
@@ -39,7 +39,7 @@ def test_figure_shows_recorded_gpu_points():
 
 
 def test_widget_controls_redraw():
-    w = bv.bandwidth_widget(bench=bench.recorded_h200())
+    w = bv.bandwidth_widget(bench=recorded_h200())
     (shape, gpu), (batch, ctx) = w.children[0].children, w.children[1].children
     text, fig = w.children[2], w.children[3]
     before = fig.data[0].y[0]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvlab import capstone as C
-from kvlab.quant import calibrate
+from kvlab.calibrate import calibrate
 
 MAX_LEN = 64
 

@@ -13,10 +13,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from kvlab.cache import QuantizedPagedKVCache
+from kvlab.calibrate import calibrate, collect_kv
 from kvlab.export import (CONFIG_FILE, KNOBS, SCALES_FILE, STRATEGIES, export_vllm, knob_table, kv_cache_scheme,
                           scale_name)
-from kvlab.quant import QuantizedPagedKVCache, calibrate, named_config
-from kvlab.quant.calibrate import collect_kv
+from kvlab.quant import named_config
 
 FP8_MAX = 448.0
 TEXT = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 3

@@ -89,7 +89,7 @@ def test_engine_gives_hf_tokens(arch, backend):
 
 @functools.cache
 def calibration(arch):
-    from kvlab.quant.calibrate import calibrate
+    from kvlab.calibrate import calibrate
 
     return calibrate(model(arch), [list(range(3, 120)), list(range(120, 250))], progress=False)
 

@@ -24,12 +24,12 @@ from kvlab import check, sizing
 from kvlab.cache import BlockManager, ContiguousCache, PagedKVCache, StaticCache
 from kvlab.cli import build_parser, main
 from kvlab.engine import LLM, SamplingParams
-from kvlab.engine.bench import bench_engine, make_workload
+from kvlab.bench.engine import bench_engine, make_workload
 from kvlab.eval import evaluate
 from kvlab.export import export_vllm
 from kvlab.generate import greedy_generate, paged_generate
 from kvlab.quant import KVQuantConfig, TensorFormat, core, named_config
-from kvlab.quant.calibrate import Calibration, summarize
+from kvlab.quant.calibration import Calibration, summarize
 
 P = "llama-2-7b"  # a preset: sizing needs no download
 
@@ -177,7 +177,7 @@ PURE = [
                  "'fp'", id="evaluate-config-named-like-the-reference"),
     pytest.param(lambda c: evaluate(c.model, [5] * 40, {"q": named_config("int8")}, window=16, stride=8, chunk=4),
                  "calibration", id="evaluate-static-without-calibration"),
-    # kvlab.engine.bench
+    # kvlab.bench.engine
     pytest.param(lambda c: make_workload(c.tok, 2, rate=NAN), "rate", id="make_workload-rate-nan"),
     pytest.param(lambda c: make_workload(c.tok, 2, scale=0), "scale", id="make_workload-scale-0"),
     pytest.param(lambda c: make_workload(c.tok, 0), "n must be", id="make_workload-n-0"),

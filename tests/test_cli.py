@@ -206,7 +206,7 @@ def test_bench_engine_poisson_arrivals(capsys):
 
 
 def test_make_workload_rejects_bad_arguments(tiny):
-    from kvlab.engine.bench import make_workload
+    from kvlab.bench.engine import make_workload
 
     _, tok = tiny
     with pytest.raises(ValueError, match="arrival must be 'all' or 'poisson'"):

@@ -210,7 +210,7 @@ except ValueError as e:
     assert "attn_backend='triton' cannot run here" in str(e), e
 from kvlab import claims, capstone
 from kvlab.viz.bandwidth import bandwidth_widget
-from kvlab.kernels.bench import recorded_h200
+from kvlab.bench.kernels import recorded_h200
 bandwidth_widget("llama-3-8b", batch=32, context=16384, gpu="H200", bench=recorded_h200())
 rows = claims.run(ids=["int8-39pct", "unfused"])  # the two claims of notebook 05: recorded run + byte model
 assert [r["id"] for r in rows] == ["int8-39pct", "unfused"]

@@ -20,9 +20,10 @@ import time
 import pytest
 import torch
 
+from kvlab.calibrate import calibrate, default_calibration
 from kvlab.cli import main
 from kvlab.files import FileError, read_text, write_atomic
-from kvlab.quant.calibrate import Calibration, calibrate, default_calibration
+from kvlab.quant.calibration import Calibration
 
 TINY_CAL_ARGS = ["--model", "tiny", "--tokens", "256", "--chunk", "128"]
 

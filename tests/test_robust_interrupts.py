@@ -248,7 +248,7 @@ def test_kvlab_ppl_interrupted_exits_130_without_a_traceback(tiny, monkeypatch, 
 
 
 def test_default_calibration_interrupted_leaves_no_file_and_runs_again(tiny, monkeypatch, tmp_path):
-    from kvlab.quant.calibrate import default_calibration
+    from kvlab.calibrate import default_calibration
 
     model, tok = tiny
     monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
