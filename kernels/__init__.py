@@ -9,7 +9,6 @@ package, which transformers probes for.
 | `pool.py`     | a pool's K or V as the kernels see it (data, format, scales)                |
 | `write.py`    | quantize-on-write: new K/V -> their slots, round half to even, counters     |
 | `decode.py`   | paged decode attention: block-table walk, online softmax, GQA, fused dequant, split-KV |
-| `ops.py`      | the kernels applied to kvlab's caches (the engine's ``attn_backend="triton"``) |
 | `traffic.py`  | bytes per launch, predicted and counted; projections per GPU                |
 | `bench_h200.json` | one ``kvlab bench kernels`` run on an H200 (the benchmark: `kvlab/bench/kernels.py`) |
 
@@ -106,17 +105,16 @@ def skip_cells_without_triton(shell=None) -> bool:
 _LAZY = {
     "paged_decode": "decode", "online_softmax_update": "decode",
     "write_kv": "write", "round_half_even": "write", "cast_demo": "write",
-    "write_to_cache": "ops", "decode_from_cache": "ops",
-    "Operand": "pool", "operands": "pool", "check_cache_supported": "pool", "KERNEL_FORMATS": "pool",
+    "Operand": "pool", "KERNEL_FORMATS": "pool",
 }
 
 
 def __getattr__(name):
-    import importlib
+    import importlib  # the kernel modules import triton: loaded on first use, where it exists
 
     if name in _LAZY:
         return getattr(importlib.import_module(f"kvlab.kernels.{_LAZY[name]}"), name)
-    if name in ("traffic", "decode", "write", "ops", "pool"):
+    if name in ("traffic", "decode", "write", "pool"):
         return importlib.import_module(f"kvlab.kernels.{name}")
     raise AttributeError(f"module 'kvlab.kernels' has no attribute {name!r}")
 

@@ -27,7 +27,7 @@ One program = one sequence x one KV head (x one split of its context):
 For a quantized pool, the sequence's own new token is attended at full precision (``k_own``,
 ``v_own``), as the PyTorch reference does: only what is stored is quantized.
 
-6. **What the model asks for** (issue 12), as :mod:`kvlab.attention` does it: a sliding ``window``
+6. **What the model asks for**, as :mod:`kvlab.attention` does it: a sliding ``window``
    starts the block-table walk at the first tile the window reaches (the tiles before it are not
    read at all) and masks the keys before it; ``softcap`` caps the scores with tanh; ``sinks`` join
    the softmax once, in the last split, as a key whose value is zero.
@@ -39,7 +39,7 @@ import math
 
 import torch
 
-from kvlab.attention import check_features
+from kvlab.validate import check_attention_features as check_features
 from kvlab.kernels import require_triton
 
 require_triton("kvlab.kernels.decode")  # where triton is missing (macOS, Windows): an ImportError that says why
@@ -290,7 +290,7 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
                  softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of one query token per sequence over a paged pool.
 
-    q (B, H_q, D); k, v operands (:func:`kvlab.kernels.operands`); block_tables (B, max_blocks)
+    q (B, H_q, D); k, v operands (a pool's ``kernel_operands(layer)``); block_tables (B, max_blocks)
     int32/int64 physical block ids; context_lens (B,) tokens per sequence INCLUDING the new one, each
     at most max_blocks * block_size (checked when the tensors are on the CPU; on a GPU the check would
     cost a synchronization per layer, and the engine's ``DecodeIndex`` guarantees it).

@@ -1,8 +1,9 @@
 """What a kernel needs to know about one of K or V in one layer of a pool (notebook 05).
 
-The kernels take tensors, never caches: :func:`operands` turns a :class:`~kvlab.cache.PagedKVCache`
-or a :class:`~kvlab.quant.cache.QuantizedPagedKVCache` layer into two :class:`Operand` s, each the
-data pages plus how to read them. Nothing is copied: an operand holds views of the pool's tensors.
+The kernels take tensors, never caches: a pool's ``kernel_operands(layer)``
+(:class:`~kvlab.cache.PagedKVCache`, :class:`~kvlab.cache.QuantizedPagedKVCache`) hands them two
+:class:`Operand` s, each the data pages plus how to read them. Nothing is copied: an operand holds
+views of the pool's tensors.
 
 | storage                     | data                    | scales                                  |
 |-----------------------------|-------------------------|-----------------------------------------|
@@ -18,13 +19,21 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlab.formats import ELEMENT_FORMATS
+
 # format codes the kernels branch on (tl.constexpr)
 FLOAT, INT8, INT4 = 0, 1, 2
 # scale codes: none, one static [H, D] tensor, one scale per slot (and head, or all heads)
 NO_SCALE, STATIC, PER_SLOT = 0, 1, 2
 
-#: storage formats the Triton kernels read and write (FP8 stays on the PyTorch path)
-KERNEL_FORMATS = ("fp32", "fp16", "bf16", "int8 (any granularity)", "int4 (symmetric)")
+def kernel_formats() -> tuple[str, ...]:
+    """The storage formats the Triton kernels read and write, from the registry (FP8 stays on the
+    PyTorch path), in words for error messages."""
+    words = {"int": " (any granularity)", "packed": " (symmetric)"}
+    return tuple(f.name + words.get(f.kind, "") for f in ELEMENT_FORMATS.values() if f.kernel)
+
+
+KERNEL_FORMATS = kernel_formats()
 
 
 @dataclass
@@ -54,45 +63,16 @@ class Operand:
         return s.stride(0), s.stride(1), head, group
 
 
-def _static(scale: torch.Tensor | None, h: int, d: int, what: str) -> torch.Tensor:
-    if scale is None:
-        raise ValueError(f"{what}: this quantized layer has no scale yet (a dynamic policy sets it on the first "
-                         "write); write to the cache before attending")
-    return scale.float().expand(1, h, d)[0].contiguous()  # (1,1,1) | (1,H,1) | (1,H,D) -> (H, D)
-
-
-def _check_format(fmt, where: str) -> None:
-    """ValueError unless the kernels can read and write this TensorFormat."""
-    ok = fmt.dtype in ("fp32", "fp16", "bf16", "int8") or (fmt.dtype == "int4" and fmt.symmetric)
-    if not ok:
+def check_kernel_format(fmt, where: str) -> None:
+    """ValueError unless the kernels can read and write this :class:`~kvlab.quant.TensorFormat`
+    (its registry entry says ``kernel=True``; packed formats only symmetric, in power-of-two groups)."""
+    el = fmt.element
+    if not el.kernel or (el.kind == "packed" and not fmt.symmetric):
         raise ValueError(f"{where} is stored as {fmt.label()!r}; attn_backend='triton' handles "
-                         f"{', '.join(KERNEL_FORMATS)}; use attn_backend='torch' or 'reference'")
-    if fmt.dtype == "int4" and (fmt.group_size < 2 or fmt.group_size & (fmt.group_size - 1)):
-        raise ValueError(f"{where}: attn_backend='triton' needs an int4 group_size that is a power of two >= 2, "
+                         f"{', '.join(kernel_formats())}; use attn_backend='torch' or 'reference'")
+    if el.kind == "packed" and (fmt.group_size < 2 or fmt.group_size & (fmt.group_size - 1)):
+        raise ValueError(f"{where}: attn_backend='triton' needs an {fmt.dtype} group_size that is a power of two >= 2, "
                          f"got {fmt.group_size}")
-
-
-def operand_of_store(store, what: str = "K") -> Operand:
-    """An operand for one ``kvlab.quant.cache._Store`` (one of K/V of one quantized layer)."""
-    fmt = store.fmt
-    _check_format(fmt, what)
-    if fmt.dtype in ("fp32", "fp16", "bf16"):
-        return Operand(store.data, FLOAT, label=fmt.label())
-    if fmt.dtype == "int8":
-        if fmt.static_scales:
-            return Operand(store.data, INT8, STATIC, static_scale=_static(store.scale, store.h, store.d, what),
-                           label=fmt.label())
-        return Operand(store.data, INT8, PER_SLOT, slot_scale=store.token_scale, label=fmt.label())
-    return Operand(store.data, INT4, PER_SLOT, slot_scale=store.token_scale, group_size=fmt.group_size,
-                   label=fmt.label())
-
-
-def operands(cache, layer: int) -> tuple[Operand, Operand]:
-    """(K, V) operands of one layer of a float or quantized paged pool."""
-    if hasattr(cache, "config"):  # QuantizedPagedKVCache
-        return operand_of_store(cache.k[layer], f"layer {layer}'s K"), operand_of_store(cache.v[layer], f"layer {layer}'s V")
-    label = str(cache.dtype).replace("torch.", "").replace("float", "fp")
-    return (Operand(cache.k_cache[layer], FLOAT, label=label), Operand(cache.v_cache[layer], FLOAT, label=label))
 
 
 def check_head_dim(d: int) -> None:
@@ -100,12 +80,3 @@ def check_head_dim(d: int) -> None:
     if d & (d - 1) or d < 16:
         raise ValueError(f"attn_backend='triton' needs a power-of-two head_dim >= 16, the model has {d}; "
                          "use attn_backend='torch'")
-
-
-def check_cache_supported(cache) -> None:
-    """Raise ValueError up front when a pool holds a format or shape the kernels cannot read or write."""
-    check_head_dim(cache.head_dim)
-    if hasattr(cache, "config"):
-        for layer in range(cache.num_layers):
-            _check_format(cache.k[layer].fmt, f"layer {layer}'s K")
-            _check_format(cache.v[layer].fmt, f"layer {layer}'s V")

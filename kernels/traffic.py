@@ -14,7 +14,10 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from kvlab.formats import kernel_names
+from kvlab.kernels import require_triton, triton_mode
 from kvlab.kernels.pool import FLOAT, INT4, INT8, NO_SCALE, PER_SLOT, STATIC
+from kvlab.quant.formats import TensorFormat, named_config
 from kvlab.sizing import kv_config
 
 #: peak HBM bandwidth, bytes/s (vendor datasheets: A100 80GB SXM, H100 SXM, H200 SXM)
@@ -42,14 +45,27 @@ class Spec:
         return 4 * (d // self.group_size if self.fmt == INT4 else 1)
 
 
-#: the formats the lab compares; int8 = per-head static scales, k8v4 = K int8 per-head, V int4 g32
-FORMATS = {
-    "fp16": (Spec(FLOAT, 2), Spec(FLOAT, 2)),
-    "fp32": (Spec(FLOAT, 4), Spec(FLOAT, 4)),
-    "int8": (Spec(INT8, 1, STATIC), Spec(INT8, 1, STATIC)),
-    "int8-per-token-head": (Spec(INT8, 1, PER_SLOT), Spec(INT8, 1, PER_SLOT)),
-    "k8v4": (Spec(INT8, 1, STATIC), Spec(INT4, 1, PER_SLOT, group_size=32)),
-}
+def spec_of_format(fmt: TensorFormat) -> Spec:
+    """The :class:`Spec` of a :class:`~kvlab.quant.TensorFormat` the kernels read, from its registry entry."""
+    el = fmt.element
+    if el.kind == "float":
+        return Spec(FLOAT, el.storage.itemsize)
+    if el.kind == "packed":
+        return Spec(INT4, el.storage.itemsize, PER_SLOT, group_size=fmt.group_size)
+    return Spec(INT8, el.storage.itemsize, STATIC if fmt.static_scales else PER_SLOT)
+
+
+def format_specs() -> dict[str, tuple[Spec, Spec]]:
+    """(K, V) specs of every kv_cache_dtype the kernels read (:func:`kvlab.formats.kernel_names`: int8 =
+    per-head static scales, k8v4 = K int8 per-head, V int4 g32), plus int8 with per-token-head scales."""
+    specs = {name: tuple(spec_of_format(f) for f in named_config(name).formats(0)) for name in kernel_names()}
+    specs["int8-per-token-head"] = tuple(spec_of_format(f) for f in
+                                         named_config("int8", granularity="per-token-head").formats(0))
+    return specs
+
+
+#: the formats the lab compares, as the kernels' byte model sees them (:func:`format_specs`)
+FORMATS = format_specs()
 
 
 def spec_of(op) -> Spec:
@@ -104,16 +120,17 @@ def step_bytes(fmt: str, batch: int, context: int, num_layers: int, h_q: int, h_
     """Bytes the attention of one whole-model decode step moves: ``batch`` sequences of ``context``
     tokens, every layer, fp16 q/out. ``fused=False``: dequantize the cache to an fp16 copy first,
     then attend over the copy (the seed's warning: the copy costs more than the quantization saves)."""
-    if fmt not in FORMATS:
-        raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
-    k, v = FORMATS[fmt]
+    specs = format_specs()
+    if fmt not in specs:
+        raise ValueError(f"fmt must be one of {sorted(specs)}, got {fmt!r}")
+    k, v = specs[fmt]
     ctx = [context] * batch
     t = decode_traffic(ctx, h_q, h_kv, d, k, v, block_size=block_size)["total"]
     if not fused and fmt != "fp16":
         cache_read = sum(decode_traffic(ctx, h_q, h_kv, d, k, v, block_size=block_size)["read"][p]
                          for p in ("k", "v", "k_scales", "v_scales"))
         copy = 2 * batch * context * h_kv * d * 2  # the fp16 copy of K and V, written once
-        t = cache_read + copy + decode_traffic(ctx, h_q, h_kv, d, *FORMATS["fp16"], block_size=block_size)["total"]
+        t = cache_read + copy + decode_traffic(ctx, h_q, h_kv, d, *specs["fp16"], block_size=block_size)["total"]
     return t * num_layers
 
 
@@ -147,12 +164,10 @@ def project(shape: str, batch: int, context: int, gpu: str = "H100", fused: bool
 def count_traffic():
     """Count the bytes every ``tl.load`` / ``tl.store`` really touches (masked-off lanes excluded) while
     kernels run under ``TRITON_INTERPRET=1``. Yields a dict with running totals "read" and "write"."""
-    from kvlab.kernels import require_triton, triton_mode
-
     require_triton("count_traffic")
     if triton_mode() != "interpreter":
         raise RuntimeError("count_traffic counts through Triton's interpreter; run with TRITON_INTERPRET=1")
-    from triton.runtime import interpreter as I
+    from triton.runtime import interpreter as I  # triton is Linux-only: imported where it is needed
 
     b = I.interpreter_builder
     counts = {"read": 0, "write": 0}

@@ -25,7 +25,7 @@ from kvlab.kernels.decode import _pow2
 from kvlab.kernels import pool as O
 from kvlab.kernels.decode import FLOAT, INT8, STATIC  # compile-time constants (tl.constexpr)
 from kvlab.kernels.decode import check_interpretable
-from kvlab.kernels.pool import Operand
+from kvlab.kernels.pool import Operand, check_head_dim
 
 ZERO_GUARD = tl.constexpr(1e-6)  # kvlab.quant.core.ZERO_GUARD: an all-zero group gets scale 1.0
 
@@ -144,8 +144,6 @@ def _slot_strides(op: Operand) -> tuple[int, int, int]:
 def check_write(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, h: int, d: int, n_slots: int) -> None:
     """ValueError unless k, v are (T, h, d), slot_mapping (T,) holds valid slots, and the interpreter
     can run them: everything a write is checked for, before anything (scales included) changes."""
-    from kvlab.kernels.pool import check_head_dim
-
     if k.dim() != 3 or k.shape != v.shape or k.shape[1:] != (h, d):
         raise ValueError(f"k and v must both be (T, {h}, {d}), got {tuple(k.shape)} and {tuple(v.shape)}")
     if slot_mapping.shape != (k.shape[0],):
@@ -172,10 +170,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_op:
             raise ValueError(f"{name} pages must be contiguous across a block's slots and along head_dim")
     check_write(k, v, slot_mapping, h, k_op.head_dim, n_blocks * bs)
     check_interpretable(k_op.data, v_op.data)
-    return _launch_write(k, v, slot_mapping, k_op, v_op)
+    return launch_write(k, v, slot_mapping, k_op, v_op)
 
 
-def _launch_write(k, v, slot_mapping, k_op: Operand, v_op: Operand):
+def launch_write(k, v, slot_mapping, k_op: Operand, v_op: Operand):
     """The launch behind :func:`write_kv`, for callers that ran :func:`check_write` already."""
     t, h, d = k.shape
     if t == 0:

@@ -14,17 +14,13 @@ import numbers
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-# bits per stored element
-DTYPE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}
-FLOAT_DTYPES = ("fp32", "fp16", "bf16")
-SCALE_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+from kvlab.formats import ELEMENT_FORMATS, STATIC_GRANULARITIES, TOKEN_GRANULARITIES
 
-# How many scales a granularity keeps. "static" ones are one table for the whole cache;
-# "per-token" ones grow with every stored token.
-STATIC_GRANULARITIES = ("per-tensor", "per-head", "per-channel")
-TOKEN_GRANULARITIES = ("per-token", "per-token-head")  # plus "group-<g>"
+# Element bits, float or not, and default granularities come from the format registry (kvlab.formats).
+# How many scales a granularity keeps: "static" ones are one table for the whole cache; "per-token"
+# ones (and "group-<g>") grow with every stored token.
+SCALE_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 MAX_COUNT = 2**53  # tokens, batch: larger counts are not exact as floats (and GiB would overflow one)
-DEFAULT_SCALES = {"fp32": "none", "fp16": "none", "bf16": "none", "fp8": "per-tensor", "int8": "per-head", "int4": "group-32"}
 
 # Small config dicts (HF field names) so that nothing needs a download. Values from the models'
 # published config.json files; num_params is the total parameter count.
@@ -146,10 +142,19 @@ def _is_count(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, numbers.Integral)
 
 
+def dtypes() -> list[str]:
+    """The element formats sizing knows (every registered one), sorted by name."""
+    return sorted(ELEMENT_FORMATS)
+
+
 def _check_dtype(dtype: str) -> str:
-    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
-        raise ValueError(f"dtype must be one of {sorted(DTYPE_BITS)}, got {dtype!r}")
+    if not isinstance(dtype, str) or dtype not in ELEMENT_FORMATS:
+        raise ValueError(f"dtype must be one of {dtypes()}, got {dtype!r}")
     return dtype
+
+
+def _bits(dtype: str) -> int:
+    return ELEMENT_FORMATS[_check_dtype(dtype)].bits
 
 
 def _scale_counts(cfg: KVConfig, scales: str) -> tuple[int, int]:
@@ -189,7 +194,7 @@ def kv_token_bytes(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_
 def kv_bytes_per_token(model: Any, dtype: str = "fp16") -> int:
     """Data bytes one token adds to the cache (no scales): 2 x layers x kv_heads x head_dim x bytes."""
     cfg = kv_config(model)
-    nbytes = DTYPE_BITS[_check_dtype(dtype)] / 8
+    nbytes = _bits(dtype) / 8
     return math.ceil(kv_token_bytes(cfg.num_layers, cfg.scale_heads, cfg.width, nbytes, cfg.tensors_per_layer))
 
 
@@ -238,8 +243,8 @@ def kv_size(
         raise ValueError(f"scale_dtype must be one of {sorted(SCALE_DTYPE_BYTES)}, got {scale_dtype!r}")
     if not isinstance(zero_points, bool):
         raise ValueError(f"zero_points must be True or False, got {zero_points!r}")
-    scales = DEFAULT_SCALES[dtype] if scales is None else scales
-    if dtype in FLOAT_DTYPES and scales != "none":
+    scales = ELEMENT_FORMATS[dtype].default_granularity if scales is None else scales
+    if not ELEMENT_FORMATS[dtype].quantized and scales != "none":
         raise ValueError(f"{dtype} is stored as is: scales must be 'none', got {scales!r}")
     per_token_scales, fixed_scales = _scale_counts(cfg, scales)
     per_scale = SCALE_DTYPE_BYTES[scale_dtype] * (2 if zero_points else 1)
@@ -268,7 +273,7 @@ def weight_bytes(model: Any, dtype: str = "fp16") -> int:
 
 
 def _param_bytes(num_params: float, dtype: str) -> int:
-    return math.ceil(num_params * DTYPE_BITS[_check_dtype(dtype)] / 8)
+    return math.ceil(num_params * _bits(dtype) / 8)
 
 
 def decode_step_bytes(model: Any, context: int, batch: int = 1, kv_dtype: str = "fp16",

@@ -10,6 +10,7 @@ from kvlab import sizing
 from kvlab.attention import paged_attention, quantized_paged_attention
 from kvlab.cache import BlockManager, PagedKVCache, QuantizedPagedKVCache
 from kvlab.calibrate import calibrate
+from kvlab.files import FileError
 from kvlab.quant import Calibration, KVQuantConfig, TensorFormat, core, hadamard, named_config, rotate
 
 
@@ -169,7 +170,7 @@ def test_calibration_save_load_roundtrip(tmp_path, tiny):
     assert (ph["p99"] <= ph["p99.9"]).all() and (ph["p99.99"] <= ph["absmax"]).all()
     assert cal.scales("k", "absmax", "per-head")[0].shape == (1, 2, 1)
     (tmp_path / "bad.safetensors").write_bytes(b"not a file")
-    with pytest.raises(Exception):
+    with pytest.raises(FileError, match=r"bad\.safetensors is not a safetensors file .*kvlab calibrate --out"):
         Calibration.load(tmp_path / "bad.safetensors")
 
 

@@ -19,12 +19,14 @@ import torch
 
 import kvlab  # noqa: F401  (switches triton to the interpreter on a CPU-only machine)
 from kvlab import kernels as K
-from kvlab.attention import DecodeIndex, paged_attention, quantized_batched_decode_attention
+from kvlab.attention import DecodeIndex, get_backend, paged_attention, quantized_batched_decode_attention
 from kvlab.cache.paged_storage import PagedKVCache
 from kvlab.kernels.traffic import count_traffic, decode_traffic, spec_of
 from kvlab.quant import core
-from kvlab.quant.cache import QuantizedPagedKVCache
+from kvlab.cache import QuantizedPagedKVCache
 from kvlab.quant.formats import KVQuantConfig, TensorFormat, named_config
+
+TRITON = get_backend("triton")  # the write and decode kernels applied to a pool (notebook 05)
 
 INTERPRETER = K.triton_mode() == "interpreter"
 pytestmark = pytest.mark.triton  # every test here runs a kernel (tests/conftest.py skips them without triton)
@@ -104,7 +106,7 @@ def test_write_kernel_matches_the_pytorch_cache_bit_for_bit(name, h, d):
     for a, b in zip(_stores(ref), _stores(got)):
         if a.fmt.static_scales:  # the dynamic policy's first write set it; the kernel path keeps it
             b.scale = a.scale.clone()
-    K.write_to_cache(got, 0, k, v, slots)
+    TRITON.write(got, 0, k, v, slots)
     for a, b in zip(_stores(ref), _stores(got)):
         assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)), f"{name}: data bytes differ"
         for x, y in ((a.token_scale, b.token_scale), (a.token_zero, b.token_zero)):
@@ -123,7 +125,7 @@ def test_write_kernel_rounds_half_to_even_and_clamps_like_torch():
     cache = QuantizedPagedKVCache(1, 4, 4, 1, 64, named_config("int8", granularity="per-tensor", policy="dynamic"))
     for st in _stores(cache):
         st.scale = scale.clone()
-    K.write_to_cache(cache, 0, x, x, torch.tensor([5]))
+    TRITON.write(cache, 0, x, x, torch.tensor([5]))
     got = cache.k[0].data.view(-1, 64)[5]
     assert torch.equal(got, core.quantize_int8(x[0, 0], scale[0, 0]))
     assert got[:11].tolist() == [0, 2, 2, 4, 0, -2, -2, 126, -126, 127, 127]
@@ -142,26 +144,26 @@ def test_write_kernel_rejects_what_it_cannot_store_and_touches_nothing():
     cache = QuantizedPagedKVCache(1, 4, 4, 2, 16, named_config("fp8", policy="dynamic"))
     before = cache.k[0].data.clone()
     with pytest.raises(ValueError, match="stored as .fp8 per-tensor.; attn_backend=.triton. handles"):
-        K.write_to_cache(cache, 0, torch.randn(2, 2, 16), torch.randn(2, 2, 16), torch.tensor([0, 1]))
+        TRITON.write(cache, 0, torch.randn(2, 2, 16), torch.randn(2, 2, 16), torch.tensor([0, 1]))
     assert torch.equal(cache.k[0].data.view(torch.uint8), before.view(torch.uint8))
     assert cache.k[0].scale is None and int(cache.k[0].counts["values"].sum()) == 0  # no scale set, nothing counted
     asym = QuantizedPagedKVCache(1, 4, 4, 2, 16, KVQuantConfig(TensorFormat("int8"), TensorFormat("int4", group_size=8, symmetric=False),
                                                                policy="dynamic"))
     with pytest.raises(ValueError, match="attn_backend='triton' handles"):
-        K.check_cache_supported(asym)
+        TRITON.check(asym)
     pool = PagedKVCache(1, 4, 4, 2, 16)
     with pytest.raises(ValueError, match="slot_mapping must have one slot per token"):
-        K.write_to_cache(pool, 0, torch.randn(3, 2, 16), torch.randn(3, 2, 16), torch.tensor([0, 1]))
+        TRITON.write(pool, 0, torch.randn(3, 2, 16), torch.randn(3, 2, 16), torch.tensor([0, 1]))
     before = pool.k_cache[0].clone()
     with pytest.raises(ValueError, match=r"slots in 0\.\.15 or -1"):
-        K.write_to_cache(pool, 0, torch.randn(2, 2, 16), torch.randn(2, 2, 16), torch.tensor([3, 16]))
+        TRITON.write(pool, 0, torch.randn(2, 2, 16), torch.randn(2, 2, 16), torch.tensor([3, 16]))
     assert torch.equal(pool.k_cache[0], before)  # nothing written
     with pytest.raises(ValueError, match="NaN/Inf"):
-        K.write_to_cache(cache_q := QuantizedPagedKVCache(1, 4, 4, 2, 16, named_config("int8", policy="dynamic")), 0,
+        TRITON.write(cache_q := QuantizedPagedKVCache(1, 4, 4, 2, 16, named_config("int8", policy="dynamic")), 0,
                          torch.full((1, 2, 16), float("nan")), torch.zeros(1, 2, 16), torch.tensor([0]))
     assert cache_q.k[0].scale is None  # rejected before any scale was set
     with pytest.raises(ValueError, match="slot_mapping must hold slots"):
-        K.write_to_cache(cache_q, 0, torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), torch.tensor([99]))
+        TRITON.write(cache_q, 0, torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), torch.tensor([99]))
     assert cache_q.k[0].scale is None
 
 
@@ -192,17 +194,17 @@ def test_decode_kernel_equals_paged_attention_on_a_float_pool(h_q, h_kv, d, bloc
     pool.k_cache[0].fill_(float("nan"))  # only written slots may be read
     pool.v_cache[0].fill_(float("nan"))
     k, v = torch.randn(len(slots), h_kv, d, generator=g), torch.randn(len(slots), h_kv, d, generator=g)
-    K.write_to_cache(pool, 0, k, v, slots)
+    TRITON.write(pool, 0, k, v, slots)
     q = torch.randn(len(ctx), h_q, d, generator=g).to(dtype)
     idx = DecodeIndex(tables, ctx, block_size)
-    out = K.decode_from_cache(q, pool, 0, idx, d ** -0.5, num_splits=splits, out=_nan_out(q))
+    out = TRITON.decode(q, pool, 0, idx, d ** -0.5, num_splits=splits, out=_nan_out(q))
     ref = paged_attention(q.float(), pool.k_cache[0].float().nan_to_num(), pool.v_cache[0].float().nan_to_num(),
                           tables, ctx, [1] * len(ctx), d ** -0.5)
     tol = 2e-5 if dtype == torch.float32 else 2e-3
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=0)
     # one query head per program (no GQA grouping) computes the same thing
-    alone = K.decode_from_cache(q, pool, 0, idx, d ** -0.5, group_heads=False, pages=1, out=_nan_out(q))
+    alone = TRITON.decode(q, pool, 0, idx, d ** -0.5, group_heads=False, pages=1, out=_nan_out(q))
     torch.testing.assert_close(alone.float(), ref, atol=tol, rtol=0)
 
 
@@ -229,7 +231,7 @@ def test_decode_kernel_equals_the_quantized_reference(name, h_q, h_kv, d, block_
     q = torch.randn(len(ctx), h_q, d, generator=g)
     last = torch.tensor([sum(ctx[:i + 1]) - 1 for i in range(len(ctx))])  # each sequence's own new token
     idx = DecodeIndex(tables, ctx, block_size)
-    out = K.decode_from_cache(q, cache, 0, idx, d ** -0.5, k[last], v[last], num_splits=splits, out=_nan_out(q))
+    out = TRITON.decode(q, cache, 0, idx, d ** -0.5, k[last], v[last], num_splits=splits, out=_nan_out(q))
     ref = quantized_batched_decode_attention(q, k[last], v[last], cache, 0, idx, d ** -0.5)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
     pool = PagedKVCache(1, n_blocks, block_size, h_kv, d)
@@ -260,10 +262,10 @@ def test_decode_kernel_honours_window_softcap_and_sinks(feature, splits):
     pool = PagedKVCache(1, 64, bs, h_kv, d)
     pool.k_cache[0].fill_(float("nan"))
     pool.v_cache[0].fill_(float("nan"))
-    K.write_to_cache(pool, 0, k, v, slots)
+    TRITON.write(pool, 0, k, v, slots)
     q = torch.randn(len(ctx), h_q, d, generator=g)
     idx = DecodeIndex(tables, ctx, bs)
-    out = K.decode_from_cache(q, pool, 0, idx, 0.3, num_splits=splits, pages=2, out=_nan_out(q), **feat)
+    out = TRITON.decode(q, pool, 0, idx, 0.3, num_splits=splits, pages=2, out=_nan_out(q), **feat)
     ref = paged_attention(q, pool.k_cache[0].nan_to_num(), pool.v_cache[0].nan_to_num(), tables, ctx, [1] * 3, 0.3,
                           **feat)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
@@ -272,7 +274,7 @@ def test_decode_kernel_honours_window_softcap_and_sinks(feature, splits):
     assert (ref - plain).abs().max() > 1e-2  # the feature changes the answer: the comparison means something
     cache = _quant_cache(named_config("int8"), h_kv, d, bs, 64, k, v, slots)
     last = torch.tensor([sum(ctx[:i + 1]) - 1 for i in range(len(ctx))])
-    out = K.decode_from_cache(q, cache, 0, idx, 0.3, k[last], v[last], num_splits=splits, pages=2, out=_nan_out(q),
+    out = TRITON.decode(q, cache, 0, idx, 0.3, k[last], v[last], num_splits=splits, pages=2, out=_nan_out(q),
                               **feat)
     ref = quantized_batched_decode_attention(q, k[last], v[last], cache, 0, idx, 0.3, **feat)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
@@ -285,7 +287,7 @@ def test_decode_kernel_refuses_bad_features():
     for bad, match in ((dict(window=0), "window"), (dict(window=2.5), "window"), (dict(softcap=-1.0), "softcap"),
                        (dict(sinks=torch.zeros(3)), "sinks")):
         with pytest.raises(ValueError, match=match):
-            K.decode_from_cache(q, pool, 0, idx, 0.25, **bad)
+            TRITON.decode(q, pool, 0, idx, 0.25, **bad)
 
 
 def test_decode_kernel_handles_all_zero_keys():
@@ -295,10 +297,10 @@ def test_decode_kernel_handles_all_zero_keys():
     for name in ("k8v4", "int8"):
         cache = QuantizedPagedKVCache(1, 8, bs, h, d, named_config(name, granularity="per-token-head", policy="dynamic"))
         z, v = torch.zeros(20, h, d), torch.randn(20, h, d, generator=g)
-        K.write_to_cache(cache, 0, z, v, torch.arange(20))
+        TRITON.write(cache, 0, z, v, torch.arange(20))
         idx = DecodeIndex([[0, 1]], [20], bs)
         q = torch.randn(1, 4, d, generator=g)
-        out = K.decode_from_cache(q, cache, 0, idx, 0.125, z[-1:], v[-1:], out=_nan_out(q))
+        out = TRITON.decode(q, cache, 0, idx, 0.125, z[-1:], v[-1:], out=_nan_out(q))
         ref = quantized_batched_decode_attention(q, z[-1:], v[-1:], cache, 0, idx, 0.125)
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
         mean_v = torch.cat([cache.read(0, torch.tensor([0, 1]))[1].flatten(0, 1)[:19], v[-1:]]).mean(0)  # (H, D)
@@ -316,7 +318,7 @@ def test_decode_kernel_fp16_queries_over_a_quantized_pool():
     q = torch.randn(2, h_q, d, generator=g)
     ref = quantized_batched_decode_attention(q, k[last], v[last], cache, 0, idx, d ** -0.5)
     q16 = q.half()
-    out = K.decode_from_cache(q16, cache, 0, idx, d ** -0.5, k[last].half(), v[last].half(), num_splits=2,
+    out = TRITON.decode(q16, cache, 0, idx, d ** -0.5, k[last].half(), v[last].half(), num_splits=2,
                               out=_nan_out(q16))
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.float(), ref, atol=3e-3, rtol=0)
@@ -339,7 +341,7 @@ def test_decode_kernel_uses_64_bit_offsets_for_large_block_ids():
     table = [n_blocks - 1, 2 ** 16 + 3]
     slots = torch.tensor([table[i // bs] * bs + i % bs for i in range(40)])
     assert int(slots.max()) * h * d > 2 ** 31
-    K.write_to_cache(cache, 0, k, v, slots)
+    TRITON.write(cache, 0, k, v, slots)
     ref_cache = QuantizedPagedKVCache(1, 2, bs, h, d, config)
     ref_cache.k[0].scale, ref_cache.v[0].scale = cache.k[0].scale, cache.v[0].scale
     ref_cache.write(0, k, v, torch.arange(40))
@@ -348,7 +350,7 @@ def test_decode_kernel_uses_64_bit_offsets_for_large_block_ids():
     q = torch.randn(1, 16, d, generator=g)
     idx = DecodeIndex([table], [40], bs)
     idx.table = idx.table.to(torch.int32)  # 32-bit ids: the kernel must widen before multiplying
-    out = K.decode_from_cache(q, cache, 0, idx, d ** -0.5, k[-1:], v[-1:], out=_nan_out(q))
+    out = TRITON.decode(q, cache, 0, idx, d ** -0.5, k[-1:], v[-1:], out=_nan_out(q))
     ref = quantized_batched_decode_attention(q, k[-1:], v[-1:], ref_cache, 0, DecodeIndex([[0, 1]], [40], bs),
                                              d ** -0.5)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
@@ -356,7 +358,7 @@ def test_decode_kernel_uses_64_bit_offsets_for_large_block_ids():
 
 def test_decode_kernel_argument_errors():
     pool = PagedKVCache(1, 4, 4, 2, 16)
-    ko, vo = K.operands(pool, 0)
+    ko, vo = pool.kernel_operands(0)
     q = torch.randn(1, 4, 16)
     idx = DecodeIndex([[0]], [3], 4)
     with pytest.raises(ValueError, match="num_splits must be a positive integer"):
@@ -383,7 +385,7 @@ def test_decode_kernel_argument_errors():
             K.paged_decode(q.bfloat16(), ko, vo, idx.table, idx.context_lens, 0.25)
     with pytest.raises(ValueError, match="power-of-two"):
         odd = PagedKVCache(1, 4, 4, 2, 12)
-        K.paged_decode(torch.randn(1, 4, 12), *K.operands(odd, 0), idx.table, idx.context_lens, 0.25)
+        K.paged_decode(torch.randn(1, 4, 12), *odd.kernel_operands(0), idx.table, idx.context_lens, 0.25)
 
 
 # ---- bytes ------------------------------------------------------------------------------------------
@@ -413,7 +415,7 @@ def test_bytes_the_kernel_loads_match_the_prediction_and_int8_halves_them(d):
     totals = {}
     for fmt in ("fp16", "int8", "k8v4", "int8-per-token-head"):
         cache = _traffic_cache(fmt, h_kv, d, bs, 128)
-        k_op, v_op = K.operands(cache, 0)
+        k_op, v_op = cache.kernel_operands(0)
         has_own = fmt != "fp16"
         for splits, grouped in ((1, True), (3, True), (1, False)):
             with count_traffic() as n:

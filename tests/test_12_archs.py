@@ -19,7 +19,8 @@ from kvlab.cache import BlockManager
 from kvlab.cache.paged_storage import PagedKVCache
 from kvlab.engine import LLM, SamplingParams
 from kvlab.generate import greedy_generate, hf_generate, paged_generate
-from kvlab.hf import UnsupportedModelError, paged_attention_spec
+from kvlab.hf import UnsupportedModelError
+from kvlab.probe import paged_attention_spec
 from kvlab.models import TINY_ARCHS, tiny_model
 
 PROMPTS = [list(range(3, 8)), list(range(10, 27)), list(range(40, 70))]  # 5, 17, 30 tokens: past a window of 8
@@ -172,9 +173,9 @@ def test_unsupported_models_are_refused_in_one_line_before_any_work(arch, monkey
 def test_without_the_probe_bloom_would_give_other_tokens_silently(monkeypatch):
     """Why BLOOM is refused: its layers never call the attention function kvlab registers, so in the paged
     path its attention sees neither the cache nor where one packed prompt ends and the next begins."""
-    import kvlab.hf as H
+    import kvlab.probe as P
 
-    monkeypatch.setattr(H, "_probe", lambda m: (H.LayerAttention(0, 0.25), H.LayerAttention(1, 0.25)))
+    monkeypatch.setattr(P, "_probe", lambda m: (P.LayerAttention(0, 0.25), P.LayerAttention(1, 0.25)))
     m = tiny_model("bloom")  # not the cached one: its refusal is remembered
     assert paged_generate(m, PROMPTS, NEW).token_ids != reference("bloom")
 
@@ -182,11 +183,11 @@ def test_without_the_probe_bloom_would_give_other_tokens_silently(monkeypatch):
 def test_a_sequence_dependent_rope_would_change_a_packed_sequence_s_tokens(monkeypatch):
     """Why phi3-longrope is refused: past 64 positions its RoPE switches to the long factors for the
     whole forward, so a short prompt packed with a long one is encoded with the long prompt's RoPE."""
-    import kvlab.hf as H
+    import kvlab.probe as P
 
     m = tiny_model("phi3-longrope")  # not the cached one: its refusal is remembered
     short, long = list(range(3, 20)), list(range(30, 100))
-    monkeypatch.setattr(H, "SEQUENCE_DEPENDENT_ROPE", ())  # what kvlab would do without the check
+    monkeypatch.setattr(P, "SEQUENCE_DEPENDENT_ROPE", ())  # what kvlab would do without the check
     assert paged_generate(m, [short, long], 8).token_ids[0] != hf_generate(m, [short], 8)[0]
     assert paged_generate(m, [short], 8).token_ids[0] == hf_generate(m, [short], 8)[0]  # alone, no harm
 
@@ -307,7 +308,7 @@ FEATS = {"window": dict(window=5), "softcap": dict(softcap=1.5),
 def test_every_pytorch_path_honours_the_feature(feature):
     from kvlab.attention import (DecodeIndex, batched_decode_attention, paged_attention,
                                  quantized_batched_decode_attention, quantized_paged_attention)
-    from kvlab.quant import QuantizedPagedKVCache
+    from kvlab.cache import QuantizedPagedKVCache
     from kvlab.quant.formats import FP32
 
     feat = FEATS[feature]

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvlab.validate import check_power_of_two
+
 
 class OutOfBlocksError(RuntimeError):
     """The pool cannot supply the blocks a request needs. Nothing was changed: the caller may
@@ -95,11 +97,12 @@ def check_token_ids(ids, name: str = "token_ids", vocab_size: int | None = None)
     return out
 
 
-def _check_block_size(block_size) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 or block_size > 256 \
-            or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two from 1 to 256, got {block_size!r}")
-    return block_size
+def check_block_size(block_size) -> int:
+    """``block_size`` as an int, or a ValueError unless it is a power of two from 1 to 256."""
+    return check_power_of_two("block_size", block_size, 1, 256)
+
+
+_check_block_size = check_block_size  # TRANSITIONAL: old name, removed when every caller is moved
 
 
 class BlockManager:
@@ -108,7 +111,7 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
-        self.block_size = _check_block_size(block_size)
+        self.block_size = check_block_size(block_size)
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]

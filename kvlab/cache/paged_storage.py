@@ -1,26 +1,69 @@
-"""The tensors behind a :class:`~kvlab.cache.paged.BlockManager` (notebook 02).
+"""The tensors behind a :class:`~kvlab.cache.paged.BlockManager` (notebook 02), and the one interface
+every paged pool has.
 
 Per layer, ``k_cache`` and ``v_cache`` are ``[num_blocks, block_size, H_kv, D]``: one layout end to
-end, shared by the PyTorch reference attention (:mod:`kvlab.attention`) and the Triton kernels, so
-a notebook can show the very tensor a kernel reads. Slot ``s`` is row ``s`` of the flattened
+end, shared by the PyTorch specification (:mod:`kvlab.attention`) and the Triton kernels, so a
+notebook can show the very tensor a kernel reads. Slot ``s`` is row ``s`` of the flattened
 ``[num_blocks * block_size, H_kv, D]`` view.
+
+**The pool interface.** The attention backends (:mod:`kvlab.attention.backends`) and the engine
+talk to a pool only through these names, which :class:`PagedKVCache` (float pages) and
+:class:`~kvlab.cache.quantized.QuantizedPagedKVCache` (INT8/FP8/INT4 pages, scales beside them)
+both implement:
+
+| member                                   | what                                                     |
+|------------------------------------------|----------------------------------------------------------|
+| ``num_layers, num_blocks, block_size, num_kv_heads, head_dim`` | the geometry             |
+| ``is_quantized``, ``rotate_k``           | stored values are codes / keys are Hadamard-rotated       |
+| ``formats(layer)``                       | how K and V of a layer are stored (two ``TensorFormat`` s) |
+| ``write(layer, k, v, slot_mapping)``     | new tokens' K/V (T, H_kv, D) to their slots               |
+| ``read(layer, block_ids)``               | K, V of some blocks as float32 (n, block_size, H_kv, D)   |
+| ``layer_pages(layer)``                   | the stored page tensors themselves (float pools)          |
+| ``copy_blocks(blocks_to_copy)``          | copy-on-write copies ``(src, dst)`` in every layer        |
+| ``kernel_operands(layer)``               | K and V as :class:`kvlab.kernels.pool.Operand` (views)    |
+| ``kernel_write(layer, k, v, slot_mapping, launch)`` | a write whose scatter runs in ``launch`` (a kernel), with the pool's own bookkeeping around it |
+| ``counters_snapshot()`` / ``restore_counters(s)`` | write counters to put back after an aborted step |
+| ``bytes_reserved, bytes_per_block, fixed_bytes`` | the bytes it holds                               |
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvlab.cache.paged import _check_block_size
+from kvlab.cache.paged import check_block_size
+from kvlab.kernels.pool import FLOAT, Operand
+from kvlab.quant.formats import TensorFormat
+from kvlab.sizing import kv_config
+from kvlab.validate import cdiv, check_int
+
+
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table, num_tokens: int):
+    """One sequence's K and V, (num_tokens, H_kv, D), from ``[num_blocks, block_size, H_kv, D]`` pages."""
+    block_size = k_cache.shape[1]
+    n_blocks = cdiv(num_tokens, block_size)
+    table = torch.as_tensor(block_table[:n_blocks], device=k_cache.device, dtype=torch.long)
+    k = k_cache[table].flatten(0, 1)[:num_tokens]  # (n_blocks * block_size, H_kv, D) -> (T, H_kv, D)
+    v = v_cache[table].flatten(0, 1)[:num_tokens]
+    return k, v
+
+
+def dtype_label(dtype: torch.dtype) -> str:
+    """torch.float16 -> 'fp16', the lab's name for a float storage dtype."""
+    return str(dtype).replace("torch.", "").replace("bfloat", "bf").replace("float", "fp")
 
 
 class PagedKVCache:
+    """Float pages, ``[num_blocks, block_size, H_kv, D]`` per layer for K and for V."""
+
+    is_quantized = False
+    rotate_k = False
+
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        self.block_size = _check_block_size(block_size)
+            check_int(name, value)
+        self.block_size = check_block_size(block_size)
         self.num_layers, self.num_blocks, self.num_kv_heads, self.head_dim = num_layers, num_blocks, num_kv_heads, head_dim
         self.dtype = dtype
         shape = (num_blocks, block_size, num_kv_heads, head_dim)  # (N_blocks, block_size, H_kv, D)
@@ -30,12 +73,14 @@ class PagedKVCache:
     @classmethod
     def from_model(cls, model, num_blocks: int, block_size: int = 16, dtype: torch.dtype | None = None,
                    device=None) -> "PagedKVCache":
-        from kvlab.sizing import kv_config
-
         cfg = kv_config(model)
         p = next(model.parameters())
         return cls(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                    dtype=dtype or p.dtype, device=device or p.device)
+
+    def _check_layer(self, layer_idx) -> None:
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"layer_idx must be in [0, {self.num_layers}), got {layer_idx!r}")
 
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Scatter ``k, v`` of shape (N, H_kv, D) to their slots (N,)."""
@@ -43,8 +88,7 @@ class PagedKVCache:
             raise ValueError(f"k/v must be (N, {self.num_kv_heads}, {self.head_dim}), got {tuple(k.shape)}, {tuple(v.shape)}")
         if slot_mapping.shape != (k.shape[0],):
             raise ValueError(f"slot_mapping must have one slot per token: {tuple(slot_mapping.shape)} vs {k.shape[0]} tokens")
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
-            raise ValueError(f"layer_idx must be in [0, {self.num_layers}), got {layer_idx!r}")
+        self._check_layer(layer_idx)
         flat = (-1, self.num_kv_heads, self.head_dim)
         try:  # an out-of-pool slot fails on the first write (K), before anything was written
             self.k_cache[layer_idx].view(flat)[slot_mapping] = k.to(self.dtype)
@@ -53,21 +97,50 @@ class PagedKVCache:
                              f"({self.num_blocks} blocks of {self.block_size})") from None
         self.v_cache[layer_idx].view(flat)[slot_mapping] = v.to(self.dtype)
 
-    def copy_blocks(self, pairs) -> None:
+    def kernel_write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                     launch) -> None:
+        """The write with the scatter done by ``launch(k, v, slot_mapping, k_operand, v_operand)`` (the
+        Triton write kernel); a float pool has no bookkeeping around it."""
+        launch(k, v, slot_mapping, *self.kernel_operands(layer_idx))
+
+    def copy_blocks(self, blocks_to_copy) -> None:
         """Apply copy-on-write copies ``(src, dst)`` in every layer."""
-        if not pairs:
+        if not blocks_to_copy:
             return
-        src = torch.tensor([s for s, _ in pairs], device=self.k_cache[0].device)
-        dst = torch.tensor([d for _, d in pairs], device=self.k_cache[0].device)
+        src = torch.tensor([s for s, _ in blocks_to_copy], device=self.k_cache[0].device)
+        dst = torch.tensor([d for _, d in blocks_to_copy], device=self.k_cache[0].device)
         for kc, vc in zip(self.k_cache, self.v_cache):
             kc[dst] = kc[src]
             vc[dst] = vc[src]
 
+    def layer_pages(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V pages of one layer, ``[num_blocks, block_size, H_kv, D]`` each (no copy)."""
+        return self.k_cache[layer_idx], self.v_cache[layer_idx]
+
+    def read(self, layer_idx: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of some blocks as float32, (n, block_size, H_kv, D) each (a copy)."""
+        return self.k_cache[layer_idx][block_ids].float(), self.v_cache[layer_idx][block_ids].float()
+
     def gather(self, layer_idx: int, block_table, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's K and V, (num_tokens, H_kv, D), read through its block table (a copy)."""
-        from kvlab.attention import gather_kv
-
         return gather_kv(self.k_cache[layer_idx], self.v_cache[layer_idx], block_table, num_tokens)
+
+    def kernel_operands(self, layer_idx: int) -> tuple[Operand, Operand]:
+        """(K, V) of one layer as the kernels read them: views of the pages, nothing copied."""
+        label = dtype_label(self.dtype)
+        return Operand(self.k_cache[layer_idx], FLOAT, label=label), Operand(self.v_cache[layer_idx], FLOAT, label=label)
+
+    def formats(self, layer_idx: int) -> tuple[TensorFormat, TensorFormat]:
+        """How K and V of one layer are stored: both in the pool's float dtype."""
+        fmt = TensorFormat(dtype_label(self.dtype))
+        return fmt, fmt
+
+    def counters_snapshot(self) -> list:
+        """A float pool keeps no write counters: nothing to put back after an aborted step."""
+        return []
+
+    def restore_counters(self, snapshot: list) -> None:
+        pass
 
     @property
     def bytes_reserved(self) -> int:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import sys
 
-from kvlab import bench
+from kvlab.bench import caches
 from kvlab import models  # through the module: tests swap models.load_model
 from kvlab.cache import simulate
-from kvlab.cache.paged import _check_block_size
-from kvlab.engine.bench import SYSTEMS, bench_engine, check_workload_args, make_workload
+from kvlab.cache.paged import check_block_size
+from kvlab.bench.engine import SYSTEMS, bench_engine, check_workload_args, make_workload
 from kvlab.files import check_writable_target, write_atomic
-from kvlab.kernels import bench as kbench
+from kvlab.bench import kernels as kbench
 from kvlab.sizing import fmt_bytes
 from kvlab.cli.common import batched_tokens, emit
 
@@ -31,7 +31,7 @@ def cmd_bench(args) -> int:
 
 def _recompute(args) -> int:
     model, tokenizer = models.load_model(args.model)
-    rows = bench.recompute_vs_cache(model, tokenizer, tuple(args.prompt_lens), args.new_tokens)
+    rows = caches.recompute_vs_cache(model, tokenizer, tuple(args.prompt_lens), args.new_tokens)
     lines = [f"{'prompt':>7}{'no cache (s)':>14}{'cache (s)':>11}{'speed-up':>10}{'same tokens':>13}"]
     lines += [f"{r['prompt_tokens']:>7}{r['no_cache_s']:>14.2f}{r['cache_s']:>11.2f}{r['speedup']:>9.1f}x"
               f"{str(r['same_tokens']):>13}" for r in rows]
@@ -41,7 +41,7 @@ def _recompute(args) -> int:
 
 def _static(args) -> int:
     model, tokenizer = models.load_model(args.model)
-    res = bench.static_vs_paged(model, tokenizer, args.new_tokens, args.block_size)
+    res = caches.static_vs_paged(model, tokenizer, args.new_tokens, args.block_size)
     lines = [f"{'cache':<36}{'slots':>8}{'tokens':>8}{'in use':>12}{'holding tokens':>16}"]
     lines += [f"{k:<36}{v['slots']:>8,}{v['tokens_stored']:>8,}{fmt_bytes(v['bytes_in_use']):>12}"
               f"{v['utilization']:>16.1%}" for k, v in res.items()]
@@ -51,7 +51,7 @@ def _static(args) -> int:
 
 def _quant(args) -> int:
     model, tokenizer = models.load_model(args.model)
-    res = bench.quant_table(model, tokenizer, tokens=args.tokens, mixed=not args.no_mixed, chunk=args.chunk,
+    res = caches.quant_table(model, tokenizer, tokens=args.tokens, mixed=not args.no_mixed, chunk=args.chunk,
                             model_name=args.model, progress=not args.json)
     for c in res["configs"].values():
         c.pop("saturation", None)  # tensors: not JSON
@@ -95,7 +95,7 @@ def _memory(args) -> int:
 
 def _engine(args) -> int:
     check_workload_args(args.scale, args.arrival, args.rate)  # before the model loads
-    _check_block_size(args.block_size)
+    check_block_size(args.block_size)
     args.max_num_batched_tokens = batched_tokens(args.max_num_batched_tokens, args.max_num_seqs)
     model, tokenizer = models.load_model(args.model)
     wl = make_workload(tokenizer, args.num_requests, args.workload, scale=args.scale, seed=args.seed,

@@ -5,7 +5,7 @@ before the model loads."""
 from __future__ import annotations
 
 from kvlab import models  # through the module: tests swap models.load_model
-from kvlab.cache.paged import _check_block_size
+from kvlab.cache.paged import check_block_size
 from kvlab.engine import LLM, SamplingParams
 from kvlab.generate import encode_prompts, greedy_generate
 from kvlab.cli.common import CLIError, batched_tokens, emit
@@ -28,7 +28,7 @@ def check_generate(args) -> None:
                 raise CLIError(f"--{name.replace('_', '-')} is for --cache paged or --engine, not --cache {args.cache}")
     if args.max_seq_len is not None and (args.cache != "static" or args.engine):
         raise CLIError("--max-seq-len is for --cache static (the slots it pre-allocates per sequence)")
-    args.block_size = _check_block_size(args.block_size or 16)
+    args.block_size = check_block_size(args.block_size or 16)
     if args.engine:
         for name, default in ENGINE_OPTIONS.items():
             if getattr(args, name) is None and default is not None:

@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 
 from kvlab.cache import CACHE_KINDS
-from kvlab.sizing import DTYPE_BITS
+from kvlab.attention import BACKEND_NAMES
+from kvlab.formats import GRANULARITIES, KV_CACHE_DTYPES
+from kvlab.sizing import dtypes
 
 #: the subcommand -> the module of kvlab.cli that holds its handler ``cmd_<name>`` (imported when it runs)
 COMMAND_MODULES = {"info": "info", "size": "info", "generate": "generate", "bench": "bench",
@@ -22,14 +24,12 @@ COMMAND_MODULES = {"info": "info", "size": "info", "generate": "generate", "benc
                    "convert": "info"}
 
 DEFAULT_MODEL = "smollm2-135m"
-#: the KV formats ``kvlab ppl`` scores; the engine's block pool also takes "auto" (its model's dtype)
-KV_DTYPES = ("fp32", "fp16", "int8", "fp8", "int4", "k8v4")
-ENGINE_KV_DTYPES = ("auto", *KV_DTYPES)
-#: where a quantized format keeps its scales (``kvlab ppl --scales``)
-GRANULARITIES = ("per-tensor", "per-head", "per-channel", "per-token", "per-token-head")
+# KV formats (``kvlab ppl --kv-dtype``; the engine's pool also takes "auto", its model's dtype), their
+# scale granularities and the element dtypes of ``kvlab size`` come from kvlab.formats, read when the
+# parser is built, so a format registered there is a choice here too.
 #: calibration statistics a static scale is read from
 CALIB_STATS = ("absmax", "p99", "p99.9", "p99.99")
-ATTN_BACKENDS = ("reference", "torch", "triton")
+ATTN_BACKENDS = BACKEND_NAMES
 BENCH_WHAT = ("recompute", "static", "memory", "quant", "engine", "kernels")
 BENCH_SYSTEMS = ("kvlab_continuous", "kvlab_static", "hf_generate", "hf_generate_batch")
 
@@ -69,7 +69,7 @@ def quant_format_options() -> argparse.ArgumentParser:
     """A quantized KV format: element type, scale granularity, policy, rotation (read by
     ``kvlab.cli.quant.quant_config``)."""
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--kv-dtype", default="int8", choices=KV_DTYPES)
+    p.add_argument("--kv-dtype", default="int8", choices=tuple(KV_CACHE_DTYPES))
     p.add_argument("--scales", default="per-head", choices=GRANULARITIES)
     p.add_argument("--policy", default=None, choices=["static", "dynamic", "corrected"])
     p.add_argument("--rotate", action="store_true", help="Hadamard-rotate K (and Q) before quantizing")
@@ -87,7 +87,7 @@ def json_option() -> argparse.ArgumentParser:
 
 def _size_options() -> argparse.ArgumentParser:
     s = argparse.ArgumentParser(add_help=False)
-    s.add_argument("--dtype", default="fp16", choices=sorted(DTYPE_BITS))
+    s.add_argument("--dtype", default="fp16", choices=dtypes())
     s.add_argument("--tokens", type=positive_int("--tokens"), default=4096)
     s.add_argument("--batch", type=positive_int("--batch"), default=1)
     s.add_argument("--scales", default=None, help="none, per-tensor, per-head, per-channel, per-token, "
@@ -111,7 +111,7 @@ def _generate_options() -> argparse.ArgumentParser:
     # engine options: default None here, so that kvlab.cli.generate can refuse them without --engine
     s.add_argument("--attn-backend", default=None, choices=ATTN_BACKENDS,
                    help="engine: attention path (default torch; triton: the notebook 05 kernels, interpreted on a CPU)")
-    s.add_argument("--kv-dtype", default=None, choices=ENGINE_KV_DTYPES,
+    s.add_argument("--kv-dtype", default=None, choices=("auto", *KV_CACHE_DTYPES),
                    help="engine: storage of the block pool (default auto; quantized ones use the cached default "
                         "calibration)")
     s.add_argument("--max-num-seqs", type=positive_int("--max-num-seqs"), default=None,

@@ -8,7 +8,8 @@ from kvlab import models  # through the module: tests swap models.load_model
 from kvlab.data import EVAL_PLAY, calibration_chunks, text_tokens, text_tokens_from_file
 from kvlab.eval import check_scoring, evaluate, kv_bytes_per_token
 from kvlab.files import check_writable_target, read_text
-from kvlab.quant.calibrate import Calibration, calibrate, default_calibration
+from kvlab.calibrate import calibrate, default_calibration
+from kvlab.quant.calibration import Calibration
 from kvlab.quant.formats import named_config
 from kvlab.sizing import kv_config
 from kvlab.cli.common import emit

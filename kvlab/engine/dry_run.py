@@ -49,7 +49,7 @@ def dry_run(requests, num_blocks: int = 32, block_size: int = 4, max_num_seqs: i
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             if seq.num_computed_tokens == seq.num_tokens:  # the chunk reached the end: it "samples"
-                seq.output_token_ids.append(7)
+                seq.append_token(7)
                 if len(seq.output_token_ids) >= seq.params.max_tokens:
                     sched.finish(seq, "length")
         if check:

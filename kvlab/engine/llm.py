@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.cache.paged import BlockManager, check_token_ids
+from kvlab.cache import BlockManager, PagedKVCache, QuantizedPagedKVCache
+from kvlab.cache.paged import check_token_ids
 from kvlab.calibrate import default_calibration
 from kvlab.engine.metrics import StepStats, summarize
 from kvlab.engine.model_runner import ModelRunner
@@ -25,9 +26,17 @@ from kvlab.engine.sampler import sample
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.sequence import Sequence
-from kvlab.hf import paged_attention_spec
+from kvlab.formats import KV_CACHE_DTYPES
+from kvlab.probe import paged_attention_spec
+from kvlab.quant import KVQuantConfig, named_config
 
-KV_DTYPES = ("auto", "fp32", "fp16", "int8", "fp8", "int4", "k8v4")
+
+def kv_dtypes() -> tuple[str, ...]:
+    """What ``kv_dtype=`` takes: "auto" (the model's own dtype) or a registered kv_cache_dtype."""
+    return ("auto", *KV_CACHE_DTYPES)
+
+
+KV_DTYPES = kv_dtypes()
 
 
 @contextmanager
@@ -67,18 +76,14 @@ class RequestOutput:
 
 
 def _make_cache(model, tokenizer, num_blocks, block_size, kv_dtype, quant_config, calibration, model_name):
-    from kvlab.cache.paged_storage import PagedKVCache
-
     if quant_config is None and kv_dtype == "auto":
         return PagedKVCache.from_model(model, num_blocks, block_size)
-    from kvlab.quant import KVQuantConfig, QuantizedPagedKVCache, named_config
-
     if quant_config is not None and not isinstance(quant_config, KVQuantConfig):
         raise TypeError(f"quant_config must be a KVQuantConfig (e.g. kvlab.quant.named_config('int8')) or None, got "
                         f"{type(quant_config).__name__} {quant_config!r}; for a named format use kv_dtype=...")
     if quant_config is None:
-        if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+        if not isinstance(kv_dtype, str) or kv_dtype not in kv_dtypes():
+            raise ValueError(f"kv_dtype must be one of {kv_dtypes()}, got {kv_dtype!r}")
         quant_config = named_config(kv_dtype)
     if calibration is None and quant_config.needs_calibration(model.config.num_hidden_layers):
         if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
@@ -207,7 +212,7 @@ class LLM:
         sched, bm = self.scheduler, self.block_manager
         # a quantized pool's write counters, to put back if the step is cut short (~0.3 ms for 30 layers;
         # taken before the clock starts, so the scheduler's share of the step stays what it was)
-        saved = self.cache.counters_snapshot() if hasattr(self.cache, "counters_snapshot") else None
+        saved = self.cache.counters_snapshot()
         t0 = time.perf_counter()
         preempted_before = sched.num_preemptions
         try:
@@ -254,7 +259,7 @@ class LLM:
         outputs, finished = [], 0
         for i, token in zip(rows, sampled):
             seq = batch.seqs[i]
-            seq.output_token_ids.append(token)
+            seq.append_token(token)
             seq.metrics.token_times.append(now)
             if seq.metrics.first_token is None:
                 seq.metrics.first_token = now
@@ -269,8 +274,7 @@ class LLM:
     def _abort_step(self, saved_counters, reason: str) -> None:
         for seq in reversed(list(self.scheduler.running)):
             self.scheduler.preempt(seq, reason, keep_cached=False)
-        if saved_counters is not None:
-            self.cache.restore_counters(saved_counters)
+        self.cache.restore_counters(saved_counters)
 
     def abort_request(self, seq_id: int) -> None:
         """Drop a request that has not finished: its blocks go back to the pool, it is never

@@ -13,23 +13,20 @@ import time
 
 import torch
 
-from kvlab.attention import DecodeIndex
-from kvlab.hf import ATTENTION_BACKENDS, PagedBatch, attention_implementation, model_configs, register_paged_attention
+from kvlab.attention import BACKEND_NAMES, BACKENDS, DecodeIndex
+from kvlab.hf import PagedBatch, attention_implementation, model_configs, register_paged_attention
 
 
 class ModelRunner:
-    def __init__(self, model, cache, attn_backend: str = "reference"):
-        if attn_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attn_backend must be one of {ATTENTION_BACKENDS}, got {attn_backend!r}")
-        self.model, self.cache, self.attn_backend = model, cache, attn_backend
-        if attn_backend == "triton":
-            from kvlab.kernels import WHY_NO_TRITON, available, check_cache_supported
+    """Runs the engine's steps on the model through one attention backend (:mod:`kvlab.attention`:
+    its table says what runs prefill and decode in each)."""
 
-            if not available():  # macOS, Windows: say so now, not at the first forward
-                others = [b for b in ATTENTION_BACKENDS if b != "triton"]
-                raise ValueError(f"attn_backend='triton' cannot run here: {WHY_NO_TRITON}. Without triton, "
-                                 f"attn_backend must be one of {tuple(others)}")
-            check_cache_supported(cache)  # an unsupported format fails here, not in the middle of a step
+    def __init__(self, model, cache, attn_backend: str = "reference"):
+        if not isinstance(attn_backend, str) or attn_backend not in BACKENDS:
+            raise ValueError(f"attn_backend must be one of {BACKEND_NAMES}, got {attn_backend!r}")
+        self.model, self.cache, self.attn_backend = model, cache, attn_backend
+        self.backend = BACKENDS[attn_backend]
+        self.backend.check(cache)  # a pool the backend cannot run fails here, not in the middle of a step
         self.device = next(model.parameters()).device
         self.attn_name = register_paged_attention()
         self._configs = model_configs(model)  # switched to kvlab's attention for each forward
@@ -57,13 +54,13 @@ class ModelRunner:
                 sample_rows.append(i)
                 last.append(len(tokens) - 1)
         decode = None
-        if self.attn_backend != "reference" and batch.num_decodes:
+        if self.backend.batched_decode and batch.num_decodes:
             nd = batch.num_decodes
             decode = DecodeIndex(tables[:nd], ctx_lens[:nd], block_manager.block_size, self.device)
-        paged = PagedBatch(cache=self.cache, block_tables=tables, context_lens=ctx_lens,
+        paged = PagedBatch(cache=self.cache, block_tables=tables, seq_lens=ctx_lens,
                            query_lens=list(batch.num_new_tokens),
                            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-                           backend=self.attn_backend, decode=decode)
+                           backend=self.backend, decode=decode)
         ids = torch.tensor([tokens], device=self.device)
         pos = torch.tensor([positions], device=self.device)
         keep = torch.tensor(last, dtype=torch.long, device=self.device)

@@ -53,6 +53,9 @@ class Sequence:
         self.seq_id = seq_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        # prompt + output, kept in step with output_token_ids (append_token): the scheduler and the
+        # runner read it every step, so it is one list, not a concatenation made on each access
+        self.token_ids: list[int] = list(prompt_token_ids)
         self.params = params
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
@@ -62,13 +65,14 @@ class Sequence:
         seed = params.seed if params.seed is not None else random.randrange(2**63)
         self.generator = torch.Generator().manual_seed(seed)
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def append_token(self, token: int) -> None:
+        """A sampled token joins the output (and the sequence the next step feeds)."""
+        self.output_token_ids.append(token)
+        self.token_ids.append(token)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.token_ids)
 
     @property
     def num_uncomputed(self) -> int:

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-GRANULARITIES = ("per-tensor", "per-head", "per-channel", "per-token", "per-token-head")
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+from kvlab.formats import GRANULARITIES, ElementFormat, element_format
+
+FP8_MAX = element_format("fp8").qmax  # largest finite float8_e4m3fn: 448
 ZERO_GUARD = 1e-6
 
 
@@ -67,16 +68,32 @@ def scale_from_absmax(amax: torch.Tensor, qmax: float = 127.0) -> torch.Tensor:
     return torch.where(amax < ZERO_GUARD, torch.ones_like(amax), amax / torch.full_like(amax, qmax))
 
 
+def quantize_scaled(x: torch.Tensor, scale: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
+    """Codes of ``x`` under ``scale`` in a scaled element format (:mod:`kvlab.formats`): kind ``int``
+    rounds half to even and clamps to +-qmax; kind ``fp8`` clamps to +-qmax and casts (torch rounds
+    to nearest even)."""
+    _check_tensor(x, "x")
+    _check_tensor(scale, "scale")
+    if fmt.kind == "int":
+        return torch.clamp(torch.round(x.float() / scale), -fmt.qmax, fmt.qmax).to(fmt.storage)
+    if fmt.kind == "fp8":
+        return torch.clamp(x.float() / scale, -fmt.qmax, fmt.qmax).to(fmt.storage)
+    raise ValueError(f"{fmt.name} ({fmt.kind}) is not a scaled format: kinds 'int' and 'fp8' are")
+
+
+def dequantize_scaled(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Values back from the codes of a scaled format: ``q * scale``."""
+    return (q.float() * scale).to(dtype)
+
+
 def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Round half to even (``torch.round``), then clamp to +-127. Never truncate: truncation biases
     every value towards zero (and Triton's ``.to(int8)`` truncates and wraps, see notebook 05)."""
-    _check_tensor(x, "x")
-    _check_tensor(scale, "scale")
-    return torch.clamp(torch.round(x.float() / scale), -127, 127).to(torch.int8)
+    return quantize_scaled(x, scale, element_format("int8"))
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return (q.float() * scale).to(dtype)
+    return dequantize_scaled(q, scale, dtype)
 
 
 def int8_roundtrip(x: torch.Tensor, granularity: str = "per-head") -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,13 +171,11 @@ def dequantize_int4(t: Int4Tensor, dtype: torch.dtype = torch.float32) -> torch.
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Scaled cast to float8_e4m3fn (torch rounds to nearest even); values beyond +-448 saturate."""
-    _check_tensor(x, "x")
-    _check_tensor(scale, "scale")
-    return torch.clamp(x.float() / scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return quantize_scaled(x, scale, element_format("fp8"))
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return (q.float() * scale).to(dtype)
+    return dequantize_scaled(q, scale, dtype)
 
 
 def channel_spread(x: torch.Tensor) -> float:

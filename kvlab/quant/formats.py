@@ -11,19 +11,17 @@ Scale policies:
   and from the *first write* for the static granularities (what engines that estimate scales from
   the first batch do: fine until later traffic is larger);
 * ``corrected``: static, but when a value exceeds 1.2x the static range its scale is widened
-  and only the data under that scale is re-quantized (seed 004's 1.2× correction).
+  and only the data under that scale is re-quantized (the TurboQuant article's 1.2× correction).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from kvlab.formats import (ELEMENT_FORMATS, STATIC_GRANULARITIES, TOKEN_GRANULARITIES, ElementFormat, element_format,
+                           kv_cache_dtype)
 from kvlab.quant.calibration import STATS
 
-FLOAT_FORMATS = ("fp32", "fp16", "bf16")
-STORAGE_DTYPES = FLOAT_FORMATS + ("int8", "int4", "fp8")
-STATIC_GRANULARITIES = ("per-tensor", "per-head", "per-channel")
-TOKEN_GRANULARITIES = ("per-token", "per-token-head")
 POLICIES = ("static", "dynamic", "corrected")
 CORRECTION_FACTOR = 1.2
 
@@ -36,38 +34,46 @@ class TensorFormat:
     symmetric: bool = True  # int4 only
 
     def __post_init__(self):
-        if self.dtype not in STORAGE_DTYPES:
-            raise ValueError(f"dtype must be one of {STORAGE_DTYPES}, got {self.dtype!r}")
-        if self.dtype in ("int8", "fp8") and self.granularity not in STATIC_GRANULARITIES + TOKEN_GRANULARITIES:
-            raise ValueError(f"granularity must be one of {STATIC_GRANULARITIES + TOKEN_GRANULARITIES}, "
-                             f"got {self.granularity!r}")
+        fmt = element_format(self.dtype)  # a ValueError naming dtype and the registered formats
+        if fmt.granularities and self.granularity not in fmt.granularities:
+            raise ValueError(f"granularity must be one of {fmt.granularities}, got {self.granularity!r}")
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
             raise ValueError(f"group_size must be an integer >= 1, got {self.group_size!r}")
         if not isinstance(self.symmetric, bool):
             raise ValueError(f"symmetric must be True or False, got {self.symmetric!r}")
 
     @property
+    def element(self) -> ElementFormat:
+        """The registry entry of this dtype (:mod:`kvlab.formats`): bits, page dtype, qmax, kind."""
+        return ELEMENT_FORMATS[self.dtype]
+
+    @property
     def quantized(self) -> bool:
-        return self.dtype not in FLOAT_FORMATS
+        return self.element.quantized
+
+    @property
+    def scaled(self) -> bool:
+        """Codes times a scale of some granularity (int8, fp8): not a float, not packed groups."""
+        return self.element.kind in ("int", "fp8")
 
     @property
     def static_scales(self) -> bool:
-        return self.dtype in ("int8", "fp8") and self.granularity in STATIC_GRANULARITIES
+        return self.scaled and self.granularity in STATIC_GRANULARITIES
 
     @property
     def sizing_scales(self) -> str:
         """The matching ``kvlab.sizing`` granularity name."""
         if not self.quantized:
             return "none"
-        if self.dtype == "int4":
+        if self.element.kind == "packed":
             return f"group-{self.group_size}"
         return self.granularity
 
     def label(self) -> str:
         if not self.quantized:
             return self.dtype
-        if self.dtype == "int4":
-            return f"int4 g{self.group_size}{'' if self.symmetric else ' asym'}"
+        if self.element.kind == "packed":
+            return f"{self.dtype} g{self.group_size}{'' if self.symmetric else ' asym'}"
         return f"{self.dtype} {self.granularity}"
 
 
@@ -131,21 +137,20 @@ class KVQuantConfig:
 FP32 = KVQuantConfig(TensorFormat("fp32"), TensorFormat("fp32"))
 
 
+def _default_format(fmt: ElementFormat) -> TensorFormat:
+    """A registry entry as a TensorFormat at its default granularity."""
+    if fmt.granularities:
+        return TensorFormat(fmt.name, fmt.default_granularity)
+    return TensorFormat(fmt.name)
+
+
 def named_config(name: str, **kw) -> KVQuantConfig:
-    """Short names for the formats the lab compares: fp16, int8, fp8, int4, k8v4 (K INT8 per-head, V INT4)."""
-    table = {
-        "fp32": (TensorFormat("fp32"), TensorFormat("fp32")),
-        "fp16": (TensorFormat("fp16"), TensorFormat("fp16")),
-        "int8": (TensorFormat("int8"), TensorFormat("int8")),
-        "fp8": (TensorFormat("fp8", "per-tensor"), TensorFormat("fp8", "per-tensor")),
-        "int4": (TensorFormat("int4"), TensorFormat("int4")),
-        "k8v4": (TensorFormat("int8"), TensorFormat("int4")),
-    }
-    if not isinstance(name, str) or name not in table:
-        raise ValueError(f"kv format must be one of {sorted(table)}, got {name!r}")
-    k, v = table[name]
+    """The config of a kv_cache_dtype name (:data:`kvlab.formats.KV_CACHE_DTYPES`: fp32, fp16, int8,
+    fp8, int4, k8v4 = K INT8 per-head, V INT4), each at its default granularity unless ``granularity=``
+    (for the scaled formats) says otherwise; other keywords go to :class:`KVQuantConfig`."""
+    k, v = (_default_format(f) for f in kv_cache_dtype(name, "kv format"))
     gran = kw.pop("granularity", None)
     if gran is not None:
-        k = replace(k, granularity=gran) if k.dtype in ("int8", "fp8") else k
-        v = replace(v, granularity=gran) if v.dtype in ("int8", "fp8") else v
+        k = replace(k, granularity=gran) if k.scaled else k
+        v = replace(v, granularity=gran) if v.scaled else v
     return KVQuantConfig(k, v, **kw)

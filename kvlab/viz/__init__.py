@@ -12,6 +12,7 @@ import math
 import plotly.graph_objects as go
 
 from kvlab import sizing
+from kvlab.formats import ELEMENT_FORMATS, KV_CACHE_DTYPES
 
 CONTEXTS = [2**k for k in range(7, 18)]  # 128 ... 131072 tokens
 COLORS = {"weights": "#7f8c8d", "kv": "#c0392b", "tokens": "#27ae60", "padding": "#f39c12", "empty": "#d5d8dc"}
@@ -97,7 +98,9 @@ def memory_wall_widget(model: str = "llama-2-7b"):
     w_model = W.Dropdown(options=sorted(sizing.PRESETS), value=model, description="model")
     w_ctx = W.SelectionSlider(options=_contexts(model), value=min(4096, _contexts(model)[-1]), description="context")
     w_batch = W.IntSlider(value=8, min=1, max=64, description="batch")  # 8: the crossover is on the plot
-    w_kv = W.Dropdown(options=["fp32", "fp16", "fp8", "int8", "int4"], value="fp16", description="KV dtype")
+    one_format = sorted((f for n, (k, v) in KV_CACHE_DTYPES.items() if k == v for f in [ELEMENT_FORMATS[k]]),
+                        key=lambda f: (-f.bits, f.name))  # fp32, fp16, fp8, int8, int4: widest first
+    w_kv = W.Dropdown(options=[f.name for f in one_format], value="fp16", description="KV dtype")
     w_wt = W.Dropdown(options=["fp32", "fp16", "int8", "int4"], value="fp16", description="weights")
     w_bw = W.FloatSlider(value=2.0, min=0.05, max=8.0, step=0.05, description="TB/s")
     out = W.HTML()

@@ -1,6 +1,7 @@
 """A paged KV cache that stores INT8 / INT4 / FP8 (or float) blocks with SEPARATE scale tensors.
 
-Same pool layout as :class:`~kvlab.cache.PagedKVCache`, one :class:`BlockManager` drives both.
+Same pool layout and the same pool interface as :class:`~kvlab.cache.PagedKVCache` (its module
+docstring lists it), one :class:`BlockManager` drives both (notebook 03).
 Per layer, K and V each have a data tensor (int8 ``[N, bs, H, D]``, fp8 the same, int4 packed
 ``[N, bs, H, D/2]``) and scales beside it, never inside the pages: static scales are one small
 tensor per layer (``[1,1,1]``, ``[1,H,1]`` or ``[1,H,D]``), per-token scales live in their own
@@ -11,37 +12,41 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.cache.paged import _check_block_size
+from kvlab.cache.paged import check_block_size
+from kvlab.kernels.pool import FLOAT, INT4, INT8, PER_SLOT, STATIC, Operand, check_kernel_format
 from kvlab.quant import core
+from kvlab.quant.calibration import Calibration
 from kvlab.quant.formats import CORRECTION_FACTOR, KVQuantConfig, TensorFormat
 from kvlab.quant.rotation import rotate
+from kvlab.sizing import kv_config
 
-_FLOAT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 COUNTERS = ("values", "clipped", "at_qmax", "corrections")
 
 
 class _Store:
-    """Data + scales for one of K or V in one layer."""
+    """Data + scales for one of K or V in one layer, laid out as its registry entry says
+    (:mod:`kvlab.formats`: the page dtype, how values become codes, qmax)."""
 
     def __init__(self, fmt: TensorFormat, num_blocks: int, block_size: int, h: int, d: int, device,
                  static_scale: torch.Tensor | None):
         self.fmt, self.h, self.d = fmt, h, d
+        self.element = el = fmt.element
         shape = (num_blocks, block_size, h, d)
         self.scale = None  # static scale (broadcasts over (T, H, D)) or None
         self.token_scale = self.token_zero = None  # per-slot scales, own pages
-        if fmt.dtype in _FLOAT:
-            self.data = torch.zeros(shape, dtype=_FLOAT[fmt.dtype], device=device)
-        elif fmt.dtype == "int4":
+        if el.kind == "float":
+            self.data = torch.zeros(shape, dtype=el.storage, device=device)
+        elif el.kind == "packed":
             if d % fmt.group_size:
-                raise ValueError(f"int4 group_size {fmt.group_size} must divide head_dim {d}")
-            self.data = torch.zeros((num_blocks, block_size, h, d // 2), dtype=torch.uint8, device=device)
+                raise ValueError(f"{fmt.dtype} group_size {fmt.group_size} must divide head_dim {d}")
+            self.data = torch.zeros((num_blocks, block_size, h, d // el.codes_per_storage_element), dtype=el.storage,
+                                    device=device)
             gshape = (num_blocks, block_size, h, d // fmt.group_size, 1)
             self.token_scale = torch.ones(gshape, dtype=torch.float32, device=device)
             if not fmt.symmetric:
                 self.token_zero = torch.zeros(gshape, dtype=torch.float32, device=device)
-        else:
-            self.data = torch.zeros(shape, dtype=torch.int8 if fmt.dtype == "int8" else torch.float8_e4m3fn,
-                                    device=device)
+        else:  # scaled codes (int8, fp8)
+            self.data = torch.zeros(shape, dtype=el.storage, device=device)
             if fmt.static_scales:
                 self.scale = None if static_scale is None else static_scale.to(device).float().clone()
             else:
@@ -51,19 +56,19 @@ class _Store:
 
     @property
     def qmax(self) -> float:
-        return core.FP8_MAX if self.fmt.dtype == "fp8" else 127.0
+        return self.element.qmax
 
     def _q(self, x, scale):
-        return core.quantize_fp8(x, scale) if self.fmt.dtype == "fp8" else core.quantize_int8(x, scale)
+        return core.quantize_scaled(x, scale, self.element)
 
     def _dq(self, q, scale):
-        return core.dequantize_fp8(q, scale) if self.fmt.dtype == "fp8" else core.dequantize_int8(q, scale)
+        return core.dequantize_scaled(q, scale)
 
     def _count(self, x: torch.Tensor, scale: torch.Tensor, q: torch.Tensor) -> None:
         r = (x.float() / scale).abs()  # (T, H, D) in units of one quantization step
         # beyond what rounding would do anyway: half a step past the largest code (int8: 127.5; e4m3:
         # 448 + 16, the step there being 32; the abs-max itself lands at 448.00003 and is not clipped)
-        limit = self.qmax + (0.5 if self.fmt.dtype == "int8" else 16.0)
+        limit = self.element.clip_limit
         self.counts["clipped"] += (r > limit).sum(dim=(0, 2)).cpu()
         self.counts["at_qmax"] += (q.float().abs() >= self.qmax).sum(dim=(0, 2)).cpu()
 
@@ -72,10 +77,10 @@ class _Store:
         flat = self.data.view(-1, *self.data.shape[2:])
         if self.fmt.quantized:
             self.counts["values"] += torch.full((self.h,), x.shape[0] * self.d, dtype=torch.long)
-        if self.fmt.dtype in _FLOAT:
+        if self.element.kind == "float":
             flat[slots] = x.to(self.data.dtype)
             return
-        if self.fmt.dtype == "int4":
+        if self.element.kind == "packed":
             t = core.quantize_int4(x, self.fmt.group_size, self.fmt.symmetric)
             flat[slots] = t.packed
             self.token_scale.view(-1, *self.token_scale.shape[2:])[slots] = t.scale
@@ -123,14 +128,31 @@ class _Store:
     def read(self, block_ids: torch.Tensor) -> torch.Tensor:
         """Dequantized values of some blocks: (n_blocks, block_size, H, D) float32."""
         data = self.data[block_ids]
-        if self.fmt.dtype in _FLOAT:
+        if self.element.kind == "float":
             return data.float()
-        if self.fmt.dtype == "int4":
+        if self.element.kind == "packed":
             t = core.Int4Tensor(data, self.token_scale[block_ids],
                                 None if self.token_zero is None else self.token_zero[block_ids], self.fmt.group_size)
             return core.dequantize_int4(t)
         scale = self.scale if self.fmt.static_scales else self.token_scale[block_ids]
         return self._dq(data, scale)
+
+    def operand(self, what: str) -> Operand:
+        """These pages and scales as one kernel :class:`~kvlab.kernels.pool.Operand` (views)."""
+        fmt = self.fmt
+        check_kernel_format(fmt, what)
+        if not fmt.quantized:
+            return Operand(self.data, FLOAT, label=fmt.label())
+        if self.element.kind == "int":
+            if fmt.static_scales:
+                if self.scale is None:
+                    raise ValueError(f"{what}: this quantized layer has no scale yet (a dynamic policy sets it on "
+                                     "the first write); write to the cache before attending")
+                static = self.scale.float().expand(1, self.h, self.d)[0].contiguous()  # (1,1,1)|(1,H,1)|(1,H,D) -> (H, D)
+                return Operand(self.data, INT8, STATIC, static_scale=static, label=fmt.label())
+            return Operand(self.data, INT8, PER_SLOT, slot_scale=self.token_scale, label=fmt.label())
+        return Operand(self.data, INT4, PER_SLOT, slot_scale=self.token_scale, group_size=fmt.group_size,
+                       label=fmt.label())
 
     @property
     def nbytes(self) -> int:
@@ -150,9 +172,11 @@ class _Store:
 class QuantizedPagedKVCache:
     """The block pool in quantized formats; pair it with a BlockManager of the same geometry."""
 
+    is_quantized = True
+
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  config: KVQuantConfig, calibration=None, device="cpu"):
-        self.block_size = _check_block_size(block_size)
+        self.block_size = check_block_size(block_size)
         self.num_layers, self.num_blocks = num_layers, num_blocks
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.config = config
@@ -160,8 +184,6 @@ class QuantizedPagedKVCache:
             raise ValueError(f"policy {config.policy!r} with static scales needs a calibration "
                              "(kvlab.quant.calibrate), or use policy='dynamic'")
         if calibration is not None:
-            from kvlab.quant.calibrate import Calibration
-
             if not isinstance(calibration, Calibration):
                 raise TypeError(f"calibration must be a kvlab Calibration (kvlab.quant.calibrate), got "
                                 f"{type(calibration).__name__}")
@@ -174,17 +196,15 @@ class QuantizedPagedKVCache:
             if calibration is not None and config.policy != "dynamic":
                 if kf.static_scales:
                     ks = calibration.scales("k_rot" if config.rotate_k else "k", config.stat, kf.granularity,
-                                            core.FP8_MAX if kf.dtype == "fp8" else 127.0)[layer]
+                                            kf.element.qmax)[layer]
                 if vf.static_scales:
                     vs = calibration.scales("v", config.stat, vf.granularity,
-                                            core.FP8_MAX if vf.dtype == "fp8" else 127.0)[layer]
+                                            vf.element.qmax)[layer]
             self.k.append(_Store(kf, num_blocks, block_size, num_kv_heads, head_dim, device, ks))
             self.v.append(_Store(vf, num_blocks, block_size, num_kv_heads, head_dim, device, vs))
 
     @classmethod
     def from_model(cls, model, num_blocks: int, block_size: int, config: KVQuantConfig, calibration=None):
-        from kvlab.sizing import kv_config
-
         c = kv_config(model)
         return cls(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, config, calibration,
                    device=next(model.parameters()).device)
@@ -198,8 +218,49 @@ class QuantizedPagedKVCache:
         self.k[layer].write(k, slot_mapping, self.config.policy)
         self.v[layer].write(v, slot_mapping, self.config.policy)
 
-    def copy_blocks(self, pairs) -> None:
-        for src, dst in pairs:
+    @property
+    def rotate_k(self) -> bool:
+        """Keys are stored Hadamard-rotated (queries must be rotated the same way to attend)."""
+        return self.config.rotate_k
+
+    def kernel_write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                     launch) -> None:
+        """:meth:`write` with the scatter and quantization done by ``launch(k, v, slot_mapping, k_operand,
+        v_operand)`` (the Triton write kernel, which returns per-head INT8 counts or None); the scale
+        policy, rotation and saturation counters stay here. Slots of -1 are padding and not counted.
+        Everything is checked before any scale or page changes."""
+        for which, stores in (("K", self.k), ("V", self.v)):
+            check_kernel_format(stores[layer].fmt, f"layer {layer}'s {which}")
+        core.check_finite(k, f"keys (layer {layer})")  # before anything is touched, as write() does
+        core.check_finite(v, f"values (layer {layer})")
+        if self.config.rotate_k:
+            k = rotate(k)
+        stores = (self.k[layer], self.v[layer])
+        keep = slot_mapping >= 0
+        for st, x in zip(stores, (k, v)):
+            if st.fmt.static_scales:  # the policy (first write, correction) sees only real tokens
+                st.settle_scale(x[keep] if not bool(keep.all()) else x, self.config.policy)
+        k_op, v_op = self.kernel_operands(layer)
+        stats = launch(k, v, slot_mapping, k_op, v_op)
+        n_real = int(keep.sum())
+        for st, op, stat in zip(stores, (k_op, v_op), stats or (None, None)):
+            if st.fmt.quantized:
+                st.counts["values"] += n_real * st.d
+            if op.fmt == INT8 and stat is not None:
+                per_head = stat.sum(dim=0).cpu().long()  # (H, 2)
+                st.counts["clipped"] += per_head[:, 0]
+                st.counts["at_qmax"] += per_head[:, 1]
+
+    def formats(self, layer: int) -> tuple[TensorFormat, TensorFormat]:
+        """How K and V of one layer are stored (the config's per-layer formats)."""
+        return self.config.formats(layer)
+
+    def kernel_operands(self, layer: int) -> tuple[Operand, Operand]:
+        """(K, V) of one layer as the kernels read them: views of the pages and scales, nothing copied."""
+        return (self.k[layer].operand(f"layer {layer}'s K"), self.v[layer].operand(f"layer {layer}'s V"))
+
+    def copy_blocks(self, blocks_to_copy) -> None:
+        for src, dst in blocks_to_copy:
             for st in self.k + self.v:
                 for t in (st.data, st.token_scale, st.token_zero):
                     if t is not None:

