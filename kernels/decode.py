@@ -283,7 +283,7 @@ def default_splits(programs_per_split: int, max_blocks: int, pages: int) -> int:
     return int(max(1, min(want, -(-max_blocks // (4 * pages)))))  # at most one split per ~4 tiles of the longest context
 
 
-def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Tensor, context_lens: torch.Tensor,
+def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  scale: float, k_own: torch.Tensor | None = None, v_own: torch.Tensor | None = None,
                  num_splits: int | None = None, pages: int | None = None, group_heads: bool = True,
                  out: torch.Tensor | None = None, num_warps: int | None = None, *, window: int | None = None,
@@ -291,7 +291,7 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
     """Decode attention of one query token per sequence over a paged pool.
 
     q (B, H_q, D); k, v operands (a pool's ``kernel_operands(layer)``); block_tables (B, max_blocks)
-    int32/int64 physical block ids; context_lens (B,) tokens per sequence INCLUDING the new one, each
+    int32/int64 physical block ids; seq_lens (B,) tokens per sequence INCLUDING the new one, each
     at most max_blocks * block_size (checked when the tensors are on the CPU; on a GPU the check would
     cost a synchronization per layer, and the engine's ``DecodeIndex`` guarantees it).
     ``k_own, v_own`` (B, H_kv, D): give them to attend the new token at full precision (it is then
@@ -314,9 +314,9 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
     check_interpretable(q, k.data, v.data)
     if h_q % h_kv:
         raise ValueError(f"query heads ({h_q}) must be a multiple of KV heads ({h_kv})")
-    if block_tables.dim() != 2 or block_tables.shape[0] != bsz or context_lens.shape != (bsz,):
-        raise ValueError(f"block_tables must be (B={bsz}, max_blocks) and context_lens (B,), got "
-                         f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != bsz or seq_lens.shape != (bsz,):
+        raise ValueError(f"block_tables must be (B={bsz}, max_blocks) and seq_lens (B,), got "
+                         f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
     if (k_own is None) != (v_own is None):
         raise ValueError("give both k_own and v_own, or neither")
     check_features(h_q, window, softcap, sinks)
@@ -325,12 +325,12 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
     if out is not None and (out.shape != q.shape or out.stride(-1) != 1):
         raise ValueError(f"out must have q's shape {tuple(q.shape)} and be contiguous along head_dim, "
                          f"got {tuple(out.shape)}")
-    if block_tables.stride(1) != 1 or context_lens.stride(0) != 1:
-        raise ValueError("block_tables rows and context_lens must be contiguous")
-    if context_lens.device.type == "cpu" and bsz:
-        lo, hi = int(context_lens.min()), int(context_lens.max())
+    if block_tables.stride(1) != 1 or seq_lens.stride(0) != 1:
+        raise ValueError("block_tables rows and seq_lens must be contiguous")
+    if seq_lens.device.type == "cpu" and bsz:
+        lo, hi = int(seq_lens.min()), int(seq_lens.max())
         if lo < 1 or hi > block_tables.shape[1] * block_size:
-            raise ValueError(f"context_lens must be in 1..{block_tables.shape[1] * block_size} (max_blocks x "
+            raise ValueError(f"seq_lens must be in 1..{block_tables.shape[1] * block_size} (max_blocks x "
                              f"block_size), got {lo}..{hi}")
         if block_tables.numel() and (int(block_tables.min()) < 0 or int(block_tables.max()) >= k.data.shape[0]):
             raise ValueError(f"block_tables must hold block ids in 0..{k.data.shape[0] - 1}")
@@ -375,7 +375,7 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
     kd, vd = k.data, v.data
     grid = (bsz, h_q // qpp, num_splits)
     _paged_decode_kernel[grid](
-        q, dst, lse_arg, kd, vd, ks, vs, own_k, own_v, block_tables, context_lens,
+        q, dst, lse_arg, kd, vd, ks, vs, own_k, own_v, block_tables, seq_lens,
         sinks.float().contiguous() if sinks is not None else q,
         float(scale), iters_per_split, window or 1 << 30, float(softcap or 1.0),
         q.stride(0), q.stride(1), *s_o, *s_l,

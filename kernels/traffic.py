@@ -73,25 +73,25 @@ def spec_of(op) -> Spec:
     return Spec(op.fmt, op.data.element_size(), op.scale_kind, 1, op.group_size or 32)
 
 
-def decode_traffic(context_lens, h_q: int, h_kv: int, d: int, k: Spec, v: Spec, *, block_size: int = 16,
+def decode_traffic(seq_lens, h_q: int, h_kv: int, d: int, k: Spec, v: Spec, *, block_size: int = 16,
                    num_splits: int = 1, group_heads: bool = True, has_own: bool = False,
                    q_bytes: int = 2, own_bytes: int | None = None, table_bytes: int = 8, ctx_bytes: int = 8) -> dict:
     """Bytes one ``paged_decode`` launch reads and writes, by part, exactly as the kernel loads them
     (masked lanes move nothing; how the context is cut into splits and tiles moves no extra bytes).
 
-    context_lens: tokens per sequence including the new one; ``*_bytes``: element sizes of q (and out),
+    seq_lens: tokens per sequence including the new one; ``*_bytes``: element sizes of q (and out),
     of the own token's k/v (default: q's), of block-table ids and of context lengths. Returns
     ``{"read": {...}, "write": {...}, "total": n}`` with parts k, v, k_scales, v_scales, block_tables,
-    q, context_lens, own, partials, out.
+    q, seq_lens, own, partials, out.
     """
     g = h_q // h_kv
     qpp = g if group_heads else 1
     programs_per_seq = h_q // qpp  # head groups per sequence
     copies = g // qpp  # how many programs read each KV head's pages
-    read = dict.fromkeys(["k", "v", "k_scales", "v_scales", "block_tables", "q", "context_lens", "own",
+    read = dict.fromkeys(["k", "v", "k_scales", "v_scales", "block_tables", "q", "seq_lens", "own",
                           "partials"], 0)
     write = {"partials": 0, "out": 0}
-    for ctx in context_lens:
+    for ctx in seq_lens:
         n_pool = ctx - (1 if has_own else 0)
         tokens = n_pool * h_kv * copies  # token-heads read from the pool
         read["k"] += tokens * k.value_bytes(d)
@@ -101,7 +101,7 @@ def decode_traffic(context_lens, h_q: int, h_kv: int, d: int, k: Spec, v: Spec, 
         read["block_tables"] += -(-n_pool // block_size) * table_bytes * programs_per_seq
         programs = programs_per_seq * num_splits
         read["q"] += programs * qpp * d * q_bytes
-        read["context_lens"] += programs * ctx_bytes
+        read["seq_lens"] += programs * ctx_bytes
         # static scales: K's folded into q before the loop, V's into the output after it, in every program
         read["k_scales"] += programs * d * 4 * (k.scale_kind == STATIC)
         read["v_scales"] += programs * d * 4 * (v.scale_kind == STATIC)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 CONFIGS = ("static FP16", "paged FP16", "paged INT8", "paged INT8 + Triton")
-_SPEC = {  # kv_dtype, attention backend, reservation
+_SPEC = {  # kv_cache_dtype, attention backend, reservation
     "static FP16": ("fp16", "torch", "static"),
     "paged FP16": ("fp16", "torch", "paged"),
     "paged INT8": ("int8", "torch", "paged"),
@@ -53,12 +53,12 @@ def skip_reason(name: str) -> str | None:
     return kernels.WHY_NO_TRITON if backend == "triton" and not kernels.available() else None
 
 
-def block_bytes(model, kv_dtype: str, block_size: int = 16, calibration=None) -> tuple[int, int]:
-    """(bytes per block, fixed bytes) of a ``kv_dtype`` pool for ``model``: pages and per-slot scales grow
+def block_bytes(model, kv_cache_dtype: str, block_size: int = 16, calibration=None) -> tuple[int, int]:
+    """(bytes per block, fixed bytes) of a ``kv_cache_dtype`` pool for ``model``: pages and per-slot scales grow
     with the blocks; static scale tables (notebook 03) do not."""
     from kvlab.engine.llm import _make_cache
 
-    probe = _make_cache(model, None, 1, block_size, kv_dtype, None, calibration, "smollm2-135m")
+    probe = _make_cache(model, None, 1, block_size, kv_cache_dtype, None, calibration, "smollm2-135m")
     return probe.bytes_per_block, probe.fixed_bytes
 
 
@@ -67,7 +67,7 @@ class Plan:
     """How one configuration spends the budget."""
 
     config: str
-    kv_dtype: str
+    kv_cache_dtype: str
     attn_backend: str
     num_blocks: int
     max_num_seqs: int
@@ -81,10 +81,10 @@ class Plan:
 def plan(model, name: str, budget_bytes: int, max_len: int = 512, block_size: int = 16, max_num_seqs: int = 64,
          calibration=None) -> Plan:
     """Blocks and seats for config ``name`` within ``budget_bytes``."""
-    kv_dtype, backend, reservation = _check_config(name)
+    kv_cache_dtype, backend, reservation = _check_config(name)
     if max_len < block_size:
         raise ValueError(f"max_len must be >= block_size ({block_size}), got {max_len}")
-    per_block, fixed = block_bytes(model, kv_dtype, block_size, calibration)
+    per_block, fixed = block_bytes(model, kv_cache_dtype, block_size, calibration)
     blocks = (budget_bytes - fixed) // per_block
     if reservation == "static":
         slab = -(-max_len // block_size)  # blocks per request, reserved at admission
@@ -92,11 +92,11 @@ def plan(model, name: str, budget_bytes: int, max_len: int = 512, block_size: in
         if seats < 1:
             raise ValueError(f"budget_bytes={budget_bytes:,} holds no {max_len}-token slab "
                              f"({slab * per_block:,} bytes): raise the budget or lower max_len")
-        return Plan(name, kv_dtype, backend, seats * slab, seats, False, per_block, seats * slab * per_block + fixed,
+        return Plan(name, kv_cache_dtype, backend, seats * slab, seats, False, per_block, seats * slab * per_block + fixed,
                     seats, block_size)
     if blocks < 1:
         raise ValueError(f"budget_bytes={budget_bytes:,} holds no block of {per_block:,} bytes")
-    return Plan(name, kv_dtype, backend, int(blocks), max_num_seqs, True, per_block, int(blocks) * per_block + fixed,
+    return Plan(name, kv_cache_dtype, backend, int(blocks), max_num_seqs, True, per_block, int(blocks) * per_block + fixed,
                 None, block_size)
 
 
@@ -104,7 +104,7 @@ def make_engine(model, tokenizer, p: Plan, calibration=None, max_num_batched_tok
     from kvlab.engine import LLM
 
     return LLM(model, tokenizer, num_blocks=p.num_blocks, block_size=p.block_size, max_num_seqs=p.max_num_seqs,
-               max_num_batched_tokens=max_num_batched_tokens, attn_backend=p.attn_backend, kv_dtype=p.kv_dtype,
+               max_num_batched_tokens=max_num_batched_tokens, attn_backend=p.attn_backend, kv_cache_dtype=p.kv_cache_dtype,
                calibration=calibration, enable_prefix_caching=p.prefix_caching)
 
 
@@ -164,7 +164,7 @@ def measure(llm, ids, reads: DecodeReads, p: Plan, max_len: int = 512) -> dict:
                kv_read_per_token=sum(kv_read) / max(sum(reads.rows.values()), 1),  # per generated token
                tokens=[llm.seqs[i].output_token_ids for i in ids])
     if quantized(llm.cache):
-        from kvlab.quant.cache import saturation_summary
+        from kvlab.cache import saturation_summary
 
         out.update(saturation_summary(llm.cache.saturation()))
     return out

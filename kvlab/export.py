@@ -198,7 +198,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("tokens per step", "max_num_batched_tokens=512 (LLM, Scheduler); --max-num-batched-tokens",
          "max_num_batched_tokens, --max-num-batched-tokens", "CB max_batch_tokens",
          "decodes first, then prefill chunks, in all three"),
-    Knob("KV storage dtype", "kv_dtype='auto' (LLM), also fp16, int8, fp8, int4, k8v4; --kv-dtype",
+    Knob("KV storage dtype", "kv_cache_dtype='auto' (LLM), also fp16, int8, fp8, int4, k8v4; --kv-cache-dtype",
          "kv_cache_dtype, --kv-cache-dtype: auto, fp8, fp8_e4m3, fp8_e5m2",
          "cache_implementation 'quantized' (GenerationConfig) with cache_config backend fp8, quanto or hqq",
          "vLLM: FP8 only; HF's QuantizedCache serves generate(), generate_batch's paged cache is unquantized"),

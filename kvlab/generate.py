@@ -238,11 +238,11 @@ def paged_generate(model, prompts, max_new_tokens: int, block_size: int = 16, nu
     admitted at once and prefilled in one forward, then all decode together; each stops on its own
     (EOS or ``max_new_tokens``) and frees its blocks at once. Pass ``manager`` (a
     :class:`~kvlab.cache.BlockManager`) and ``cache`` (its :class:`~kvlab.cache.PagedKVCache`, or a
-    :class:`~kvlab.quant.QuantizedPagedKVCache` to decode from INT8/INT4/FP8 blocks) to keep state
+    :class:`~kvlab.cache.QuantizedPagedKVCache` to decode from INT8/INT4/FP8 blocks) to keep state
     across calls: a later request then finds an earlier one's prompt blocks in the prefix cache.
     ``cache_stats`` is the block manager's ``stats()`` at the step that held the most blocks, with
     the prefix counters at the end. A model the paged attention cannot run faithfully (a feature it
-    does not honour, :func:`kvlab.hf.paged_attention_spec`) is refused with an
+    does not honour, :func:`kvlab.probe.paged_attention_spec`) is refused with an
     :class:`~kvlab.hf.UnsupportedModelError` before any pool is allocated or any token computed.
     """
     from kvlab.cache.paged import BlockManager

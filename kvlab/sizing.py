@@ -276,7 +276,7 @@ def _param_bytes(num_params: float, dtype: str) -> int:
     return math.ceil(num_params * _bits(dtype) / 8)
 
 
-def decode_step_bytes(model: Any, context: int, batch: int = 1, kv_dtype: str = "fp16",
+def decode_step_bytes(model: Any, context: int, batch: int = 1, kv_cache_dtype: str = "fp16",
                       weight_dtype: str = "fp16") -> dict:
     """Bytes one decode step must read: all weights once, plus every sequence's whole KV cache.
 
@@ -286,7 +286,7 @@ def decode_step_bytes(model: Any, context: int, batch: int = 1, kv_dtype: str = 
     if not _is_count(context) or context < 0:
         raise ValueError(f"context must be an integer >= 0 (cached tokens), got {context!r}")
     w = weight_read_bytes(model, batch, weight_dtype)
-    kv = kv_size(model, kv_dtype, tokens=context, batch=batch).total_bytes
+    kv = kv_size(model, kv_cache_dtype, tokens=context, batch=batch).total_bytes
     return {"weights": w, "kv": kv, "total": w + kv}
 
 
@@ -302,9 +302,9 @@ def weight_read_bytes(model: Any, batch: int = 1, dtype: str = "fp16") -> int:
     return min(total, batch * _param_bytes(cfg.active_params, dtype))
 
 
-def crossover_context(model: Any, batch: int = 1, kv_dtype: str = "fp16", weight_dtype: str = "fp16") -> int:
+def crossover_context(model: Any, batch: int = 1, kv_cache_dtype: str = "fp16", weight_dtype: str = "fp16") -> int:
     """Context length at which the KV cache read per step outweighs the weights."""
-    per_token = kv_size(model, kv_dtype, tokens=1, batch=batch).total_bytes
+    per_token = kv_size(model, kv_cache_dtype, tokens=1, batch=batch).total_bytes
     return math.ceil(weight_read_bytes(model, batch, weight_dtype) / per_token)
 
 

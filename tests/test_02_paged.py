@@ -149,13 +149,13 @@ def test_fork_shares_blocks_and_copies_the_partial_block_on_write():
     assert bm.stats()["blocks_shared"] == 2
     shared_partial = bm.block_table(0)[1]
     slot = bm.append_slot(1, 42)
-    copies = bm.take_copies()
+    copies = bm.take_blocks_to_copy()
     new = bm.block_table(1)[1]
     assert copies == [(shared_partial, new)] and new != shared_partial
     assert slot == new * 4 + 2
     assert bm.block_table(1)[0] == bm.block_table(0)[0]  # the full block stays shared
     bm.append_slot(0, 43)  # the parent now owns its partial block alone: no copy
-    assert bm.take_copies() == []
+    assert bm.take_blocks_to_copy() == []
     bm.free(0)
     bm.free(1)
     bm.check_invariants()

@@ -55,7 +55,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.ops += 1
         sid = data.draw(st.sampled_from(sorted(self.bm.seqs)))
         self._try(lambda: self.bm.append_slot(sid, token))
-        self.bm.take_copies()
+        self.bm.take_blocks_to_copy()
 
     @precondition(lambda self: self.bm.seqs)
     @rule(data=st.data())
@@ -111,7 +111,7 @@ def test_seeded_random_walk_of_20000_operations():
                 continue
             elif op == "append":
                 bm.append_slot(rng.choice(live), rng.randrange(4))
-                bm.take_copies()
+                bm.take_blocks_to_copy()
             elif op == "fork":
                 next_id += 1
                 bm.fork(rng.choice(live), next_id)

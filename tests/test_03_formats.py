@@ -15,7 +15,7 @@ from kvlab import formats, sizing
 from kvlab.attention import get_backend
 from kvlab.cache import BlockManager, QuantizedPagedKVCache
 from kvlab.cli.parser import build_parser
-from kvlab.engine import LLM, SamplingParams, kv_dtypes
+from kvlab.engine import LLM, SamplingParams, kv_cache_dtypes
 from kvlab.kernels.traffic import format_specs
 from kvlab.quant import TensorFormat, named_config
 
@@ -69,9 +69,9 @@ def test_one_entry_reaches_every_part(e5m2, tiny):
     k, _ = pool.read(0, torch.tensor([0, 1]))
     err = (k.flatten(0, 1)[:6] - x).abs() / x.abs().amax(-1, keepdim=True)
     assert 0 < float(err.max()) <= 2 ** -3
-    # the engine takes it as a kv_dtype, and serves with it
-    assert "fp8e5m2" in kv_dtypes()
-    llm = LLM(model, kv_dtype="fp8e5m2", num_blocks=16, block_size=4, max_num_seqs=2, attn_backend="torch")
+    # the engine takes it as a kv_cache_dtype, and serves with it
+    assert "fp8e5m2" in kv_cache_dtypes()
+    llm = LLM(model, kv_cache_dtype="fp8e5m2", num_blocks=16, block_size=4, max_num_seqs=2, attn_backend="torch")
     out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(out[0].token_ids) == 3 and llm.cache.k[0].data.dtype == torch.float8_e5m2
     # the command line offers it
@@ -85,7 +85,7 @@ def test_one_entry_reaches_every_part(e5m2, tiny):
 
 def test_unregister_takes_it_out_everywhere(e5m2):
     formats.unregister("fp8e5m2")
-    assert "fp8e5m2" not in sizing.dtypes() and "fp8e5m2" not in kv_dtypes()
+    assert "fp8e5m2" not in sizing.dtypes() and "fp8e5m2" not in kv_cache_dtypes()
     with pytest.raises(ValueError, match="dtype must be one of"):
         TensorFormat("fp8e5m2")
     formats.register(E5M2)  # for the fixture's own clean-up

@@ -170,7 +170,7 @@ def test_calibration_save_load_roundtrip(tmp_path, tiny):
     assert (ph["p99"] <= ph["p99.9"]).all() and (ph["p99.99"] <= ph["absmax"]).all()
     assert cal.scales("k", "absmax", "per-head")[0].shape == (1, 2, 1)
     (tmp_path / "bad.safetensors").write_bytes(b"not a file")
-    with pytest.raises(FileError, match=r"bad\.safetensors is not a safetensors file .*kvlab calibrate --out"):
+    with pytest.raises(FileError, match=r"bad\.safetensors'? is not a safetensors file .*kvlab calibrate --out"):
         Calibration.load(tmp_path / "bad.safetensors")
 
 
@@ -296,7 +296,7 @@ def test_cli_ppl_and_calibrate_on_tiny(tmp_path, capsys):
     assert main(["calibrate", "--model", "tiny", "--file", str(text), "--tokens", "200", "--chunk", "100",
                  "--out", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == 200
-    assert main(["ppl", "--model", "tiny", "--kv-dtype", "int8", "--scales", "per-head", "--calib", "p99.9",
+    assert main(["ppl", "--model", "tiny", "--kv-cache-dtype", "int8", "--scales", "per-head", "--calib", "p99.9",
                  "--scales-file", str(out), "--file", str(text), "--tokens", "120", "--window", "64",
                  "--stride", "32", "--chunk", "16", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
@@ -309,7 +309,7 @@ def test_cli_ppl_without_scales_file_calibrates_once_and_caches(tmp_path, monkey
     from kvlab.cli import main
 
     monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
-    args = ["ppl", "--model", "tiny", "--kv-dtype", "int8", "--tokens", "80", "--window", "40", "--stride", "20",
+    args = ["ppl", "--model", "tiny", "--kv-cache-dtype", "int8", "--tokens", "80", "--window", "40", "--stride", "20",
             "--chunk", "10", "--json"]
     assert main(args) == 0
     first = json.loads(capsys.readouterr().out)

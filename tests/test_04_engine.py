@@ -300,7 +300,7 @@ def test_a_failed_step_frees_every_block_and_the_engine_recovers(tiny, monkeypat
     (dict(max_num_seqs=8, max_num_batched_tokens=4), "must be >= max_num_seqs"),
     (dict(policy="fifo"), "policy must be one of"),
     (dict(attn_backend="cuda"), "attn_backend must be one of"),
-    (dict(kv_dtype="int3"), "kv_dtype must be one of"),
+    (dict(kv_cache_dtype="int3"), "kv_cache_dtype must be one of"),
     (dict(watermark=1.5), "watermark must be a fraction"),
 ])
 def test_bad_engine_arguments(tiny, kw, message):

@@ -362,30 +362,30 @@ def test_decode_kernel_argument_errors():
     q = torch.randn(1, 4, 16)
     idx = DecodeIndex([[0]], [3], 4)
     with pytest.raises(ValueError, match="num_splits must be a positive integer"):
-        K.paged_decode(q, ko, vo, idx.table, idx.context_lens, 0.25, num_splits=0)
+        K.paged_decode(q, ko, vo, idx.table, idx.seq_lens, 0.25, num_splits=0)
     with pytest.raises(ValueError, match="multiple of KV heads"):
-        K.paged_decode(torch.randn(1, 3, 16), ko, vo, idx.table, idx.context_lens, 0.25)
+        K.paged_decode(torch.randn(1, 3, 16), ko, vo, idx.table, idx.seq_lens, 0.25)
     with pytest.raises(ValueError, match="q must be"):
-        K.paged_decode(q[0], ko, vo, idx.table, idx.context_lens, 0.25)
+        K.paged_decode(q[0], ko, vo, idx.table, idx.seq_lens, 0.25)
     with pytest.raises(ValueError, match="k_own and v_own"):
-        K.paged_decode(q, ko, vo, idx.table, idx.context_lens, 0.25, k_own=torch.randn(1, 2, 16))
-    with pytest.raises(ValueError, match=r"context_lens must be in 1\.\.4"):
+        K.paged_decode(q, ko, vo, idx.table, idx.seq_lens, 0.25, k_own=torch.randn(1, 2, 16))
+    with pytest.raises(ValueError, match=r"seq_lens must be in 1\.\.4"):
         K.paged_decode(q, ko, vo, idx.table, torch.tensor([5]), 0.25)  # one block of 4 slots holds 4 tokens
     with pytest.raises(ValueError, match="out must have q's shape"):
-        K.paged_decode(q, ko, vo, idx.table, idx.context_lens, 0.25, out=torch.empty(1, 4, 8))
+        K.paged_decode(q, ko, vo, idx.table, idx.seq_lens, 0.25, out=torch.empty(1, 4, 8))
     with pytest.raises(ValueError, match="k_own must be"):
-        K.paged_decode(q, ko, vo, idx.table, idx.context_lens, 0.25, k_own=torch.randn(1, 4, 16),
+        K.paged_decode(q, ko, vo, idx.table, idx.seq_lens, 0.25, k_own=torch.randn(1, 4, 16),
                        v_own=torch.randn(1, 4, 16))
     with pytest.raises(ValueError, match="pages must be a power of two"):
-        K.paged_decode(q, ko, vo, idx.table, idx.context_lens, 0.25, pages=3)
+        K.paged_decode(q, ko, vo, idx.table, idx.seq_lens, 0.25, pages=3)
     with pytest.raises(ValueError, match="block ids in 0..3"):
-        K.paged_decode(q, ko, vo, torch.tensor([[7]]), idx.context_lens, 0.25)
+        K.paged_decode(q, ko, vo, torch.tensor([[7]]), idx.seq_lens, 0.25)
     if INTERPRETER:
         with pytest.raises(ValueError, match="bf16 tensors cannot run in Triton's interpreter"):
-            K.paged_decode(q.bfloat16(), ko, vo, idx.table, idx.context_lens, 0.25)
+            K.paged_decode(q.bfloat16(), ko, vo, idx.table, idx.seq_lens, 0.25)
     with pytest.raises(ValueError, match="power-of-two"):
         odd = PagedKVCache(1, 4, 4, 2, 12)
-        K.paged_decode(torch.randn(1, 4, 12), *odd.kernel_operands(0), idx.table, idx.context_lens, 0.25)
+        K.paged_decode(torch.randn(1, 4, 12), *odd.kernel_operands(0), idx.table, idx.seq_lens, 0.25)
 
 
 # ---- bytes ------------------------------------------------------------------------------------------
@@ -419,7 +419,7 @@ def test_bytes_the_kernel_loads_match_the_prediction_and_int8_halves_them(d):
         has_own = fmt != "fp16"
         for splits, grouped in ((1, True), (3, True), (1, False)):
             with count_traffic() as n:
-                K.paged_decode(q, k_op, v_op, idx.table, idx.context_lens, 0.1, num_splits=splits,
+                K.paged_decode(q, k_op, v_op, idx.table, idx.seq_lens, 0.1, num_splits=splits,
                                group_heads=grouped, **(dict(k_own=own, v_own=own) if has_own else {}))
             pred = decode_traffic(ctx, h_q, h_kv, d, spec_of(k_op), spec_of(v_op), block_size=bs, num_splits=splits,
                                   group_heads=grouped, has_own=has_own, q_bytes=2,
@@ -436,8 +436,8 @@ def test_bytes_the_kernel_loads_match_the_prediction_and_int8_halves_them(d):
 # ---- the engine on the kernels ------------------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "k8v4"])
-def test_triton_backend_gives_the_reference_backends_tokens_on_smollm2(smollm2, kv_dtype):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "k8v4"])
+def test_triton_backend_gives_the_reference_backends_tokens_on_smollm2(smollm2, kv_cache_dtype):
     from kvlab.data import chat_prompts
     from kvlab.engine import LLM, SamplingParams
 
@@ -445,9 +445,9 @@ def test_triton_backend_gives_the_reference_backends_tokens_on_smollm2(smollm2, 
     prompts = chat_prompts(tok)[:3]
     got = {}
     for backend in ("reference", "triton"):
-        llm = LLM(model, tok, num_blocks=48, block_size=16, max_num_seqs=4, attn_backend=backend, kv_dtype=kv_dtype)
+        llm = LLM(model, tok, num_blocks=48, block_size=16, max_num_seqs=4, attn_backend=backend, kv_cache_dtype=kv_cache_dtype)
         got[backend] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))]
-    assert got["triton"] == got["reference"], kv_dtype
+    assert got["triton"] == got["reference"], kv_cache_dtype
 
 
 def test_triton_backend_refuses_a_pool_it_cannot_read(tiny):
@@ -455,7 +455,7 @@ def test_triton_backend_refuses_a_pool_it_cannot_read(tiny):
 
     model, tok = tiny
     with pytest.raises(ValueError, match="attn_backend='triton' handles"):
-        LLM(model, tok, num_blocks=8, block_size=4, attn_backend="triton", kv_dtype="fp8",
+        LLM(model, tok, num_blocks=8, block_size=4, attn_backend="triton", kv_cache_dtype="fp8",
             quant_config=named_config("fp8", policy="dynamic"))
 
 

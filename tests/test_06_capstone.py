@@ -139,7 +139,7 @@ def test_dashboard_follows_the_engine_and_replays(tiny, cal):
 
     model, tok = tiny
     prompts, outs = _workload(6, seed=5)
-    llm = LLM(model, tok, num_blocks=30, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, kv_dtype="int8",
+    llm = LLM(model, tok, num_blocks=30, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_dtype="int8",
               calibration=cal)
     reads = C.DecodeReads(llm)  # chained: the dashboard's recorder sits in front of it
     box = engine_dashboard(llm, columns=10, title="tiny")

@@ -173,7 +173,7 @@ def test_knob_table_uses_real_names():
 
     llm_args = set(inspect.signature(LLM.__init__).parameters)
     for name in ("block_size", "num_blocks", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens",
-                 "kv_dtype", "attn_backend", "policy", "watermark", "calibration"):
+                 "kv_cache_dtype", "attn_backend", "policy", "watermark", "calibration"):
         assert name in llm_args and any(name in k.kvlab for k in KNOBS), name
     cb_fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
     for name in ("page_size", "num_blocks", "max_memory_percent", "allow_block_sharing", "max_requests_per_batch",

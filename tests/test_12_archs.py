@@ -105,8 +105,8 @@ def test_quantized_paged_path_runs(arch):
     from kvlab.quant import named_config
 
     m, ref = model(arch), reference(arch)
-    assert engine_tokens(m, "torch", kv_dtype="fp32") == ref
-    int8 = {b: engine_tokens(m, b, kv_dtype="int8", calibration=calibration(arch)) for b in ("reference", "torch")}
+    assert engine_tokens(m, "torch", kv_cache_dtype="fp32") == ref
+    int8 = {b: engine_tokens(m, b, kv_cache_dtype="int8", calibration=calibration(arch)) for b in ("reference", "torch")}
     assert int8["reference"] == int8["torch"]
     text = list(range(3, 100)) + list(range(50, 150))  # windows of 64 in chunks of 8: every chunk reads INT8 blocks
     q = evaluate(m, text, {"int8": named_config("int8")}, calibration(arch), window=64, stride=32, chunk=8)
@@ -115,18 +115,18 @@ def test_quantized_paged_path_runs(arch):
 
 
 @TRITON
-@pytest.mark.parametrize("arch, kv_dtype", [("gemma2", "auto"), ("gpt-oss", "auto"), ("gemma2", "int8")])
-def test_triton_engine_gives_hf_tokens(arch, kv_dtype):
+@pytest.mark.parametrize("arch, kv_cache_dtype", [("gemma2", "auto"), ("gpt-oss", "auto"), ("gemma2", "int8")])
+def test_triton_engine_gives_hf_tokens(arch, kv_cache_dtype):
     """The kernels honour the window and the soft cap (Gemma-2), the window and the sinks (gpt-oss) and
     Gemma-2's scale (query_pre_attn_scalar ** -0.5, not head_dim ** -0.5), over float and INT8 pools.
     Interpreted on a CPU, so only two models; tests/test_05_kernels.py checks each feature alone."""
     m = model(arch)
-    if kv_dtype == "auto":
+    if kv_cache_dtype == "auto":
         assert engine_tokens(m, "triton") == reference(arch)
     else:
         cal = calibration(arch)
-        assert engine_tokens(m, "triton", kv_dtype=kv_dtype, calibration=cal) == \
-            engine_tokens(m, "torch", kv_dtype=kv_dtype, calibration=cal)
+        assert engine_tokens(m, "triton", kv_cache_dtype=kv_cache_dtype, calibration=cal) == \
+            engine_tokens(m, "torch", kv_cache_dtype=kv_cache_dtype, calibration=cal)
 
 
 # ---- refused, with one line ------------------------------------------------------------------------

@@ -228,7 +228,7 @@ def _state(obj):
     if isinstance(obj, BlockManager):
         obj.check_invariants()
         return (obj.stats(), {i: (list(s.block_table), list(s.token_ids)) for i, s in obj.seqs.items()},
-                sorted(obj.finished), list(obj.free_ids), list(obj.cached_ids), list(obj.pending_copies))
+                sorted(obj.finished), list(obj.free_ids), list(obj.cached_ids), list(obj.blocks_to_copy))
     if isinstance(obj, ContiguousCache):
         return obj.stats(), [None if t is None else t.tolist() for t in obj.keys + obj.values]
     if isinstance(obj, StaticCache):
@@ -313,8 +313,8 @@ def test_cache_constructors_refuse_bad_arguments(call, fragment):
                  id="batched-tokens-below-seqs"),
     pytest.param(dict(policy="fifo"), "policy must be one of", id="policy"),
     pytest.param(dict(attn_backend="cuda"), "attn_backend must be one of", id="attn_backend"),
-    pytest.param(dict(kv_dtype="int3"), "kv_dtype must be one of", id="kv_dtype-int3"),
-    pytest.param(dict(kv_dtype="int8"), "calibration", id="kv_dtype-int8-without-calibration"),
+    pytest.param(dict(kv_cache_dtype="int3"), "kv_cache_dtype must be one of", id="kv_cache_dtype-int3"),
+    pytest.param(dict(kv_cache_dtype="int8"), "calibration", id="kv_cache_dtype-int8-without-calibration"),
     pytest.param(dict(watermark=1.5), "watermark", id="watermark-1.5"),
     pytest.param(dict(quant_config="int8"), "quant_config", id="quant_config-str"),
     pytest.param(dict(eos_token_id="x"), "eos_token_id", id="eos_token_id-str"),
@@ -415,7 +415,7 @@ G = ["generate", *T, "--prompt", "hi", "--max-tokens", "1"]
 E = [*G, "--engine"]
 BE = ["bench", "engine", *T, "--num-requests", "1", "--systems", "kvlab_continuous", "--no-shared-prefix",
       "--scale", "0.01"]  # the smallest run, should a case be accepted
-PPL = ["ppl", *T, "--kv-dtype", "fp16", "--tokens", "64"]
+PPL = ["ppl", *T, "--kv-cache-dtype", "fp16", "--tokens", "64"]
 
 CLI = [
     # the command line itself
@@ -455,7 +455,7 @@ CLI = [
     pytest.param([*G, "--block-size", "3"], "block", id="generate-block-size-3"),
     pytest.param([*E, "--block-size", "3"], "block_size", id="engine-block-size-3"),
     pytest.param([*E, "--cache", "static"], "--cache static", id="engine-with-static-cache"),
-    pytest.param([*E, "--kv-dtype", "int3"], "argument --kv-dtype: invalid choice", id="engine-kv-dtype-int3"),
+    pytest.param([*E, "--kv-cache-dtype", "int3"], "argument --kv-cache-dtype: invalid choice", id="engine-kv-dtype-int3"),
     pytest.param([*E, "--attn-backend", "cuda"], "argument --attn-backend: invalid choice", id="engine-backend"),
     pytest.param([*E, "--max-num-seqs", "4", "--max-num-batched-tokens", "2"], "max-num-batched-tokens",
                  id="engine-batched-tokens-below-seqs"),
@@ -509,7 +509,7 @@ CLI = [
                  id="calibrate-tokens-0"),
     pytest.param(["calibrate", *T, "--out", "x.safetensors", "--chunk", "abc"], "--chunk must be an integer",
                  id="calibrate-chunk-abc"),
-    pytest.param(["ppl", *T, "--kv-dtype", "int3"], "argument --kv-dtype: invalid choice", id="ppl-kv-dtype"),
+    pytest.param(["ppl", *T, "--kv-cache-dtype", "int3"], "argument --kv-cache-dtype: invalid choice", id="ppl-kv-dtype"),
     pytest.param(["ppl", *T, "--scales", "per-row"], "argument --scales: invalid choice", id="ppl-scales"),
     pytest.param(["ppl", *T, "--calib", "p50"], "argument --calib: invalid choice", id="ppl-calib"),
     pytest.param(["ppl", *T, "--policy", "lazy"], "argument --policy: invalid choice", id="ppl-policy"),

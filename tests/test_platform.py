@@ -255,7 +255,7 @@ def test_notebook_05_runs_without_triton_its_kernel_cells_saying_why(without_tri
 
 # ---- every cell that needs triton says so ---------------------------------------------------------------
 
-NEEDS_TRITON = ("K.write_to_cache", "K.decode_from_cache", "K.paged_decode", "K.cast_demo", "count_traffic()",
+NEEDS_TRITON = ("TRITON.write(", "TRITON.decode(", "K.paged_decode", "K.cast_demo", "count_traffic()",
                 "count_step_bytes", "import triton", "online_softmax_update", 'attn_backend="triton"', '"triton")',
                 "'triton',")
 

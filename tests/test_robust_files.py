@@ -352,7 +352,7 @@ def test_calibrate_out_killed_at_random_moments(tmp_path):
 
 def test_default_calibration_killed_mid_write_then_ppl_runs(tmp_path):
     env = {"KVLAB_CACHE": str(tmp_path)}
-    ppl = ["ppl", "--model", "tiny", "--kv-dtype", "int8", "--tokens", "64", "--window", "32", "--stride", "16",
+    ppl = ["ppl", "--model", "tiny", "--kv-cache-dtype", "int8", "--tokens", "64", "--window", "32", "--stride", "16",
            "--chunk", "8", "--json"]
     _killed("half-written", *ppl, env=env)
     cal_dir = tmp_path / "calibration"

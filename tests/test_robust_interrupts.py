@@ -141,13 +141,13 @@ def test_engine_step_interrupted_then_stepped_on(tiny, where, layer):
     assert llm.block_manager.stats()["blocks_used"] == 0
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
-def test_quantized_pool_counters_stay_consistent(tiny, kv_dtype):
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_quantized_pool_counters_stay_consistent(tiny, kv_cache_dtype):
     from kvlab.quant import named_config
 
     model, tok = tiny
     prompts = _prompts(6, seed=7)
-    llm = LLM(model, tok, num_blocks=64, block_size=4, quant_config=named_config(kv_dtype, policy="dynamic"),
+    llm = LLM(model, tok, num_blocks=64, block_size=4, quant_config=named_config(kv_cache_dtype, policy="dynamic"),
               eos_token_id=None)
     for p in prompts:
         llm.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True))
@@ -195,7 +195,7 @@ def test_abort_request(tiny):
     while llm.has_unfinished():
         llm.step()
     assert llm.seqs[b].output_token_ids == hf_generate(model, [[10, 11]], 5)[0]
-    with pytest.raises(ValueError, match="seq_id 99 is not a request"):
+    with pytest.raises(ValueError, match="request_id 99 is not a request"):
         llm.abort_request(99)
 
 
@@ -241,7 +241,7 @@ def test_kvlab_ppl_interrupted_exits_130_without_a_traceback(tiny, monkeypatch, 
     monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
     monkeypatch.setattr(models, "load_model", lambda name, **kw: (model, tok))
     with Interrupt(model, 5, 1):
-        code = main(["ppl", "--model", "tiny", "--kv-dtype", "int8", "--policy", "dynamic", "--tokens", "96",
+        code = main(["ppl", "--model", "tiny", "--kv-cache-dtype", "int8", "--policy", "dynamic", "--tokens", "96",
                      "--window", "64", "--stride", "32", "--chunk", "16"])
     assert code == 130
     assert capsys.readouterr().err.strip().splitlines() == ["kvlab: interrupted"]

@@ -57,7 +57,7 @@ class AttentionBackend:
     def decode(self, q, pool, layer: int, index, scale: float, k_new=None, v_new=None, **features) -> torch.Tensor:
         """One token per sequence, q (B, H_q, D); here through the specification, sequence by sequence."""
         table = index.table.tolist()
-        lens = index.context_lens.tolist()
+        lens = index.seq_lens.tolist()
         return self.prefill(q, k_new, v_new, pool, layer, table, lens, [1] * len(lens), scale, **features)
 
     def prefill(self, q, k_new, v_new, pool, layer: int, block_tables, seq_lens, query_lens, scale: float,
@@ -127,12 +127,12 @@ class TritonBackend(AttentionBackend):
         :func:`kvlab.kernels.decode.paged_decode` (``window``, ``softcap``, ``sinks``, tuning knobs)."""
         k_op, v_op = pool.kernel_operands(layer)
         if not pool.is_quantized:
-            return kernels.paged_decode(q, k_op, v_op, index.table, index.context_lens, scale, **kw)
+            return kernels.paged_decode(q, k_op, v_op, index.table, index.seq_lens, scale, **kw)
         if k_new is None or v_new is None:
             raise ValueError("a quantized pool needs k_new and v_new: the own token is attended at full precision")
         if pool.rotate_k:  # stored keys are rotated; q . k == (q H) . (k H)
             q, k_new = rotate(q), rotate(k_new)
-        return kernels.paged_decode(q, k_op, v_op, index.table, index.context_lens, scale, k_own=k_new,
+        return kernels.paged_decode(q, k_op, v_op, index.table, index.seq_lens, scale, k_own=k_new,
                                     v_own=v_new, **kw)
 
 

@@ -19,19 +19,19 @@ from kvlab.validate import cdiv, check_attention_features as check_features
 class DecodeIndex:
     """The block tables of one step's decode sequences as ONE tensor, built once and read by every
     layer: ``table`` (B, n_blocks) physical block ids (0-padded), ``valid`` (B, n_blocks * block_size)
-    which key positions exist, ``context_lens`` (B,). :meth:`visible` adds a sliding window."""
+    which key positions exist, ``seq_lens`` (B,). :meth:`visible` adds a sliding window."""
 
-    def __init__(self, block_tables, context_lens, block_size: int, device="cpu"):
+    def __init__(self, block_tables, seq_lens, block_size: int, device="cpu"):
         self.num = len(block_tables)
-        n_blocks = cdiv(max(context_lens), block_size)
+        n_blocks = cdiv(max(seq_lens), block_size)
         table = torch.zeros((self.num, n_blocks), dtype=torch.long)
         for i, t in enumerate(block_tables):
             t = t[:n_blocks]
             table[i, :len(t)] = torch.as_tensor(t, dtype=torch.long)
         self.table = table.to(device)
-        self.context_lens = torch.as_tensor(context_lens, dtype=torch.long, device=device)
+        self.seq_lens = torch.as_tensor(seq_lens, dtype=torch.long, device=device)
         pos = torch.arange(n_blocks * block_size, device=device)
-        self.valid = pos[None, :] < self.context_lens[:, None]  # (B, n_blocks * block_size)
+        self.valid = pos[None, :] < self.seq_lens[:, None]  # (B, n_blocks * block_size)
         self._pos, self._windowed = pos, {None: self.valid}
 
     def visible(self, window: int | None = None) -> torch.Tensor:
@@ -39,7 +39,7 @@ class DecodeIndex:
         under a sliding window. Built once per window and step, shared by the layers that use it."""
         if window not in self._windowed:
             check_features(1, window)
-            self._windowed[window] = self.valid & (self._pos[None, :] >= self.context_lens[:, None] - window)
+            self._windowed[window] = self.valid & (self._pos[None, :] >= self.seq_lens[:, None] - window)
         return self._windowed[window]
 
 
@@ -83,7 +83,7 @@ def quantized_batched_decode_attention(q, k_new, v_new, cache, layer: int, index
     b, n_blocks = index.table.shape
     k, v = cache.read(layer, index.table.flatten())  # (B * n_blocks, bs, H_kv, D) float32 each
     k, v = k.reshape(b, -1, *k.shape[2:]), v.reshape(b, -1, *v.shape[2:])  # (B, S, H_kv, D)
-    own = index.context_lens - 1
+    own = index.seq_lens - 1
     rows = torch.arange(b, device=k.device)
     qf, k_own = q.float(), k_new.float()
     if cache.rotate_k:  # cached keys are stored rotated; rotation is orthogonal, so rotate q and k_own too

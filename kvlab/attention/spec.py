@@ -3,7 +3,7 @@
 This is what every backend and the Triton kernels (notebook 05) are tested against: plain tensor
 ops, one sequence at a time, K/V read through the block table. Queries of several sequences arrive
 packed along one token axis; sequence i owns ``query_lens[i]`` of them, which are the LAST
-``query_lens[i]`` positions of its ``context_lens[i]`` cached tokens (prefill: all of a prompt
+``query_lens[i]`` positions of its ``seq_lens[i]`` cached tokens (prefill: all of a prompt
 not found in the prefix cache; decode: one).
 
 Every function here also honours what an HF model hands its attention function besides Q, K, V,
@@ -84,20 +84,20 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, w
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables,
-                    context_lens, query_lens, scale: float, *, window: int | None = None,
+                    seq_lens, query_lens, scale: float, *, window: int | None = None,
                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Packed queries (T, H_q, D) of several sequences -> outputs (T, H_q, D).
 
     Each sequence's K/V are gathered through its own block table; nothing outside its blocks
     is read, and no padding exists anywhere. ``window``, ``softcap``, ``sinks``: see the module.
     """
-    if len(block_tables) != len(context_lens) or len(context_lens) != len(query_lens):
-        raise ValueError("block_tables, context_lens and query_lens need one entry per sequence")
+    if len(block_tables) != len(seq_lens) or len(seq_lens) != len(query_lens):
+        raise ValueError("block_tables, seq_lens and query_lens need one entry per sequence")
     if sum(query_lens) != q.shape[0]:
         raise ValueError(f"query_lens sum to {sum(query_lens)} but q holds {q.shape[0]} tokens")
     out = torch.empty_like(q)
     start = 0
-    for table, ctx, q_len in zip(block_tables, context_lens, query_lens):
+    for table, ctx, q_len in zip(block_tables, seq_lens, query_lens):
         if not 0 < q_len <= ctx:
             raise ValueError(f"need 0 < query_len <= context_len, got {q_len} and {ctx}")
         k, v = gather_kv(k_cache, v_cache, table, ctx)
@@ -128,7 +128,7 @@ def _online_update(state, q, k, v, scale, mask=None, softcap=None):
     return m_new, l * corr + p.sum(-1), acc * corr[..., None] + torch.einsum("hgqn,nhd->hgqd", p, v)
 
 
-def quantized_paged_attention(q, k_new, v_new, cache, layer: int, block_tables, context_lens, query_lens,
+def quantized_paged_attention(q, k_new, v_new, cache, layer: int, block_tables, seq_lens, query_lens,
                               scale: float, tile_blocks: int = 8, *, window: int | None = None,
                               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention where everything cached BEFORE this forward is read from a quantized pool.
@@ -145,7 +145,7 @@ def quantized_paged_attention(q, k_new, v_new, cache, layer: int, block_tables, 
     out = torch.empty_like(q, dtype=torch.float32)
     bs = cache.block_size
     start = 0
-    for table, ctx, q_len in zip(block_tables, context_lens, query_lens):
+    for table, ctx, q_len in zip(block_tables, seq_lens, query_lens):
         qi = q[start:start + q_len].float()
         h_q, d = qi.shape[1:]
         h_kv = k_new.shape[1]

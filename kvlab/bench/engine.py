@@ -103,13 +103,13 @@ def _wait_until(t: float) -> None:
 
 def run_kvlab(model, tokenizer, wl: Workload, policy: str = "continuous", max_num_seqs: int = 32,
               num_blocks: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 512,
-              attn_backend: str = "torch", kv_dtype: str = "auto", progress=None) -> tuple[dict, object]:
+              attn_backend: str = "torch", kv_cache_dtype: str = "auto", progress=None) -> tuple[dict, object]:
     if num_blocks is None:  # room for the max_num_seqs longest requests at once: no preemption by default
         need = sorted((-(-(len(p) + o) // block_size) for p, o in zip(wl.prompts, wl.output_lens)), reverse=True)
         num_blocks = sum(need[:max_num_seqs])
     llm = LLM(model, tokenizer, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs), policy=policy,
-              attn_backend=attn_backend, kv_dtype=kv_dtype)
+              attn_backend=attn_backend, kv_cache_dtype=kv_cache_dtype)
     order = sorted(range(len(wl.prompts)), key=lambda i: wl.arrivals[i])
     t0, ids = time.perf_counter(), {}
     while order or llm.has_unfinished():

@@ -120,7 +120,7 @@ class BlockManager:
         self.hash_to_block: dict[bytes, int] = {}
         self.seqs: dict[int, SeqBlocks] = {}
         self.finished: set[int] = set()
-        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the storage
+        self.blocks_to_copy: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the storage
         self.counters = dict(prefix_queries=0, prefix_hits=0, evictions=0, cow_copies=0)
         #: the most tokens any layer reads back when every layer slides (set by the engine), else None
         self.sliding_window: int | None = None
@@ -286,7 +286,7 @@ class BlockManager:
         """Reserve the slot for one more token of a sequence and return it.
 
         A new block is taken only when the last one is full. If the last block is shared (after a
-        fork) it is copied first (copy-on-write): the copy is queued in ``pending_copies`` for the
+        fork) it is copied first (copy-on-write): the copy is queued in ``blocks_to_copy`` for the
         storage, which must apply it before writing the new token.
         """
         seq = self._seq(seq_id)
@@ -306,7 +306,7 @@ class BlockManager:
                 self.blocks[new].num_tokens = last.num_tokens
                 last.ref_count -= 1
                 seq.block_table[-1] = new
-                self.pending_copies.append((last.block_id, new))
+                self.blocks_to_copy.append((last.block_id, new))
                 self.counters["cow_copies"] += 1
         seq.token_ids.append(token_id)
         block = self.blocks[seq.block_table[-1]]
@@ -348,8 +348,8 @@ class BlockManager:
         del self.seqs[seq_id]
         self.finished.add(seq_id)
 
-    def take_copies(self) -> list[tuple[int, int]]:
-        copies, self.pending_copies = self.pending_copies, []
+    def take_blocks_to_copy(self) -> list[tuple[int, int]]:
+        copies, self.blocks_to_copy = self.blocks_to_copy, []
         return copies
 
     # ---- accounting ------------------------------------------------------------------------------

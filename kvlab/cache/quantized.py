@@ -100,7 +100,7 @@ class _Store:
     def settle_scale(self, x: torch.Tensor, policy: str) -> torch.Tensor:
         """The static scale to quantize ``x`` with, after the policy has seen it: the dynamic policy's
         first write sets it for good; ``corrected`` widens (and re-quantizes under) scales ``x`` exceeds.
-        Shared by this write and the Triton write (:func:`kvlab.kernels.write_to_cache`)."""
+        Shared by this write and the Triton write (:meth:`QuantizedPagedKVCache.kernel_write`)."""
         amax = core.absmax(x, self.fmt.granularity)
         if self.scale is None:
             self.scale = core.scale_from_absmax(amax, self.qmax)
@@ -182,10 +182,10 @@ class QuantizedPagedKVCache:
         self.config = config
         if config.needs_calibration(num_layers) and calibration is None:
             raise ValueError(f"policy {config.policy!r} with static scales needs a calibration "
-                             "(kvlab.quant.calibrate), or use policy='dynamic'")
+                             "(kvlab.calibrate), or use policy='dynamic'")
         if calibration is not None:
             if not isinstance(calibration, Calibration):
-                raise TypeError(f"calibration must be a kvlab Calibration (kvlab.quant.calibrate), got "
+                raise TypeError(f"calibration must be a kvlab Calibration (kvlab.calibrate), got "
                                 f"{type(calibration).__name__}")
             if config.policy != "dynamic":
                 calibration.check_model(num_layers, num_kv_heads, head_dim)

@@ -103,7 +103,7 @@ def c_22ms(lab):
 
 
 def c_16ms(lab):
-    step = sizing.decode_step_bytes("llama-2-7b", context=16384, batch=32, kv_dtype="int8")
+    step = sizing.decode_step_bytes("llama-2-7b", context=16384, batch=32, kv_cache_dtype="int8")
     floor_ms = step["total"] / A100_BW * 1e3
     return (f"INT8 reads {step['total'] / 1e9:.0f} GB per step: >= {floor_ms:.0f} ms at 2.04 TB/s",
             ratio(16, floor_ms), "below the memory floor, like the FP16 figure")
@@ -119,7 +119,7 @@ def c_12_7ms(lab):
 
 def c_39pct(lab):
     fp16 = sizing.decode_step_bytes("llama-2-7b", context=16384, batch=32)["total"]
-    int8 = sizing.decode_step_bytes("llama-2-7b", context=16384, batch=32, kv_dtype="int8")["total"]
+    int8 = sizing.decode_step_bytes("llama-2-7b", context=16384, batch=32, kv_cache_dtype="int8")["total"]
     h = next(r for r in recorded_h200()["measured"]
              if r["shape"] == "llama-3-8b" and r["batch"] == 32 and r["context"] == 16384)
     return (f"bytes allow up to {fp16 / int8:.2f}x; our H200 kernels measured {h['speedup_vs_fp16']['int8']:.2f}x "

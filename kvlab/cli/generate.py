@@ -11,7 +11,7 @@ from kvlab.generate import encode_prompts, greedy_generate
 from kvlab.cli.common import CLIError, batched_tokens, emit
 
 # options that only the engine reads, with their defaults
-ENGINE_OPTIONS = {"attn_backend": "torch", "kv_dtype": "auto", "max_num_seqs": None, "max_num_batched_tokens": None,
+ENGINE_OPTIONS = {"attn_backend": "torch", "kv_cache_dtype": "auto", "max_num_seqs": None, "max_num_batched_tokens": None,
                   "temperature": 0.0, "top_p": 1.0, "seed": None}
 
 
@@ -77,12 +77,12 @@ def _generate_engine(args, model, tokenizer, prompts) -> int:
     max_num_seqs = args.max_num_seqs
     llm = LLM(model, tokenizer, num_blocks=num_blocks, block_size=bs, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              attn_backend=args.attn_backend, kv_dtype=args.kv_dtype, model_name=args.model)
+              attn_backend=args.attn_backend, kv_cache_dtype=args.kv_cache_dtype, model_name=args.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
     outs = llm.generate(prompts, params)
     summary = llm.summary()
-    engine = {"attn_backend": args.attn_backend, "kv_dtype": args.kv_dtype, "num_blocks": num_blocks,
+    engine = {"attn_backend": args.attn_backend, "kv_cache_dtype": args.kv_cache_dtype, "num_blocks": num_blocks,
               "block_size": bs, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
               **summary}
     cache_stats = {**llm.block_manager.stats(), "bytes_reserved": llm.cache.bytes_reserved}
@@ -103,7 +103,7 @@ def _generate_engine(args, model, tokenizer, prompts) -> int:
         lines.append(f"  [{m['output_tokens']} tokens, {r['finish_reason']}, TTFT {m['ttft_s'] * 1e3:.0f} ms, "
                      f"TPOT {(m['tpot_s'] or 0) * 1e3:.0f} ms, preemptions {m['preemptions']}]")
     lines.append(f"[engine: {len(reqs)} request(s), {summary['steps']} steps, {summary['output_tok_s']:.1f} output "
-                 f"tok/s, backend {args.attn_backend}, KV {args.kv_dtype}, scheduler {summary['scheduler_share']:.1%} "
+                 f"tok/s, backend {args.attn_backend}, KV {args.kv_cache_dtype}, scheduler {summary['scheduler_share']:.1%} "
                  f"of step time]")
     emit(obj, args.json, lines)
     return 0

@@ -24,7 +24,7 @@ COMMAND_MODULES = {"info": "info", "size": "info", "generate": "generate", "benc
                    "convert": "info"}
 
 DEFAULT_MODEL = "smollm2-135m"
-# KV formats (``kvlab ppl --kv-dtype``; the engine's pool also takes "auto", its model's dtype), their
+# KV formats (``kvlab ppl --kv-cache-dtype``; the engine's pool also takes "auto", its model's dtype), their
 # scale granularities and the element dtypes of ``kvlab size`` come from kvlab.formats, read when the
 # parser is built, so a format registered there is a choice here too.
 #: calibration statistics a static scale is read from
@@ -69,7 +69,7 @@ def quant_format_options() -> argparse.ArgumentParser:
     """A quantized KV format: element type, scale granularity, policy, rotation (read by
     ``kvlab.cli.quant.quant_config``)."""
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--kv-dtype", default="int8", choices=tuple(KV_CACHE_DTYPES))
+    p.add_argument("--kv-cache-dtype", default="int8", choices=tuple(KV_CACHE_DTYPES))
     p.add_argument("--scales", default="per-head", choices=GRANULARITIES)
     p.add_argument("--policy", default=None, choices=["static", "dynamic", "corrected"])
     p.add_argument("--rotate", action="store_true", help="Hadamard-rotate K (and Q) before quantizing")
@@ -111,7 +111,7 @@ def _generate_options() -> argparse.ArgumentParser:
     # engine options: default None here, so that kvlab.cli.generate can refuse them without --engine
     s.add_argument("--attn-backend", default=None, choices=ATTN_BACKENDS,
                    help="engine: attention path (default torch; triton: the notebook 05 kernels, interpreted on a CPU)")
-    s.add_argument("--kv-dtype", default=None, choices=("auto", *KV_CACHE_DTYPES),
+    s.add_argument("--kv-cache-dtype", default=None, choices=("auto", *KV_CACHE_DTYPES),
                    help="engine: storage of the block pool (default auto; quantized ones use the cached default "
                         "calibration)")
     s.add_argument("--max-num-seqs", type=positive_int("--max-num-seqs"), default=None,

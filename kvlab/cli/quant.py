@@ -17,11 +17,11 @@ from kvlab.cli.common import emit
 
 def quant_config(args):
     """The KVQuantConfig that ``kvlab ppl``'s format options (parser.quant_format_options) describe."""
-    gran = args.scales if args.kv_dtype in ("int8", "fp8", "k8v4") else None
-    if args.kv_dtype == "fp8" and args.scales == "per-head":
+    gran = args.scales if args.kv_cache_dtype in ("int8", "fp8", "k8v4") else None
+    if args.kv_cache_dtype == "fp8" and args.scales == "per-head":
         gran = "per-tensor"  # fp8's default: one scale per tensor
     policy = args.policy or ("dynamic" if gran in ("per-token", "per-token-head") else "static")
-    return named_config(args.kv_dtype, granularity=gran, policy=policy, stat=args.calib, rotate_k=args.rotate)
+    return named_config(args.kv_cache_dtype, granularity=gran, policy=policy, stat=args.calib, rotate_k=args.rotate)
 
 
 def read_files_first(args):

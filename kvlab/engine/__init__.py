@@ -6,13 +6,13 @@ forward of the unmodified HF model), ``LLM`` (the front door). Runs headless; ``
 only reads its trace and step stats.
 """
 
-from kvlab.engine.llm import KV_DTYPES, LLM, RequestOutput, kv_dtypes
+from kvlab.engine.llm import LLM, RequestOutput, kv_cache_dtypes
 from kvlab.engine.metrics import StepStats, percentile, summarize
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.engine.sampling_params import SamplingParams
-from kvlab.engine.scheduler import ACTIONS, POLICIES, ScheduledBatch, Scheduler, TraceEvent
+from kvlab.engine.scheduler import ACTIONS, POLICIES, SchedulerOutput, Scheduler, TraceEvent
 from kvlab.engine.sequence import RequestMetrics, Sequence, SequenceStatus
 
-__all__ = ["LLM", "RequestOutput", "KV_DTYPES", "kv_dtypes", "StepStats", "percentile", "summarize", "ModelRunner",
-           "SamplingParams", "Scheduler", "ScheduledBatch", "TraceEvent", "ACTIONS", "POLICIES", "Sequence",
+__all__ = ["LLM", "RequestOutput", "kv_cache_dtypes", "StepStats", "percentile", "summarize", "ModelRunner",
+           "SamplingParams", "Scheduler", "SchedulerOutput", "TraceEvent", "ACTIONS", "POLICIES", "Sequence",
            "SequenceStatus", "RequestMetrics"]

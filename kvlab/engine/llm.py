@@ -31,12 +31,11 @@ from kvlab.probe import paged_attention_spec
 from kvlab.quant import KVQuantConfig, named_config
 
 
-def kv_dtypes() -> tuple[str, ...]:
-    """What ``kv_dtype=`` takes: "auto" (the model's own dtype) or a registered kv_cache_dtype."""
+def kv_cache_dtypes() -> tuple[str, ...]:
+    """What ``kv_cache_dtype=`` takes: "auto" (the model's own dtype) or a registered kv_cache_dtype."""
     return ("auto", *KV_CACHE_DTYPES)
 
 
-KV_DTYPES = kv_dtypes()
 
 
 @contextmanager
@@ -66,7 +65,10 @@ def hold_interrupts():
 
 @dataclass
 class RequestOutput:
-    seq_id: int
+    """What a request has produced so far (vLLM's ``RequestOutput``). One request is one sequence here
+    (no parallel sampling), so ``request_id`` is its :class:`Sequence`'s ``seq_id``."""
+
+    request_id: int
     prompt_token_ids: list[int]
     token_ids: list[int]  # generated so far
     text: str | None
@@ -75,19 +77,19 @@ class RequestOutput:
     metrics: dict
 
 
-def _make_cache(model, tokenizer, num_blocks, block_size, kv_dtype, quant_config, calibration, model_name):
-    if quant_config is None and kv_dtype == "auto":
+def _make_cache(model, tokenizer, num_blocks, block_size, kv_cache_dtype, quant_config, calibration, model_name):
+    if quant_config is None and kv_cache_dtype == "auto":
         return PagedKVCache.from_model(model, num_blocks, block_size)
     if quant_config is not None and not isinstance(quant_config, KVQuantConfig):
         raise TypeError(f"quant_config must be a KVQuantConfig (e.g. kvlab.quant.named_config('int8')) or None, got "
-                        f"{type(quant_config).__name__} {quant_config!r}; for a named format use kv_dtype=...")
+                        f"{type(quant_config).__name__} {quant_config!r}; for a named format use kv_cache_dtype=...")
     if quant_config is None:
-        if not isinstance(kv_dtype, str) or kv_dtype not in kv_dtypes():
-            raise ValueError(f"kv_dtype must be one of {kv_dtypes()}, got {kv_dtype!r}")
-        quant_config = named_config(kv_dtype)
+        if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in kv_cache_dtypes():
+            raise ValueError(f"kv_cache_dtype must be one of {kv_cache_dtypes()}, got {kv_cache_dtype!r}")
+        quant_config = named_config(kv_cache_dtype)
     if calibration is None and quant_config.needs_calibration(model.config.num_hidden_layers):
         if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
-            raise ValueError(f"kv_dtype {kv_dtype!r} with static scales needs calibration=... (a kvlab "
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} with static scales needs calibration=... (a kvlab "
                              "Calibration) or a real tokenizer to calibrate the default text")
         calibration = default_calibration(model, tokenizer, model_name, progress=False)
     return QuantizedPagedKVCache.from_model(model, num_blocks, block_size, quant_config, calibration)
@@ -99,17 +101,17 @@ class LLM:
     Knobs in vLLM's names: ``num_blocks`` and ``block_size`` (the pool), ``max_num_seqs`` (running
     at once), ``max_num_batched_tokens`` (tokens per step: decodes + prefill chunks), ``policy``
     ("continuous" or "static"), ``attn_backend`` ("reference", "torch" or
-    "triton": the kernels of notebook 05), ``kv_dtype`` ("auto":
+    "triton": the kernels of notebook 05), ``kv_cache_dtype`` ("auto":
     the model's dtype; "fp16", "int8", "fp8", "int4", "k8v4": a quantized pool, scales from
     ``calibration`` or the cached default), ``enable_prefix_caching``. Pass ``block_manager`` and
     ``cache`` to share a pool across engines. Sliding windows, soft caps and attention sinks are
     honoured; a model whose attention needs something else is refused here, before any pool exists,
-    with a one-line :class:`kvlab.hf.UnsupportedModelError` (:func:`kvlab.hf.paged_attention_spec`).
+    with a one-line :class:`kvlab.hf.UnsupportedModelError` (:func:`kvlab.probe.paged_attention_spec`).
     """
 
     def __init__(self, model, tokenizer=None, *, num_blocks: int = 256, block_size: int = 16,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 512, policy: str = "continuous",
-                 attn_backend: str = "torch", kv_dtype: str = "auto", quant_config=None, calibration=None,
+                 attn_backend: str = "torch", kv_cache_dtype: str = "auto", quant_config=None, calibration=None,
                  model_name: str = "smollm2-135m", enable_prefix_caching: bool = True, watermark: float = 0.01,
                  eos_token_id: int | None = None, block_manager: BlockManager | None = None, cache=None):
         self.model, self.tokenizer = model, tokenizer
@@ -120,7 +122,7 @@ class LLM:
         if block_manager is None:
             block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         if cache is None:
-            cache = _make_cache(model, tokenizer, block_manager.num_blocks, block_manager.block_size, kv_dtype,
+            cache = _make_cache(model, tokenizer, block_manager.num_blocks, block_manager.block_size, kv_cache_dtype,
                                 quant_config, calibration, model_name)
         if (cache.num_blocks, cache.block_size) != (block_manager.num_blocks, block_manager.block_size):
             raise ValueError("cache and block_manager disagree on num_blocks / block_size")
@@ -138,7 +140,7 @@ class LLM:
         self._ids = itertools.count(first)
         self.seqs: dict[int, Sequence] = {}
         self.step_stats: list[StepStats] = []
-        self.on_scheduled = None  # optional callback(ScheduledBatch), run between scheduling and the forward
+        self.on_scheduled = None  # optional callback(SchedulerOutput), run between scheduling and the forward
         self.on_step = None  # optional callback(StepStats), run when a step is done (widgets redraw)
 
     # ---- requests --------------------------------------------------------------------------------
@@ -228,7 +230,7 @@ class LLM:
                     seq.metrics.first_scheduled = t1
             if self.on_scheduled is not None:
                 self.on_scheduled(batch)
-            logits, rows = self.runner.execute(batch, bm)
+            logits, rows = self.runner.execute_model(batch, bm)
             t2 = time.perf_counter()
             with hold_interrupts():
                 sampled = sample(logits, [batch.seqs[i] for i in rows]) if rows else []
@@ -276,12 +278,12 @@ class LLM:
             self.scheduler.preempt(seq, reason, keep_cached=False)
         self.cache.restore_counters(saved_counters)
 
-    def abort_request(self, seq_id: int) -> None:
+    def abort_request(self, request_id: int) -> None:
         """Drop a request that has not finished: its blocks go back to the pool, it is never
         scheduled again (``finish_reason`` "aborted"). Finished requests are left as they are."""
-        seq = self.seqs.get(seq_id)
+        seq = self.seqs.get(request_id)
         if seq is None:
-            raise ValueError(f"seq_id {seq_id!r} is not a request of this engine")
+            raise ValueError(f"request_id {request_id!r} is not a request of this engine")
         if seq.is_finished:
             return
         with hold_interrupts():
@@ -340,9 +342,9 @@ class LLM:
         checked = [self._check(p, sp) for p, sp in zip(prompts, params)]  # all or nothing
         return [self._enqueue(ids, sp) for ids, sp in checked]
 
-    def summary(self, seq_ids=None) -> dict:
+    def summary(self, request_ids=None) -> dict:
         """Throughput, latency percentiles and the step-time split of the finished requests."""
-        seqs = [self.seqs[i] for i in (seq_ids if seq_ids is not None else self.seqs)]
+        seqs = [self.seqs[i] for i in (request_ids if request_ids is not None else self.seqs)]
         done = [s for s in seqs if s.is_finished and s.finish_reason != "aborted"]
         if not done:
             return summarize([], self.step_stats, 0.0)

@@ -33,15 +33,15 @@ class ModelRunner:
         self.timings: dict[str, float] = {}  # seconds of the last step: "packing", "forward"
 
     @torch.inference_mode()
-    def execute(self, batch, block_manager) -> tuple[torch.Tensor, list[int]]:
-        """Run one :class:`~kvlab.engine.scheduler.ScheduledBatch`.
+    def execute_model(self, batch, block_manager) -> tuple[torch.Tensor, list[int]]:
+        """Run one :class:`~kvlab.engine.scheduler.SchedulerOutput`.
 
         Returns ``(logits, rows)``: logits (R, V) for the R sequences that sample this step, and their
         indices into ``batch.seqs``.
         """
         t0 = time.perf_counter()
-        self.cache.copy_blocks(block_manager.take_copies())  # copy-on-write before any write
-        tokens, positions, slots, tables, ctx_lens, sample_rows, last = [], [], [], [], [], [], []
+        self.cache.copy_blocks(batch.blocks_to_copy)  # copy-on-write before any write
+        tokens, positions, slots, tables, seq_lens, sample_rows, last = [], [], [], [], [], [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             tokens += seq.token_ids[start:end]
@@ -49,15 +49,15 @@ class ModelRunner:
             table = block_manager.seqs[seq.seq_id].block_table  # read-only: no copy per step
             slots += block_manager.slot_mapping_of(table, block_manager.block_size, start, end)
             tables.append(table)
-            ctx_lens.append(end)
+            seq_lens.append(end)
             if end == seq.num_tokens:  # this chunk reaches the last token: it samples
                 sample_rows.append(i)
                 last.append(len(tokens) - 1)
         decode = None
         if self.backend.batched_decode and batch.num_decodes:
             nd = batch.num_decodes
-            decode = DecodeIndex(tables[:nd], ctx_lens[:nd], block_manager.block_size, self.device)
-        paged = PagedBatch(cache=self.cache, block_tables=tables, seq_lens=ctx_lens,
+            decode = DecodeIndex(tables[:nd], seq_lens[:nd], block_manager.block_size, self.device)
+        paged = PagedBatch(cache=self.cache, block_tables=tables, seq_lens=seq_lens,
                            query_lens=list(batch.num_new_tokens),
                            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
                            backend=self.backend, decode=decode)

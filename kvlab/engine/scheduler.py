@@ -22,7 +22,7 @@ Every decision is appended to ``trace`` as a :class:`TraceEvent`, and the widget
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvlab.cache.paged import BlockManager
 from kvlab.engine.sequence import Sequence, SequenceStatus
@@ -41,13 +41,14 @@ class TraceEvent:
 
 
 @dataclass
-class ScheduledBatch:
+class SchedulerOutput:
     """What one step runs: sequences and how many new tokens each feeds (decodes: 1, listed first)."""
 
     step: int
     seqs: list[Sequence]
     num_new_tokens: list[int]
     num_decodes: int = 0  # the first num_decodes entries are decodes, the rest prefill chunks
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before any write
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -138,7 +139,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self._log(seq, "preempted", reason, f"{seq.num_tokens} tokens to recompute")
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self) -> SchedulerOutput:
         self.step_count += 1
         budget = self.max_num_batched_tokens
         seqs, counts = [], []
@@ -183,7 +184,7 @@ class Scheduler:
             self.running.append(seq)
             self._log(seq, "admitted", detail=f"cached {cached} of {seq.num_tokens} prompt tokens")
             budget = self._schedule_prefill(seq, budget, seqs, counts)
-        return ScheduledBatch(self.step_count, seqs, counts, num_decodes)
+        return SchedulerOutput(self.step_count, seqs, counts, num_decodes, self.bm.take_blocks_to_copy())
 
     def _schedule_prefill(self, seq: Sequence, budget: int, seqs: list, counts: list) -> int:
         n = min(seq.num_uncomputed, budget)

@@ -24,20 +24,20 @@ def _contexts(model: str) -> list[int]:
     return [c for c in CONTEXTS if c < top] + [top]
 
 
-def _memory_wall_traces(model: str, batch: int, kv_dtype: str, weight_dtype: str):
+def _memory_wall_traces(model: str, batch: int, kv_cache_dtype: str, weight_dtype: str):
     xs = _contexts(model)
     w = sizing.weight_read_bytes(model, batch, weight_dtype)
-    kv = [sizing.kv_size(model, kv_dtype, tokens=c, batch=batch).total_bytes for c in xs]
+    kv = [sizing.kv_size(model, kv_cache_dtype, tokens=c, batch=batch).total_bytes for c in xs]
     gib = 2**30
     return xs, [w / gib] * len(xs), [k / gib for k in kv]
 
 
-def _memory_wall_marks(model: str, context: int, batch: int, kv_dtype: str, weight_dtype: str) -> dict:
+def _memory_wall_marks(model: str, context: int, batch: int, kv_cache_dtype: str, weight_dtype: str) -> dict:
     """The chosen context as a point on the stack, and the crossover (KV > weights) as a line when
     it falls inside the model's context; described in a note when it does not."""
     top = _contexts(model)[-1]
-    step = sizing.decode_step_bytes(model, min(context, top), batch, kv_dtype, weight_dtype)
-    cross = sizing.crossover_context(model, batch, kv_dtype, weight_dtype)
+    step = sizing.decode_step_bytes(model, min(context, top), batch, kv_cache_dtype, weight_dtype)
+    cross = sizing.crossover_context(model, batch, kv_cache_dtype, weight_dtype)
     shapes = [dict(type="line", xref="x", yref="paper", x0=min(context, top), x1=min(context, top), y0=0, y1=1,
                    line=dict(color="black", width=1, dash="dash"))]
     notes = [dict(x=math.log10(min(context, top)), y=1, xref="x", yref="paper", yanchor="bottom", showarrow=False,
@@ -54,8 +54,8 @@ def _memory_wall_marks(model: str, context: int, batch: int, kv_dtype: str, weig
                 point=(min(context, top), step["total"] / 2**30))
 
 
-def _memory_wall_title(model, batch, kv_dtype, weight_dtype, where: str = "") -> dict:
-    return dict(text=f"Bytes read per decode step: {model}, batch {batch}, KV {kv_dtype}, weights {weight_dtype}"
+def _memory_wall_title(model, batch, kv_cache_dtype, weight_dtype, where: str = "") -> dict:
+    return dict(text=f"Bytes read per decode step: {model}, batch {batch}, KV {kv_cache_dtype}, weights {weight_dtype}"
                      + (f"<br><sup>{where}</sup>" if where else ""))
 
 
@@ -64,12 +64,12 @@ def _context_ticks(xs: list[int]) -> dict:
     return dict(tickvals=xs, ticktext=labels)
 
 
-def memory_wall_figure(model: str = "llama-2-7b", batch: int = 1, kv_dtype: str = "fp16",
+def memory_wall_figure(model: str = "llama-2-7b", batch: int = 1, kv_cache_dtype: str = "fp16",
                        weight_dtype: str = "fp16", widget: bool = False, context: int = 4096):
     """Bytes one decode step reads (weights once + every sequence's whole KV cache) vs context, up to
     the model's maximum context, with the chosen context marked and the crossover drawn."""
-    xs, w, kv = _memory_wall_traces(model, batch, kv_dtype, weight_dtype)
-    m = _memory_wall_marks(model, context, batch, kv_dtype, weight_dtype)
+    xs, w, kv = _memory_wall_traces(model, batch, kv_cache_dtype, weight_dtype)
+    m = _memory_wall_marks(model, context, batch, kv_cache_dtype, weight_dtype)
     fig_cls = go.FigureWidget if widget else go.Figure
     fig = fig_cls(
         data=[
@@ -79,7 +79,7 @@ def memory_wall_figure(model: str = "llama-2-7b", batch: int = 1, kv_dtype: str 
                        marker=dict(color="black", size=10)),
         ],
         layout=dict(
-            title=_memory_wall_title(model, batch, kv_dtype, weight_dtype, m["where"]),
+            title=_memory_wall_title(model, batch, kv_cache_dtype, weight_dtype, m["where"]),
             xaxis=dict(title="context (tokens per sequence, log scale)", type="log", **_context_ticks(xs)),
             yaxis=dict(title="GiB read per step", rangemode="tozero"), height=460,
             legend=dict(orientation="h", y=-0.25), shapes=m["shapes"], annotations=m["annotations"],

@@ -74,7 +74,7 @@ class EngineRecorder:
             warnings.warn(f"EngineRecorder: step {batch.step} not recorded: {e!r}", stacklevel=2)
 
     def capture(self, batch=None) -> dict:
-        """Record one frame: of ``batch`` (a ``ScheduledBatch``), or with none, of the engine between steps."""
+        """Record one frame: of ``batch`` (a ``SchedulerOutput``), or with none, of the engine between steps."""
         llm, sched = self.llm, self.llm.scheduler
         step = batch.step if batch is not None else sched.step_count
         note = f"step {step}" if batch is not None else f"before step {step + 1}"
