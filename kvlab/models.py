@@ -180,7 +180,7 @@ def tiny_llama(seed: int = 0, **overrides):
     return model.eval()
 
 
-#: tiny random models of other HF architectures, for the architecture matrix (tests/test_12_archs.py):
+#: tiny random models of other HF architectures, for the architecture matrix (tests/test_models_beyond_llama.py):
 #: name -> (model_type, config overrides on top of :func:`tiny_llama`'s sizes: 2 layers, GQA 4/2, head_dim 16).
 #: ``paged``: what kvlab's paged path does with it ("runs" or "refused"), checked by the tests.
 TINY_ARCHS = {

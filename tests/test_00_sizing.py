@@ -11,8 +11,8 @@ GiB, KiB = 2**30, 2**10
 
 
 @pytest.mark.parametrize("model,per_token,at_4096", [
-    ("llama-2-7b", 512 * KiB, 2 * GiB),  # seed 004: correct
-    ("llama-2-70b", 320 * KiB, 1.25 * GiB),  # seed 003 says 1.6 MB and 6.5 GB: it ignores GQA
+    ("llama-2-7b", 512 * KiB, 2 * GiB),  # the TurboQuant article: correct
+    ("llama-2-70b", 320 * KiB, 1.25 * GiB),  # the KV-cache article says 1.6 MB and 6.5 GB: it ignores GQA
     ("llama-3-8b", 128 * KiB, 0.5 * GiB),
     ("qwen2.5-7b", 56 * KiB, 224 * 2**20),
     ("smollm2-135m", 23040, 23040 * 4096),

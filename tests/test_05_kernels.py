@@ -240,7 +240,7 @@ def test_decode_kernel_equals_the_quantized_reference(name, h_q, h_kv, d, block_
     assert (out - full).abs().max() < full_tol, (name, (out - full).abs().max())
 
 
-FEATURES = {  # what models hand their attention function (issue 12), alone and together
+FEATURES = {  # what models hand their attention function, alone and together
     "window": dict(window=24),
     "window 1": dict(window=1),
     "softcap": dict(softcap=1.5),

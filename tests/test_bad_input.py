@@ -1,4 +1,4 @@
-"""Bad arguments, one by one: a clear error that names the argument, and nothing changed (issue 11).
+"""Bad arguments, one by one: a clear error that names the argument, and nothing changed.
 
 House rule: the API raises ``ValueError`` or ``TypeError`` naming the argument (never an
 ``IndexError`` from deep inside torch, an ``AttributeError`` or an ``AssertionError``) and leaves

@@ -1,4 +1,4 @@
-"""The machines learners bring (issue 11): a python3 that is too old, and no triton (macOS, Windows).
+"""The machines learners bring: a python3 that is too old, and no triton (macOS, Windows).
 
 `make` must find a Python >= 3.11 or stop at once with one line saying how to get one; tested with
 fake interpreters that answer version questions like Python 3.10 or 3.12 and record anything else,

@@ -1,4 +1,4 @@
-"""Files in, one-line errors out; nothing half-written; caches kvlab owns heal themselves (issue 11).
+"""Files in, one-line errors out; nothing half-written; caches kvlab owns heal themselves.
 
 Every path kvlab reads or writes is tried the ways a workshop gets it wrong: missing, a folder,
 empty, binary, not UTF-8, another program's file, another model's calibration, a path under a

@@ -1,5 +1,5 @@
 """The notebook's stop button: a KeyboardInterrupt raised inside the model's forward, at random
-steps and layers, must leave every object usable (issue 11).
+steps and layers, must leave every object usable.
 
 Each test interrupts a run, checks the state left behind (block manager invariants, no leaked
 blocks, a quantized pool's counters), then finishes or repeats the work on the same objects and

@@ -1,4 +1,4 @@
-"""Models beyond Llama (issue 12): a matrix of tiny random HF architectures, every cache against HF.
+"""Models beyond Llama (README section of that name): a matrix of tiny random HF architectures, every cache against HF.
 
 Each architecture in :data:`kvlab.models.TINY_ARCHS` is built from its config alone (2 layers, 4
 query heads on 2 KV heads where it has GQA, random weights, fp32). For those the paged path runs,
