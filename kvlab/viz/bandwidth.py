@@ -99,7 +99,7 @@ def update_bandwidth_figure(fig, shape: str, batch: int, context: int, gpu: str,
 def bandwidth_widget(shape: str = "llama-3-8b", batch: int = 32, context: int = 16384, gpu: str = "H100",
                      bench: dict | None = None):
     """Sliders for batch and context, dropdowns for the shape and the GPU, over :func:`bandwidth_figure`."""
-    import ipywidgets as W
+    import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
 
     fig = bandwidth_figure(shape, batch, context, gpu, bench, widget=True)
     w_shape = W.Dropdown(options=sorted(SHAPES), value=shape, description="shape")

@@ -12,8 +12,10 @@ from __future__ import annotations
 import html
 
 import plotly.graph_objects as go
+import torch
 from plotly.subplots import make_subplots
 
+from kvlab.capstone import quantized
 from kvlab.viz import COLORS
 from kvlab.viz.engine import EngineRecorder, _frame_html
 from kvlab.viz.paged import _grid, block_table_figure
@@ -28,12 +30,8 @@ def _bytes_per_token(cache) -> float:
 
 def _clipped(cache):
     """(L, 2H) clipped-value counts, K heads then V heads, or None for a float pool."""
-    from kvlab.capstone import quantized
-
     if not quantized(cache):
         return None
-    import torch
-
     sat = cache.saturation()
     return torch.cat([sat["k"]["clipped"], sat["v"]["clipped"]], dim=1).tolist()
 
@@ -42,7 +40,7 @@ class Dashboard:
     """The widget and its per-frame numbers. ``Dashboard(llm).widget`` is what a notebook displays."""
 
     def __init__(self, llm, columns: int = 32, title: str = ""):
-        import ipywidgets as W
+        import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
 
         self.llm, self.columns, self.title = llm, columns, title
         self.recorder = EngineRecorder(llm)

@@ -205,7 +205,7 @@ def scheduler_widget(recorder: EngineRecorder, columns: int = 16):
     Follows the recorder: frames added later (a run in progress) extend the slider and move it to the
     newest step. With no frames yet, records the engine as it is now.
     """
-    import ipywidgets as W
+    import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
 
     if not recorder.frames:
         recorder.capture()

@@ -11,6 +11,7 @@ import math
 
 import plotly.graph_objects as go
 
+from kvlab.validate import cdiv
 from kvlab.viz import COLORS
 
 PALETTE = ["#2e86c1", "#28b463", "#af7ac5", "#e67e22", "#16a085", "#d4ac0d", "#e59866", "#76d7c4"]  # none dark or grey: those mean shared and cached
@@ -61,7 +62,7 @@ class Trace:
 
 
 def _grid(frame: dict, columns: int):
-    rows = -(-len(frame["blocks"]) // columns)
+    rows = cdiv(len(frame["blocks"]), columns)
     z, text, colors = [], [], {}
     for r in range(rows):
         zr, tr = [], []
@@ -123,7 +124,7 @@ def block_table_figure(frame: dict, columns: int = 8, widget: bool = False):
 
 def block_table_widget(trace: Trace, columns: int = 8):
     """Step (or play) through a trace: the block grid and the per-sequence tables update together."""
-    import ipywidgets as W
+    import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
 
     fig = block_table_figure(trace.frames[0], columns, widget=True)
     info = W.HTML(_tables_html(trace.frames[0]))

@@ -4,8 +4,10 @@ They only draw numbers kvlab counted (``QuantizedPagedKVCache.saturation()``, ca
 from __future__ import annotations
 
 import plotly.graph_objects as go
+import torch
 from plotly.subplots import make_subplots
 
+from kvlab.quant import core
 from kvlab.viz import COLORS
 
 
@@ -30,8 +32,6 @@ def saturation_heatmap(saturation: dict, counter: str = "clipped", title: str = 
 
 def value_histogram(values, clip_lines: dict, qmax: int = 127, bins: int = 120, title: str = ""):
     """Histogram of one head's values with +-clip lines (e.g. abs-max, p99.9) and the INT8 step of each."""
-    import torch
-
     v = torch.as_tensor(values).flatten().float()
     fig = go.Figure(go.Histogram(x=v.tolist(), nbinsx=bins, marker_color=COLORS["weights"], name="values"))
     palette = [COLORS["kv"], COLORS["padding"], COLORS["tokens"], "#8e44ad"]
@@ -71,9 +71,7 @@ def granularity_explorer(keys, values, calibration=None,
                          granularities=("per-tensor", "per-head", "per-channel", "per-token-head")):
     """Pick K or V, a granularity and (with a calibration) the statistic behind static scales:
     INT8 signal-to-noise and clip rate per layer update live."""
-    import ipywidgets as W
-
-    from kvlab.quant import core
+    import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
 
     stats = ["this data's abs-max"] + (["absmax", "p99.99", "p99.9", "p99"] if calibration is not None else [])
 
