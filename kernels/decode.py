@@ -39,6 +39,7 @@ import math
 
 import torch
 
+from kvlab.validate import cdiv, check_int, check_power_of_two
 from kvlab.validate import check_attention_features as check_features
 from kvlab.kernels import require_triton
 
@@ -279,8 +280,8 @@ def default_splits(programs_per_split: int, max_blocks: int, pages: int) -> int:
     if triton_mode() == "interpreter" or not torch.cuda.is_available():
         return 1
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    want = -(-2 * sms // max(programs_per_split, 1))
-    return int(max(1, min(want, -(-max_blocks // (4 * pages)))))  # at most one split per ~4 tiles of the longest context
+    want = cdiv(2 * sms, max(programs_per_split, 1))
+    return int(max(1, min(want, cdiv(max_blocks, 4 * pages))))  # at most one split per ~4 tiles of the longest context
 
 
 def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -340,16 +341,14 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
     gqa = h_q // h_kv
     qpp = gqa if group_heads else 1
     pages = pages or default_pages(block_size)
-    if isinstance(pages, bool) or not isinstance(pages, int) or pages < 1 or pages & (pages - 1):
-        raise ValueError(f"pages must be a power of two >= 1, got {pages!r}")
+    pages = check_power_of_two("pages", pages)
     pages = max(pages, 16 // block_size)  # a tile of >= 16 tokens: tl.dot's smallest dimension on a GPU
     max_blocks = block_tables.shape[1]
     if num_splits is None:
         num_splits = default_splits(bsz * (h_q // qpp), max_blocks, pages)
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits must be a positive integer, got {num_splits!r}")
-    n_iters = -(-max_blocks // pages)
-    iters_per_split = max(1, -(-n_iters // num_splits))
+    num_splits = check_int("num_splits", num_splits)
+    n_iters = cdiv(max_blocks, pages)
+    iters_per_split = max(1, cdiv(n_iters, num_splits))
     has_own = k_own is not None
     if has_own:
         for t, name in ((k_own, "k_own"), (v_own, "v_own")):

@@ -19,6 +19,7 @@ from kvlab.kernels import require_triton, triton_mode
 from kvlab.kernels.pool import FLOAT, INT4, INT8, NO_SCALE, PER_SLOT, STATIC
 from kvlab.quant.formats import TensorFormat, named_config
 from kvlab.sizing import kv_config
+from kvlab.validate import cdiv
 
 #: peak HBM bandwidth, bytes/s (vendor datasheets: A100 80GB SXM, H100 SXM, H200 SXM)
 GPU_BANDWIDTH = {"A100": 2.039e12, "H100": 3.35e12, "H200": 4.8e12}
@@ -98,7 +99,7 @@ def decode_traffic(seq_lens, h_q: int, h_kv: int, d: int, k: Spec, v: Spec, *, b
         read["v"] += tokens * v.value_bytes(d)
         read["k_scales"] += tokens * k.scale_bytes(d)
         read["v_scales"] += tokens * v.scale_bytes(d)
-        read["block_tables"] += -(-n_pool // block_size) * table_bytes * programs_per_seq
+        read["block_tables"] += cdiv(n_pool, block_size) * table_bytes * programs_per_seq
         programs = programs_per_seq * num_splits
         read["q"] += programs * qpp * d * q_bytes
         read["seq_lens"] += programs * ctx_bytes

@@ -26,6 +26,7 @@ from kvlab.kernels import pool as O
 from kvlab.kernels.decode import FLOAT, INT8, STATIC  # compile-time constants (tl.constexpr)
 from kvlab.kernels.decode import check_interpretable
 from kvlab.kernels.pool import Operand, check_head_dim
+from kvlab.validate import cdiv
 
 ZERO_GUARD = tl.constexpr(1e-6)  # kvlab.quant.core.ZERO_GUARD: an all-zero group gets scale 1.0
 
@@ -186,7 +187,7 @@ def launch_write(k, v, slot_mapping, k_op: Operand, v_op: Operand):
     ks = k_op.static_scale if k_op.scale_kind == O.STATIC else k_op.slot_scale
     vs = v_op.static_scale if v_op.scale_kind == O.STATIC else v_op.slot_scale
     tokens = min(16, _pow2(t))  # tokens per program: one tile of (TOKENS, H, D)
-    _write_kv_kernel[(-(-t // tokens),)](
+    _write_kv_kernel[(cdiv(t, tokens),)](
         k, v, slot_mapping, t,
         k_op.data, placeholder if ks is None else ks, placeholder if stats[0] is None else stats[0],
         v_op.data, placeholder if vs is None else vs, placeholder if stats[1] is None else stats[1],

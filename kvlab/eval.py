@@ -23,13 +23,14 @@ from kvlab.hf import PagedBatch, attention_implementation, register_paged_attent
 from kvlab.probe import paged_attention_spec
 from kvlab.quant.formats import FP32, KVQuantConfig, TensorFormat
 from kvlab.sizing import kv_config, kv_size
+from kvlab.validate import cdiv, is_int
 
 
 class _Runner:
     """One sequence through one paged pool (quantized or not), chunk by chunk."""
 
     def __init__(self, model, config: KVQuantConfig, calibration, num_tokens: int, block_size: int):
-        blocks = -(-num_tokens // block_size)
+        blocks = cdiv(num_tokens, block_size)
         self.bm = BlockManager(blocks, block_size, enable_prefix_caching=False)
         self.cache = QuantizedPagedKVCache.from_model(model, blocks, block_size, config, calibration)
         self.model = model
@@ -78,7 +79,7 @@ def check_scoring(num_tokens: int, window: int, stride: int, chunk: int, block_s
     """The numbers of an evaluation of ``num_tokens`` tokens, checked before any model work
     (``kvlab ppl`` calls it before it loads the model)."""
     for name, value in (("window", window), ("stride", stride), ("chunk", chunk), ("block_size", block_size)):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not is_int(value):
             raise TypeError(f"{name} must be an integer, got {value!r}")
     if num_tokens < 2:
         raise ValueError("need at least 2 tokens to score")
@@ -213,7 +214,7 @@ def greedy_comparison(model, prompts: list[list[int]], config: KVQuantConfig, ca
     first divergence the two texts continue from different tokens, so position-wise agreement beyond
     it is mostly chance: the divergence points are the measure.
     """
-    blocks = sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts)
+    blocks = sum(cdiv(len(p) + max_new_tokens, block_size) for p in prompts)
     runs = []
     for cfg in (FP32, config):
         bm = BlockManager(blocks, block_size, enable_prefix_caching=False)

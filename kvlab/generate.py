@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlab.cache import CACHE_KINDS, StaticCache, static_tokens_stored
-from kvlab.cache.paged import check_token_ids
+from kvlab.cache.paged import BlockManager, check_token_ids
+from kvlab.engine import LLM, SamplingParams
 from kvlab.hf import CACHE_KWARG, KVLabCache, make_store
+from kvlab.validate import cdiv, check_int, is_int
 
 
 def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,8 +75,7 @@ class _StepClock:
 
 def _validate(prompts, max_new_tokens: int, model=None) -> list[list[int]]:
     """Prompts as lists of token ids in the model's vocabulary (one prompt may come unwrapped)."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens)
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of token-id lists")
     if isinstance(prompts[0], int):
@@ -225,7 +226,7 @@ def encode_prompts(tokenizer, prompts) -> list[list[int]]:
 
 
 def _pool_for(prompts: list[list[int]], max_new_tokens: int, block_size: int) -> int:
-    return sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts)
+    return sum(cdiv(len(p) + max_new_tokens, block_size) for p in prompts)
 
 
 @torch.inference_mode()
@@ -245,11 +246,8 @@ def paged_generate(model, prompts, max_new_tokens: int, block_size: int = 16, nu
     does not honour, :func:`kvlab.probe.paged_attention_spec`) is refused with an
     :class:`~kvlab.hf.UnsupportedModelError` before any pool is allocated or any token computed.
     """
-    from kvlab.cache.paged import BlockManager
-    from kvlab.engine import LLM, SamplingParams
-
     prompts = _validate(prompts, max_new_tokens, model)
-    if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1):
+    if num_blocks is not None and (not is_int(num_blocks) or num_blocks < 1):
         raise ValueError(f"num_blocks must be a positive integer or None (enough for every prompt), got {num_blocks!r}")
     if manager is None:
         num_blocks = num_blocks or _pool_for(prompts, max_new_tokens, block_size)

@@ -10,11 +10,11 @@ the caches of later notebooks are checked against these numbers byte for byte.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 from kvlab.formats import ELEMENT_FORMATS, STATIC_GRANULARITIES, TOKEN_GRANULARITIES
+from kvlab.validate import is_int
 
 # Element bits, float or not, and default granularities come from the format registry (kvlab.formats).
 # How many scales a granularity keeps: "static" ones are one table for the whole cache; "per-token"
@@ -117,10 +117,10 @@ def kv_config(model: Any) -> KVConfig:
         raise ValueError("model config needs num_hidden_layers and num_attention_heads")
     kv_heads = _get(cfg, "num_key_value_heads") or heads
     hidden = _get(cfg, "hidden_size")
-    head_dim = _get(cfg, "head_dim") or (hidden // heads if _is_count(hidden) and _is_count(heads) else None)
+    head_dim = _get(cfg, "head_dim") or (hidden // heads if is_int(hidden) and is_int(heads) else None)
     for key, value in (("num_hidden_layers", layers), ("num_attention_heads", heads),
                        ("num_key_value_heads", kv_heads), ("head_dim", head_dim)):
-        if not _is_count(value) or value < 1:
+        if not is_int(value) or value < 1:
             why = " (nor a hidden_size to derive it from)" if key == "head_dim" and value is None else ""
             raise ValueError(f"model config: {key} must be a positive integer, got {value!r}{why}")
     return KVConfig(
@@ -135,11 +135,6 @@ def kv_config(model: Any) -> KVConfig:
         rope_dim=_get(cfg, "qk_rope_head_dim"),
         active_params=_get(cfg, "active_params"),
     )
-
-
-def _is_count(value) -> bool:
-    """An integer (Python or numpy), not a bool, a float or a string."""
-    return not isinstance(value, bool) and isinstance(value, numbers.Integral)
 
 
 def dtypes() -> list[str]:
@@ -235,9 +230,9 @@ def kv_size(
     """
     cfg = kv_config(model)
     _check_dtype(dtype)
-    if not _is_count(tokens) or not 0 <= tokens <= MAX_COUNT:
+    if not is_int(tokens) or not 0 <= tokens <= MAX_COUNT:
         raise ValueError(f"tokens must be an integer from 0 to 2**53, got {tokens!r}")
-    if not _is_count(batch) or not 1 <= batch <= MAX_COUNT:
+    if not is_int(batch) or not 1 <= batch <= MAX_COUNT:
         raise ValueError(f"batch must be an integer from 1 to 2**53, got {batch!r}")
     if not isinstance(scale_dtype, str) or scale_dtype not in SCALE_DTYPE_BYTES:
         raise ValueError(f"scale_dtype must be one of {sorted(SCALE_DTYPE_BYTES)}, got {scale_dtype!r}")
@@ -283,7 +278,7 @@ def decode_step_bytes(model: Any, context: int, batch: int = 1, kv_cache_dtype: 
     The new token's query attends to all ``context`` cached tokens, so the cache is read in full on
     every step; the weights are shared by the batch.
     """
-    if not _is_count(context) or context < 0:
+    if not is_int(context) or context < 0:
         raise ValueError(f"context must be an integer >= 0 (cached tokens), got {context!r}")
     w = weight_read_bytes(model, batch, weight_dtype)
     kv = kv_size(model, kv_cache_dtype, tokens=context, batch=batch).total_bytes

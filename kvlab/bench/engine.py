@@ -32,6 +32,7 @@ from kvlab.data import play_text
 from kvlab.engine import LLM, SamplingParams
 from kvlab.engine.metrics import percentile
 from kvlab.generate import left_pad
+from kvlab.validate import cdiv
 
 SYSTEMS = ("kvlab_continuous", "kvlab_static", "hf_generate", "hf_generate_batch")
 SYSTEM_PROMPT = ("You are a helpful assistant in a literature class. Answer questions about the passage the "
@@ -105,7 +106,7 @@ def run_kvlab(model, tokenizer, wl: Workload, policy: str = "continuous", max_nu
               num_blocks: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 512,
               attn_backend: str = "torch", kv_cache_dtype: str = "auto", progress=None) -> tuple[dict, object]:
     if num_blocks is None:  # room for the max_num_seqs longest requests at once: no preemption by default
-        need = sorted((-(-(len(p) + o) // block_size) for p, o in zip(wl.prompts, wl.output_lens)), reverse=True)
+        need = sorted((cdiv(len(p) + o, block_size) for p, o in zip(wl.prompts, wl.output_lens)), reverse=True)
         num_blocks = sum(need[:max_num_seqs])
     llm = LLM(model, tokenizer, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs), policy=policy,

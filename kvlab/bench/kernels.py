@@ -23,6 +23,7 @@ from kvlab.attention import paged_attention
 from kvlab.kernels.pool import FLOAT, INT4, INT8, STATIC, PER_SLOT, Operand
 from kvlab.kernels.traffic import FORMATS, GPU_BANDWIDTH, SHAPES, decode_traffic, project, step_bytes
 from kvlab.quant.core import Int4Tensor, dequantize_int4
+from kvlab.validate import cdiv
 
 BATCHES = (1, 8, 32)
 CONTEXTS = (1024, 4096, 16384)
@@ -72,7 +73,7 @@ def dequantize(op: Operand, dtype=torch.float16) -> torch.Tensor:
 
 
 def _tables(batch: int, context: int, num_blocks: int, device, seed: int = 0):
-    per_seq = -(-context // BLOCK_SIZE)
+    per_seq = cdiv(context, BLOCK_SIZE)
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))[:batch * per_seq]
     return perm.reshape(batch, per_seq).to(device), torch.full((batch,), context, dtype=torch.long, device=device)
 
@@ -90,7 +91,7 @@ def check_sweep(device) -> list[dict]:
     """Kernel vs the float reference over the dequantized pool, for each format and case."""
     rows = []
     for h_q, h_kv, d, batch, context, splits in CHECK_CASES:
-        n_blocks = batch * -(-context // BLOCK_SIZE) + 2
+        n_blocks = batch * cdiv(context, BLOCK_SIZE) + 2
         table, ctx = _tables(batch, context, n_blocks, device, seed=d)
         q = torch.randn(batch, h_q, d, device=device, dtype=torch.float16)
         for fmt in ("fp16", "int8", "k8v4"):
@@ -127,7 +128,7 @@ def time_case(shape: str, batch: int, context: int, device) -> dict:
     decode = kernels.decode
 
     layers, h_q, h_kv, d = SHAPES[shape]
-    n_blocks = batch * -(-context // BLOCK_SIZE)
+    n_blocks = batch * cdiv(context, BLOCK_SIZE)
     table, ctx = _tables(batch, context, n_blocks, device)
     q = torch.randn(batch, h_q, d, device=device, dtype=torch.float16)
     scale = d ** -0.5

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlab.sizing import kv_config
+from kvlab.validate import check_int, is_int
+
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
@@ -54,8 +57,6 @@ class CacheShape:
 
     @classmethod
     def from_model(cls, model) -> "CacheShape":
-        from kvlab.sizing import kv_config
-
         cfg = kv_config(model)
         return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
 
@@ -66,9 +67,7 @@ class ContiguousCache:
     kind = "dynamic"
 
     def __init__(self, num_layers: int):
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
-        self.num_layers = num_layers
+        self.num_layers = check_int("num_layers", num_layers)
         self.keys: list[torch.Tensor | None] = [None] * num_layers  # each (B, H_kv, T, D)
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.bytes_copied = 0  # bytes moved by torch.cat into new tensors, over all layers
@@ -79,7 +78,7 @@ class ContiguousCache:
         return cls(CacheShape.from_model(model).num_layers)
 
     def _check_layer(self, layer_idx: int) -> None:
-        if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
+        if not is_int(layer_idx) or not 0 <= layer_idx < self.num_layers:
             raise ValueError(f"layer_idx must be in [0, {self.num_layers}), got {layer_idx!r}")
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,8 +143,7 @@ class StaticCache:
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         for name, value in (("num_layers", num_layers), ("max_batch", max_batch), ("num_kv_heads", num_kv_heads),
                             ("max_seq_len", max_seq_len), ("head_dim", head_dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_int(name, value)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         self.num_layers, self.max_batch, self.num_kv_heads = num_layers, max_batch, num_kv_heads
@@ -172,7 +170,7 @@ class StaticCache:
         has finished, from a token. Without this call every filled slot counts as a token.
         """
         tokens_per_row = list(tokens_per_row)
-        if any(isinstance(t, bool) or not isinstance(t, int) for t in tokens_per_row):
+        if not all(is_int(t) for t in tokens_per_row):
             raise TypeError(f"tokens_per_row must be a list of ints, got {tokens_per_row!r}")
         if len(tokens_per_row) > self.max_batch or any(t < 0 for t in tokens_per_row):
             raise ValueError(
@@ -182,7 +180,7 @@ class StaticCache:
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k, v`` (B, H_kv, q_len, D) at the next free slots; return views (B, H_kv, T, D)."""
-        if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
+        if not is_int(layer_idx) or not 0 <= layer_idx < self.num_layers:
             raise ValueError(f"layer_idx must be in [0, {self.num_layers}), got {layer_idx!r}")
         _check_kv("StaticCache.update", k, v)
         b, h, q_len, d = k.shape

@@ -13,11 +13,12 @@ share full blocks between sequences with the same prefix (hash chain + token che
 LRU eviction of freed-but-cached blocks), fork with copy-on-write. :class:`PagedKVCache` holds the
 tensors, ``[num_blocks, block_size, H_kv, D]`` per layer, and applies what the manager decides.
 
-Sliding-window models (Mistral, Gemma-2/3, gpt-oss; issue 12): kvlab keeps every block of a sequence
-until the sequence finishes, also those that fell out of the window, so a later prompt can still hit
-them in the prefix cache. vLLM instead frees them as the window passes. ``stats()`` says which blocks
-those are: ``blocks_outside_window`` counts held blocks that no layer reads anymore (only when every
-layer slides, ``sliding_window`` set by the engine; a model with a global layer reads them all).
+Sliding-window models (Mistral, Gemma-2/3, gpt-oss; README, "Models beyond Llama"): kvlab keeps every
+block of a sequence until the sequence finishes, also those that fell out of the window, so a later
+prompt can still hit them in the prefix cache. vLLM instead frees them as the window passes.
+``stats()`` says which blocks those are: ``blocks_outside_window`` counts held blocks that no layer
+reads anymore (only when every layer slides, ``sliding_window`` set by the engine; a model with a
+global layer reads them all).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlab.validate import check_power_of_two
+from kvlab.validate import check_int, check_power_of_two, is_int
 
 
 class OutOfBlocksError(RuntimeError):
@@ -109,10 +110,8 @@ class BlockManager:
     """Free pool, block tables, refcounts and the prefix cache. Knows token ids, never tensors."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        self.num_blocks = check_int("num_blocks", num_blocks)
         self.block_size = check_block_size(block_size)
-        self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: deque[int] = deque(range(num_blocks))  # never used, or freed without a hash
@@ -158,7 +157,7 @@ class BlockManager:
         seq = self._seq(seq_id)
         end = len(seq.token_ids) if end is None else end
         for name, v in (("start", start), ("end", end)):
-            if isinstance(v, bool) or not isinstance(v, int):
+            if not is_int(v):
                 raise TypeError(f"{name} must be an int token position, got {type(v).__name__} {v!r}")
         if not 0 <= start <= end <= len(seq.token_ids):
             raise ValueError(f"token range [{start}, {end}) is outside sequence {seq_id}'s {len(seq.token_ids)} tokens")

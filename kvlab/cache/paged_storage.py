@@ -34,7 +34,7 @@ from kvlab.cache.paged import check_block_size
 from kvlab.kernels.pool import FLOAT, Operand
 from kvlab.quant.formats import TensorFormat
 from kvlab.sizing import kv_config
-from kvlab.validate import cdiv, check_int
+from kvlab.validate import cdiv, check_int, is_int
 
 
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table, num_tokens: int):
@@ -79,7 +79,7 @@ class PagedKVCache:
                    dtype=dtype or p.dtype, device=device or p.device)
 
     def _check_layer(self, layer_idx) -> None:
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
+        if not is_int(layer_idx) or not 0 <= layer_idx < self.num_layers:
             raise ValueError(f"layer_idx must be in [0, {self.num_layers}), got {layer_idx!r}")
 
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -23,6 +23,7 @@ import random
 from dataclasses import dataclass
 
 from kvlab.cache.paged import BlockManager
+from kvlab.validate import cdiv
 
 POLICIES = ("max", "pow2", "oracle", "paged")
 
@@ -105,7 +106,7 @@ def simulate(requests: list[Request], policy: str, block_size: int = 16, max_seq
     peak = 0
     bm = None
     if policy == "paged":
-        bm = BlockManager(sum(-(-r.stored // block_size) for r in requests), block_size, enable_prefix_caching=False)
+        bm = BlockManager(sum(cdiv(r.stored, block_size) for r in requests), block_size, enable_prefix_caching=False)
         for i, r in enumerate(requests):
             bm.allocate(i, [0] * r.prompt_len)
     for step in range(steps):
@@ -150,7 +151,7 @@ def block_size_sweep(requests: list[Request], sizes=(1, 2, 4, 8, 16, 32, 64, 128
     the average over decode steps that :func:`simulate` reports."""
     rows = []
     for bs in sizes:
-        bm = BlockManager(sum(-(-r.stored // bs) for r in requests), bs, enable_prefix_caching=False)
+        bm = BlockManager(sum(cdiv(r.stored, bs) for r in requests), bs, enable_prefix_caching=False)
         for i, r in enumerate(requests):
             bm.allocate(i, [0] * r.stored)
         s = bm.stats()
@@ -166,7 +167,7 @@ def fork_blocks(prompt_len: int, block_size: int, n: int, steps: int) -> int:
     into ``n`` samples (the original counts as one) and each sample writes ``steps`` new tokens."""
     if prompt_len < 1 or n < 1 or steps < 0:
         raise ValueError(f"need prompt_len >= 1, n >= 1, steps >= 0; got {prompt_len}, {n}, {steps}")
-    per_sample = -(-(prompt_len + steps) // block_size)
+    per_sample = cdiv(prompt_len + steps, block_size)
     bm = BlockManager(n * per_sample + 1, block_size, enable_prefix_caching=False)
     bm.allocate(0, list(range(prompt_len)))
     for child in range(1, n):
@@ -186,7 +187,7 @@ def parallel_sampling(requests: list[Request], n: int, block_size: int = 16) -> 
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    need = sum(n * -(-r.stored // block_size) for r in requests)
+    need = sum(n * cdiv(r.stored, block_size) for r in requests)
     shared = BlockManager(need, block_size, enable_prefix_caching=False)
     sid = 0
     for r in requests:
@@ -200,6 +201,6 @@ def parallel_sampling(requests: list[Request], n: int, block_size: int = 16) -> 
                 shared.append_slot(c, t + 1)
         sid += n
     with_fork = shared.stats()["blocks_used"]
-    without = sum(n * -(-r.stored // block_size) for r in requests)
+    without = sum(n * cdiv(r.stored, block_size) for r in requests)
     return {"n": n, "blocks_with_fork": with_fork, "blocks_without": without, "saved": 1 - with_fork / without,
             "cow_copies": shared.counters["cow_copies"]}

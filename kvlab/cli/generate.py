@@ -8,6 +8,7 @@ from kvlab import models  # through the module: tests swap models.load_model
 from kvlab.cache.paged import check_block_size
 from kvlab.engine import LLM, SamplingParams
 from kvlab.generate import encode_prompts, greedy_generate
+from kvlab.validate import cdiv
 from kvlab.cli.common import CLIError, batched_tokens, emit
 
 # options that only the engine reads, with their defaults
@@ -73,7 +74,7 @@ def cmd_generate(args) -> int:
 def _generate_engine(args, model, tokenizer, prompts) -> int:
     """``kvlab generate --engine``: the prompts served concurrently by kvlab.engine.LLM."""
     bs = args.block_size
-    num_blocks = args.num_blocks or sum(-(-(len(p) + args.max_tokens) // bs) for p in prompts)
+    num_blocks = args.num_blocks or sum(cdiv(len(p) + args.max_tokens, bs) for p in prompts)
     max_num_seqs = args.max_num_seqs
     llm = LLM(model, tokenizer, num_blocks=num_blocks, block_size=bs, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,

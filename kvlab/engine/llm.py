@@ -29,6 +29,7 @@ from kvlab.engine.sequence import Sequence
 from kvlab.formats import KV_CACHE_DTYPES
 from kvlab.probe import paged_attention_spec
 from kvlab.quant import KVQuantConfig, named_config
+from kvlab.validate import is_int
 
 
 def kv_cache_dtypes() -> tuple[str, ...]:
@@ -116,7 +117,7 @@ class LLM:
                  eos_token_id: int | None = None, block_manager: BlockManager | None = None, cache=None):
         self.model, self.tokenizer = model, tokenizer
         layers = paged_attention_spec(model)  # a model the paged attention cannot run is refused before any pool
-        if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)):
+        if eos_token_id is not None and not is_int(eos_token_id):
             raise TypeError(f"eos_token_id must be an int token id or None, got {type(eos_token_id).__name__} "
                             f"{eos_token_id!r}")
         if block_manager is None:
@@ -320,7 +321,7 @@ class LLM:
         ids = self.add_requests(prompts, params)
         bar = None
         if progress:
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # tqdm loads only when a progress bar is asked for
 
             bar = tqdm(total=len(ids), desc="requests", unit="req")
         try:

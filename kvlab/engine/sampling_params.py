@@ -9,9 +9,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvlab.validate import is_int
+
 
 def _int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return value
 
@@ -44,10 +46,10 @@ class SamplingParams:
         if self.seed is not None:
             _int("seed", self.seed, 0)
         stops = self.stop_token_ids
-        if isinstance(stops, int) and not isinstance(stops, bool):
+        if is_int(stops):
             stops = (stops,)
         if not isinstance(stops, (list, tuple, set, frozenset)) or \
-                any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stops):
+                any(not is_int(t) or t < 0 for t in stops):
             raise ValueError(f"stop_token_ids must be a token id or a list of token ids (ints >= 0), got {stops!r}")
         object.__setattr__(self, "stop_token_ids", tuple(sorted(set(stops))))
         if not isinstance(self.ignore_eos, bool):

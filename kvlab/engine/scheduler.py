@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from kvlab.cache.paged import BlockManager
 from kvlab.engine.sequence import Sequence, SequenceStatus
+from kvlab.validate import check_int
 
 POLICIES = ("continuous", "static")
 ACTIONS = ("admitted", "deferred", "chunked", "preempted", "finished")
@@ -80,8 +81,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  policy: str = "continuous", watermark: float = 0.01, admission_rule=admission_rule):
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            check_int(name, v)
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({max_num_seqs}): every running sequence needs one token of budget per decode step")

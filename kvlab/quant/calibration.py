@@ -19,6 +19,7 @@ import torch
 
 from kvlab.files import FileError, read_bytes, write_atomic
 from kvlab.quant.core import scale_from_absmax
+from kvlab.validate import cdiv
 
 PERCENTILES = (99.0, 99.9, 99.99)
 STATS = ("absmax",) + tuple(f"p{p:g}" for p in PERCENTILES)
@@ -30,7 +31,7 @@ def _quantile(x: torch.Tensor, q: torch.Tensor, dim=None) -> torch.Tensor:
     if dim is None:
         x = x.flatten()
         if x.numel() > 2**24:
-            x = x[:: -(-x.numel() // 2**24)]
+            x = x[::cdiv(x.numel(), 2**24)]
     return torch.quantile(x.float(), q, dim=dim)
 
 

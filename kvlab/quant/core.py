@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.formats import GRANULARITIES, ElementFormat, element_format
+from kvlab.validate import is_int
 
 FP8_MAX = element_format("fp8").qmax  # largest finite float8_e4m3fn: 448
 ZERO_GUARD = 1e-6
@@ -120,7 +121,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 def _groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
     d = x.shape[-1]
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or d % group_size:
+    if not is_int(group_size) or group_size < 1 or d % group_size:
         raise ValueError(f"group_size must be a positive divisor of head_dim={d}, got {group_size}")
     return x.reshape(*x.shape[:-1], d // group_size, group_size)  # (..., G, g)
 

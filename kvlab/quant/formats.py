@@ -16,11 +16,13 @@ Scale policies:
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from kvlab.formats import (ELEMENT_FORMATS, STATIC_GRANULARITIES, TOKEN_GRANULARITIES, ElementFormat, element_format,
                            kv_cache_dtype)
 from kvlab.quant.calibration import STATS
+from kvlab.validate import check_int
 
 POLICIES = ("static", "dynamic", "corrected")
 CORRECTION_FACTOR = 1.2
@@ -37,8 +39,7 @@ class TensorFormat:
         fmt = element_format(self.dtype)  # a ValueError naming dtype and the registered formats
         if fmt.granularities and self.granularity not in fmt.granularities:
             raise ValueError(f"granularity must be one of {fmt.granularities}, got {self.granularity!r}")
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
-            raise ValueError(f"group_size must be an integer >= 1, got {self.group_size!r}")
+        check_int("group_size", self.group_size)
         if not isinstance(self.symmetric, bool):
             raise ValueError(f"symmetric must be True or False, got {self.symmetric!r}")
 
@@ -117,8 +118,6 @@ class KVQuantConfig:
         k, v = self.k.label(), self.v.label()
         base = k if k == v else f"K {k} / V {v}"
         if self.layers:
-            from collections import Counter
-
             mix = Counter(kf.label() if kf == vf else f"K {kf.label()} / V {vf.label()}"
                           for kf, vf in self.layers.values())
             if sum(mix.values()) > 1:
