@@ -278,18 +278,18 @@ def test_a_failed_step_frees_every_block_and_the_engine_recovers(tiny, monkeypat
     llm = LLM(model, tok, num_blocks=32, block_size=4, eos_token_id=None)
     a = llm.add_request(SYSTEM[:12], SamplingParams(max_tokens=5))
     llm.step()
-    real = llm.runner.execute
+    real = llm.runner.execute_model
 
     def interrupted(batch, bm):
         raise KeyboardInterrupt  # a learner stops the cell mid-forward
 
-    monkeypatch.setattr(llm.runner, "execute", interrupted)
+    monkeypatch.setattr(llm.runner, "execute_model", interrupted)
     with pytest.raises(KeyboardInterrupt):
         llm.step()
     bm = llm.block_manager
     assert not bm.seqs and bm.stats()["blocks_used"] == 0 and not bm.hash_to_block
     bm.check_invariants()
-    monkeypatch.setattr(llm.runner, "execute", real)
+    monkeypatch.setattr(llm.runner, "execute_model", real)
     while llm.has_unfinished():
         llm.step()
     assert llm.seqs[a].output_token_ids == hf_generate(model, [SYSTEM[:12]], 5)[0]
@@ -349,7 +349,7 @@ def test_scheduler_budget_seq_limit_blocks_and_watermark():
         (0, "admitted", ""), (1, "admitted", ""), (1, "chunked", "token budget"), (2, "deferred", "token budget")]
     b.seqs[0].num_computed_tokens += 6
     b.seqs[1].num_computed_tokens += 2
-    b.seqs[0].output_token_ids.append(1)  # seq 0 sampled its first token
+    b.seqs[0].append_token(1)  # seq 0 sampled its first token
     b = s.schedule()
     assert b.num_decodes == 1 and b.num_new_tokens == [1, 7]  # the decode first, then the chunk continues
     assert s.trace[-1].reason == "token budget"
@@ -374,7 +374,7 @@ def test_preemption_takes_the_most_recently_admitted_and_requeues_it_first():
     s.schedule()
     for x in (a, b):  # both prefilled and sampled a token; their blocks are full
         x.num_computed_tokens = 2
-        x.output_token_ids.append(7)
+        x.append_token(7)
     c = _seq(2, 1)
     s.add(c)
     batch = s.schedule()  # a takes the last free block; b has none left: b is preempted

@@ -1,0 +1,24 @@
+"""Exercise checkers for the notebooks (Tensor-Puzzles style).
+
+Each exercise in a notebook is a spec in prose, a stub that raises ``NotImplementedError`` and one
+call here. A checker runs the learner's function on fixed cases, compares with kvlab's own answer
+and prints ONE stable line: ``[ok]``, ``[todo]`` (stub not written yet: shows the target, so the
+notebook still runs top to bottom) or ``[fail]`` (shows yours vs expected for the first mismatch).
+It returns True only on ``[ok]``.
+
+One module per notebook (``sizing`` 00, ``naive`` 01, ``paged`` 02, ``quant`` 03, ``engine`` 04,
+``kernels`` 05), the machinery they share in ``core``, and the record of passed exercises in
+``progress`` (:func:`progress` prints it). Call them as ``kvlab.check.<exercise>(your_function)``.
+"""
+
+from kvlab.check.engine import admission_rule
+from kvlab.check.kernels import online_softmax_update
+from kvlab.check.naive import static_utilization, token_forwards, tokens_stored
+from kvlab.check.paged import blocks_after_fork, slot_mapping
+from kvlab.check.progress import EXERCISES, progress, progress_file
+from kvlab.check.quant import pack_int4, quantize_per_head, quantize_static
+from kvlab.check.sizing import kv_bytes_per_token, mla_bytes_per_token
+
+__all__ = ["kv_bytes_per_token", "mla_bytes_per_token", "token_forwards", "static_utilization", "tokens_stored",
+           "slot_mapping", "blocks_after_fork", "quantize_per_head", "quantize_static", "pack_int4", "admission_rule",
+           "online_softmax_update", "EXERCISES", "progress", "progress_file"]

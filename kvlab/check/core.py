@@ -1,0 +1,74 @@
+"""What every checker shares: run the learner's function on the cases, print one stable line
+([ok] / [todo] / [fail] with yours vs expected and a hint), record a pass (:mod:`kvlab.check.progress`)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from kvlab.check.progress import _record
+
+
+def _short(obj) -> str:
+    """A one-line picture of an argument or result: tensors as shape, dtype and first values."""
+    if isinstance(obj, torch.Tensor):
+        head = obj.flatten()[:6].tolist()
+        head = [round(v, 4) if isinstance(v, float) else v for v in head]
+        return f"tensor{tuple(obj.shape)} {str(obj.dtype).replace('torch.', '')} {head}{'...' if obj.numel() > 6 else ''}"
+    if isinstance(obj, tuple):
+        return "(" + ", ".join(_short(o) for o in obj) + ")"
+    text = repr(obj)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _first_difference(got, expected) -> str:
+    pairs = list(zip(got, expected)) if isinstance(expected, tuple) and isinstance(got, tuple) else [(got, expected)]
+    for i, (a, b) in enumerate(pairs):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape:
+            diff = (a.float() - b.float()).abs() > 1e-6 * (1 + b.float().abs())
+            if diff.any():
+                idx = tuple(int(j) for j in diff.nonzero()[0])
+                where = f"item {i}, " if len(pairs) > 1 else ""
+                return f" (first difference at {where}index {idx}: yours {a[idx].item()}, expected {b[idx].item()})"
+    return ""
+
+
+def _run(name: str, fn: Callable, cases: Sequence[tuple[tuple, Any]], same=None, exercise: str | None = None,
+         learner=None, hint: Callable | None = None, reveal: bool = True) -> bool:
+    """``hint(args, got, expected)`` may name a known mistake behind a failure (a string, or None).
+    ``reveal=False`` (exercises that need an idea, not a formula): ``[todo]`` does not show an answer."""
+    if not callable(fn):
+        raise TypeError(f"{name}: pass your function itself, got {type(fn).__name__}")
+    exercise = exercise or name
+    same = same or (lambda a, b: a == b)
+    for args, expected in cases:
+        try:
+            got = fn(*args)
+        except NotImplementedError:
+            print(f"[todo] {name}: not written yet - for {_short(args)} the answer is {_short(expected)}" if reveal
+                  else f"[todo] {name}: not written yet - the checker will name the usual mistakes")
+            return False
+        except Exception as e:  # the learner's bug, shown rather than raised
+            print(f"[fail] {name}{_short(args)} raised {type(e).__name__}: {e}")
+            return False
+        if not same(got, expected):
+            try:
+                why = hint(args, got, expected) if hint else None
+            except Exception:  # a hint must never hide the verdict
+                why = None
+            print(f"[fail] {name}{_short(args)}: yours {_short(got)}, expected {_short(expected)}"
+                  f"{_first_difference(got, expected)}" + (f" - {why}" if why else ""))
+            return False
+    print(f"[ok] {name}: {len(cases)} cases match")
+    _record(exercise, learner if learner is not None else fn)
+    return True
+
+def _tensor_same(a, b) -> bool:
+    if isinstance(b, tuple):
+        return isinstance(a, tuple) and len(a) == len(b) and all(_tensor_same(x, y) for x, y in zip(a, b))
+    if not isinstance(a, torch.Tensor) or a.shape != b.shape:
+        return False
+    if b.dtype.is_floating_point:
+        return bool(torch.allclose(a.float(), b.float(), rtol=1e-6, atol=1e-12))
+    return a.dtype == b.dtype and bool(torch.equal(a, b))

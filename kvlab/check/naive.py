@@ -1,0 +1,57 @@
+"""Notebook 01's exercises: work with and without a cache, what a static cache really uses."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+
+from kvlab.bench.caches import token_forwards as ref_token_forwards
+from kvlab.cache.naive import static_tokens_stored
+from kvlab.cache.naive import static_utilization as ref_static_utilization
+from kvlab.check.core import _run
+
+
+def token_forwards(fn: Callable[[int, int, bool], int]) -> bool:
+    """``fn(prompt_len, new_tokens, cached) -> token positions pushed through the model``.
+
+    Without a cache, step i re-runs the whole prefix (prompt_len + i positions); with one, the
+    prompt goes through once and each later step feeds one token. The last token is sampled,
+    never fed back.
+    """
+    cases = [((p, n, c), ref_token_forwards(p, n, c)) for p, n in ((1, 1), (4, 3), (16, 16), (128, 16), (512, 64))
+             for c in (False, True)]
+    return _run("token_forwards", fn, cases)
+
+
+def static_utilization(fn: Callable[[Sequence[int], int, int], float]) -> bool:
+    """``fn(tokens_per_sequence, max_batch, max_seq_len) -> tokens stored / slots reserved``."""
+    cases = [((lens, b, t), ref_static_utilization(lens, b, t))
+             for lens, b, t in (([10], 1, 10), ([10, 20], 2, 40), ([5, 50, 500], 4, 2048), ([100] * 8, 8, 4096))]
+    return _run("static_utilization", fn, cases, same=lambda a, b: isinstance(a, (int, float))
+                and math.isclose(a, b, rel_tol=1e-9))
+
+
+def tokens_stored(fn: Callable[[Sequence[int], Sequence[int]], list]) -> bool:
+    """``fn(prompt_lens, answer_lens) -> real tokens per row`` of a static cache after one padded greedy
+    batch (answers cut after their end-of-sequence token)."""
+    shapes = [([5], [3]), ([37, 38, 40, 46], [8, 64, 64, 64]), ([10, 10], [1, 4]), ([4, 9, 2], [6, 6, 2]),
+              ([7, 7, 7], [5, 5, 5])]
+    cases = [((p, a), static_tokens_stored(p, a)) for p, a in shapes]
+
+    def hint(args, got, expected):
+        p, a = args
+        if not isinstance(got, (list, tuple)) or len(got) != len(p):
+            return "one number per row"
+        longest = [i for i, n in enumerate(a) if n == max(a)]
+        early = [i for i, n in enumerate(a) if n < max(a)]
+        if any(got[i] == p[i] + a[i] for i in longest):
+            return "the longest row's last token is sampled from the final step and never fed back"
+        if early and all(got[i] == p[i] + max(a) - 1 for i in early):
+            return "after its end-of-sequence token a row only receives pads: written, but not tokens"
+        if early and all(got[i] == p[i] + a[i] - 1 for i in early):
+            return "a row that ended early did feed back its last token (the loop went on for the others)"
+        return None
+
+    return _run("tokens_stored", fn, cases, same=lambda x, y: list(x) == list(y) if isinstance(x, (list, tuple)) else False,
+                hint=hint, reveal=False)

@@ -1,0 +1,46 @@
+"""Notebook 02's exercises: block table -> slots, blocks held by forked samples."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+
+from kvlab.cache import BlockManager
+from kvlab.cache.simulate import fork_blocks
+from kvlab.validate import cdiv
+from kvlab.check.core import _run
+
+
+def slot_mapping(fn: Callable[[Sequence[int], int, int, int], list]) -> bool:
+    """``fn(block_table, block_size, start, end) -> slots of tokens start..end-1``."""
+    cases = []
+    for bs, lengths in ((1, (3,)), (4, (10, 3)), (16, (40, 1, 16)), (8, (64,))):
+        bm = BlockManager(64, bs)
+        for i, n in enumerate(lengths):
+            bm.allocate(i, [7] * n)
+        for i, n in enumerate(lengths):
+            for start, end in ((0, n), (n - 1, n), (n // 2, n)):
+                cases.append(((bm.block_table(i), bs, start, end), bm.slot_mapping(i, start, end)))
+    return _run("slot_mapping", fn, cases, same=lambda a, b: list(a) == b)
+
+
+def blocks_after_fork(fn: Callable[[int, int, int, int], int]) -> bool:
+    """``fn(prompt_len, block_size, n, steps)``: physical blocks held after a prompt is forked into
+    ``n`` samples (the original counts as one) and each sample writes ``steps`` new tokens."""
+    shapes = [(37, 16, 4, 20), (10, 4, 3, 1), (8, 4, 2, 5), (5, 16, 6, 11), (5, 16, 6, 12), (32, 16, 3, 1),
+              (100, 16, 1, 30), (10, 4, 3, 0)]
+    cases = [(a, fork_blocks(*a)) for a in shapes]
+
+    def hint(args, got, expected):
+        p, bs, n, steps = args
+        if got == n * cdiv(p + steps, bs):
+            return "the samples share the prompt's full blocks: count those once"
+        if steps and p % bs and got == cdiv(p, bs) + n * (cdiv(p + steps, bs) - cdiv(p, bs)):
+            return "the prompt's partial last block: a sample's first write copies it (copy-on-write)"
+        if steps == 0 and got > expected:
+            return "nobody writes, so nothing is copied: every block is still shared"
+        if steps and p % bs and got == expected + 1:
+            return "n - 1 copies, not n: the last sample to write finds the block no longer shared and keeps it"
+        return None
+
+    return _run("blocks_after_fork", fn, cases, hint=hint, reveal=False)

@@ -1,0 +1,84 @@
+"""Which exercises a learner has passed, across notebooks 00-05, kept in one small JSON file."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from pathlib import Path
+
+
+from kvlab.files import warn, write_atomic
+from kvlab.models import cache_dir
+
+
+# checker -> (notebook, task, what the exercise is about); the order of the workshop
+EXERCISES = {
+    "kv_bytes_per_token": ("00_memory_wall", "Task 1", "bytes one token adds to a model's KV cache"),
+    "mla_bytes_per_token": ("00_memory_wall", "Task 2", "what DeepSeek's MLA caches per token"),
+    "token_forwards": ("01_naive_cache", "Task 1", "work with and without a cache"),
+    "static_utilization": ("01_naive_cache", "Task 2", "what a static cache really uses"),
+    "tokens_stored": ("01_naive_cache", "Task 3", "the tokens each row of a padded batch stores"),
+    "slot_mapping": ("02_paged_blocks", "Task 1", "block table -> slots"),
+    "blocks_after_fork": ("02_paged_blocks", "Task 2", "blocks held by forked samples (copy-on-write)"),
+    "quantize_per_head": ("03_int8_quantization", "Task 1", "INT8 per-head quantizer"),
+    "quantize_static": ("03_int8_quantization", "Task 2", "INT8 with calibrated static scales: the clamp fires"),
+    "pack_int4": ("03_int8_quantization", "Task 3", "two 4-bit values per byte"),
+    "admission_rule": ("04_continuous_batching", "Task 1", "the scheduler's admission rule"),
+    "online_softmax_update": ("05_fused_triton_kernel", "Task 1", "online softmax in a Triton kernel"),
+}
+
+
+def progress_file():
+    """Where passed exercises are kept: ``$KVLAB_PROGRESS``, else ``progress.json`` in the kvlab cache
+    folder (``$KVLAB_CACHE`` or ``~/.cache/kvlab``)."""
+    return Path(os.environ.get("KVLAB_PROGRESS") or cache_dir() / "progress.json")
+
+
+def _load_progress() -> dict:
+    path = progress_file()
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:  # unreadable or damaged: progress is a convenience, start over
+        warn(f"progress file {str(path)!r} is unreadable ({type(e).__name__}); starting a new one")
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _is_learners(fn) -> bool:
+    """A learner's own function, not kvlab's reference (the notebooks check those too, in CI)."""
+    f = getattr(fn, "fn", fn)  # a @triton.jit function wraps the Python one
+    module = getattr(f, "__module__", None) or ""
+    return not module.startswith("kvlab") and getattr(f, "__name__", "") != "<lambda>"
+
+
+def _record(exercise: str, fn) -> None:
+    if exercise not in EXERCISES or not _is_learners(fn):
+        return
+    data = _load_progress()
+    data[exercise] = {"passed": datetime.datetime.now().isoformat(timespec="minutes"),
+                      "function": getattr(getattr(fn, "fn", fn), "__name__", "?")}
+    try:
+        write_atomic(progress_file(), json.dumps(data, indent=1), "progress file")  # never a half-written file
+    except ValueError as e:  # a read-only home must not break an exercise that passed
+        print(f"(progress not saved: {e})")
+
+
+def progress(reset: bool = False) -> dict:
+    """Print which exercises across notebooks 00-05 you have passed (with your own function), and
+    return ``{exercise: date or None}``. ``reset=True`` forgets them all first."""
+    path = progress_file()
+    if reset:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+    data = _load_progress()
+    done = {name: data[name].get("passed") if isinstance(data.get(name), dict) else None for name in EXERCISES}
+    print(f"exercises passed: {sum(v is not None for v in done.values())} of {len(EXERCISES)}  ({path})")
+    for name, (notebook, task, what) in EXERCISES.items():
+        mark = f"[x] {done[name]}" if done[name] else "[ ] not yet"
+        print(f"  {notebook[:2]} {task:<7} {name:<22} {what:<42} {mark}")
+    return done

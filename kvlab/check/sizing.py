@@ -1,0 +1,56 @@
+"""Notebook 00's exercises: the bytes one token adds to a KV cache, and what MLA caches instead."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+from kvlab import sizing
+from kvlab.check.core import _run
+
+
+def _kv_bytes_cases():
+    cases = []
+    for name in ("llama-2-7b", "llama-2-70b", "llama-3-8b", "qwen2.5-7b", "smollm2-135m"):
+        c = sizing.kv_config(name)
+        for dtype, nbytes in (("fp16", 2), ("fp32", 4), ("int8", 1)):
+            cases.append(((c.num_layers, c.num_kv_heads, c.head_dim, nbytes), sizing.kv_bytes_per_token(name, dtype)))
+    return cases
+
+
+def kv_bytes_per_token(fn: Callable[[int, int, int, int], int]) -> bool:
+    """``fn(num_layers, num_kv_heads, head_dim, bytes_per_element) -> bytes one token adds``."""
+    def hint(args, got, expected):
+        if got == expected / 2:
+            return "a key AND a value are stored per head"
+        if got == expected * 2:
+            return "the factor 2 is K and V, counted once"
+        return None
+
+    return _run("kv_bytes_per_token", fn, _kv_bytes_cases(), hint=hint)
+
+
+def mla_bytes_per_token(fn: Callable[[int, int, int, int, int], int]) -> bool:
+    """``fn(num_layers, num_heads, kv_lora_rank, rope_dim, bytes_per_element)``: bytes one token adds
+    to an MLA model's cache (DeepSeek-V2/V3): one latent of ``kv_lora_rank`` plus one RoPE key of
+    ``rope_dim`` per layer, shared by all heads and by K and V."""
+    shapes = [(2, 3, 8, 4, 4),  # a toy first
+              (61, 128, 512, 64, 2),  # DeepSeek-V3 (and R1), fp16
+              (27, 16, 512, 64, 2),  # DeepSeek-V2-Lite
+              (60, 128, 512, 64, 1)]  # DeepSeek-V2, an 8-bit cache
+    cases = [((layers, heads, rank, rope, b), sizing.mla_token_bytes(layers, rank, rope, b))
+             for layers, heads, rank, rope, b in shapes]
+
+    def hint(args, got, expected):
+        layers, heads, rank, rope, b = args
+        if got == 2 * expected:
+            return "K and V are not stored separately: both are re-created from the one latent"
+        if got in (expected * heads, 2 * expected * heads):
+            return "the latent is not per head: one per layer serves all heads"
+        if got == layers * (rank + heads * rope) * b:
+            return "the RoPE key is shared by all heads, not one per head"
+        if got == layers * rank * b:
+            return "the decoupled RoPE key is cached too"
+        return None
+
+    return _run("mla_bytes_per_token", fn, cases, hint=hint, reveal=False)
