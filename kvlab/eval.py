@@ -18,8 +18,9 @@ import torch
 
 from kvlab.cache import BlockManager, QuantizedPagedKVCache, saturation_summary
 from kvlab.cache.paged import check_token_ids
+from kvlab.engine import ModelRunner, SamplingParams, Sequence
+from kvlab.engine.scheduler import SchedulerOutput
 from kvlab.generate import paged_generate
-from kvlab.hf import PagedBatch, attention_implementation, register_paged_attention
 from kvlab.probe import paged_attention_spec
 from kvlab.quant.formats import FP32, KVQuantConfig, TensorFormat
 from kvlab.sizing import kv_config, kv_size
@@ -27,32 +28,31 @@ from kvlab.validate import cdiv, is_int
 
 
 class _Runner:
-    """One sequence through one paged pool (quantized or not), chunk by chunk."""
+    """One sequence through one paged pool (quantized or not), chunk by chunk, on the engine's own
+    :class:`~kvlab.engine.ModelRunner`: the same packing, slot mapping and attention path a served
+    request gets, asked for the logits of every position instead of the last."""
 
-    def __init__(self, model, config: KVQuantConfig, calibration, num_tokens: int, block_size: int):
-        blocks = cdiv(num_tokens, block_size)
+    def __init__(self, model, config: KVQuantConfig, calibration, ids: list[int], block_size: int):
+        blocks = cdiv(len(ids), block_size)
         self.bm = BlockManager(blocks, block_size, enable_prefix_caching=False)
         self.cache = QuantizedPagedKVCache.from_model(model, blocks, block_size, config, calibration)
-        self.model = model
-        self.started = False
+        self.runner = ModelRunner(model, self.cache, "reference")
+        self.seq = Sequence(0, ids, SamplingParams(), arrival=0.0)
 
-    def forward(self, ids: list[int]) -> torch.Tensor:
-        """Logits (len(ids), V) of the next chunk."""
-        if not self.started:
-            self.bm.allocate(0, ids)
-            start, slots = 0, self.bm.slot_mapping(0)
-            self.started = True
+    def forward(self, piece: list[int]) -> torch.Tensor:
+        """Logits (len(piece), V) of the next chunk of the sequence (``piece`` is that chunk)."""
+        seq, start = self.seq, self.seq.num_computed_tokens
+        if seq.token_ids[start:start + len(piece)] != list(piece):
+            raise ValueError("the chunks must follow the sequence the runner was built for, in order")
+        if start == 0:
+            self.bm.allocate(0, piece)
         else:
-            start = self.bm.num_tokens(0)
-            slots = [self.bm.append_slot(0, t) for t in ids]
-        device = next(self.model.parameters()).device
-        batch = PagedBatch(cache=self.cache, block_tables=[self.bm.block_table(0)],
-                           seq_lens=[self.bm.num_tokens(0)], query_lens=[len(ids)],
-                           slot_mapping=torch.tensor(slots, device=device))
-        out = self.model(input_ids=torch.tensor([ids], device=device),
-                         position_ids=torch.arange(start, start + len(ids), device=device)[None],
-                         use_cache=False, kvlab_paged=batch)
-        return out.logits[0].float()
+            for t in piece:
+                self.bm.append_slot(0, t)
+        step = SchedulerOutput(step=0, seqs=[seq], num_new_tokens=[len(piece)])
+        logits, _ = self.runner.execute_model(step, self.bm, all_logits=True)
+        seq.num_computed_tokens += len(piece)
+        return logits.float()
 
 
 def _windows(n: int, window: int, stride: int):
@@ -137,43 +137,41 @@ def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: 
     scored = 0
     seconds = {n: 0.0 for n in names}
     stats = {}
-    name = register_paged_attention()
-    with attention_implementation(model, name):
-        for w_start, w_end, first in _windows(len(tokens), window, stride):
-            ids = tokens[w_start:w_end]
-            runners = {n: _Runner(model, FP32 if n == "fp" else configs[n], calibration, len(ids), block_size)
-                       for n in names}
-            for c0 in range(0, len(ids) - 1, chunk):
-                piece = ids[c0:min(c0 + chunk, len(ids) - 1)]  # the last token is only a target
-                targets = torch.tensor(ids[c0 + 1:c0 + 1 + len(piece)])
-                keep = torch.arange(c0, c0 + len(piece)) >= first - 1  # position p predicts target p + 1
-                if not keep.any():
-                    for n in names:  # context only: still feed it through every cache
-                        runners[n].forward(piece)
-                    continue
-                logp = {}
-                for n in names:
-                    t0 = time.perf_counter()
-                    logp[n] = torch.log_softmax(runners[n].forward(piece), -1)[keep]
-                    seconds[n] += time.perf_counter() - t0
-                tg = targets[keep]
-                ref = logp["fp"]
-                token_nll = {n: -logp[n].gather(1, tg[:, None])[:, 0].double() for n in names}
-                for n in names:
-                    nll[n] += token_nll[n].sum().item()
-                for n in configs:
-                    d = token_nll[n] - token_nll["fp"]
-                    dsum[n] += d.sum().item()
-                    dsq[n] += d.pow(2).sum().item()
-                for n in configs:
-                    kl[n] += (ref.exp() * (ref - logp[n])).sum().item()
-                    top1[n] += (logp[n].argmax(-1) == ref.argmax(-1)).sum().item()
-                scored += int(keep.sum())
-            for n in configs:  # counters add up over windows (each window has a fresh pool)
-                sat = runners[n].cache.saturation()
-                if n in stats:
-                    sat = {w: {c: stats[n][w][c] + t for c, t in cs.items()} for w, cs in sat.items()}
-                stats[n] = sat
+    for w_start, w_end, first in _windows(len(tokens), window, stride):
+        ids = tokens[w_start:w_end]
+        runners = {n: _Runner(model, FP32 if n == "fp" else configs[n], calibration, ids, block_size)
+                   for n in names}
+        for c0 in range(0, len(ids) - 1, chunk):
+            piece = ids[c0:min(c0 + chunk, len(ids) - 1)]  # the last token is only a target
+            targets = torch.tensor(ids[c0 + 1:c0 + 1 + len(piece)])
+            keep = torch.arange(c0, c0 + len(piece)) >= first - 1  # position p predicts target p + 1
+            if not keep.any():
+                for n in names:  # context only: still feed it through every cache
+                    runners[n].forward(piece)
+                continue
+            logp = {}
+            for n in names:
+                t0 = time.perf_counter()
+                logp[n] = torch.log_softmax(runners[n].forward(piece), -1)[keep]
+                seconds[n] += time.perf_counter() - t0
+            tg = targets[keep]
+            ref = logp["fp"]
+            token_nll = {n: -logp[n].gather(1, tg[:, None])[:, 0].double() for n in names}
+            for n in names:
+                nll[n] += token_nll[n].sum().item()
+            for n in configs:
+                d = token_nll[n] - token_nll["fp"]
+                dsum[n] += d.sum().item()
+                dsq[n] += d.pow(2).sum().item()
+            for n in configs:
+                kl[n] += (ref.exp() * (ref - logp[n])).sum().item()
+                top1[n] += (logp[n].argmax(-1) == ref.argmax(-1)).sum().item()
+            scored += int(keep.sum())
+        for n in configs:  # counters add up over windows (each window has a fresh pool)
+            sat = runners[n].cache.saturation()
+            if n in stats:
+                sat = {w: {c: stats[n][w][c] + t for c, t in cs.items()} for w, cs in sat.items()}
+            stats[n] = sat
     out = {"tokens": len(tokens), "scored": scored, "window": window, "stride": stride, "chunk": chunk,
            "ppl_fp": math.exp(nll["fp"] / scored), "configs": {}}
     for n in configs:

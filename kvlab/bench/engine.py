@@ -137,7 +137,7 @@ def run_kvlab(model, tokenizer, wl: Workload, policy: str = "continuous", max_nu
     return row, llm
 
 
-class _StepClock:
+class _TokenTimes:
     """An HF streamer that only notes when each generation step's tokens come out."""
 
     def __init__(self):
@@ -166,7 +166,7 @@ def run_hf_generate(model, tokenizer, wl: Workload, max_num_seqs: int = 32, prog
         order = [i for i in order if i not in batch]
         ids, mask = left_pad([wl.prompts[i] for i in batch], pad)
         longest = max(wl.output_lens[i] for i in batch)
-        clock = _StepClock()
+        clock = _TokenTimes()
         model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest,
                        min_new_tokens=longest, do_sample=False, pad_token_id=pad, streamer=clock,
                        temperature=None, top_p=None, top_k=None)

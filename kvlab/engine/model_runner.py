@@ -33,11 +33,12 @@ class ModelRunner:
         self.timings: dict[str, float] = {}  # seconds of the last step: "packing", "forward"
 
     @torch.inference_mode()
-    def execute_model(self, batch, block_manager) -> tuple[torch.Tensor, list[int]]:
+    def execute_model(self, batch, block_manager, all_logits: bool = False) -> tuple[torch.Tensor, list[int]]:
         """Run one :class:`~kvlab.engine.scheduler.SchedulerOutput`.
 
         Returns ``(logits, rows)``: logits (R, V) for the R sequences that sample this step, and their
-        indices into ``batch.seqs``.
+        indices into ``batch.seqs``. ``all_logits=True`` (scoring text, :func:`kvlab.eval.evaluate`):
+        logits (T, V) of every packed token instead, and rows of every sequence.
         """
         t0 = time.perf_counter()
         self.cache.copy_blocks(batch.blocks_to_copy)  # copy-on-write before any write
@@ -67,8 +68,10 @@ class ModelRunner:
         t1 = time.perf_counter()
         with attention_implementation(self.model, self.attn_name, self._configs):
             out = self.model(input_ids=ids, position_ids=pos, use_cache=False, kvlab_paged=paged,
-                             logits_to_keep=keep if last else 1)
+                             logits_to_keep=0 if all_logits else keep if last else 1)  # 0: every position
         t2 = time.perf_counter()
         self.timings = {"packing": t1 - t0, "forward": t2 - t1}
+        if all_logits:
+            return out.logits[0], list(range(len(batch.seqs)))  # (T, V)
         logits = out.logits[0] if last else out.logits[0, :0]  # (R, V)
         return logits, sample_rows
