@@ -1,5 +1,5 @@
 """``kvlab claims``: every numeric claim of the source articles, measured now, with a verdict
-(kvlab/claims.py, notebook 06)."""
+(kvlab/claims/, notebook 06)."""
 
 from __future__ import annotations
 

@@ -102,7 +102,8 @@ class LLM:
     Knobs in vLLM's names: ``num_blocks`` and ``block_size`` (the pool), ``max_num_seqs`` (running
     at once), ``max_num_batched_tokens`` (tokens per step: decodes + prefill chunks), ``policy``
     ("continuous" or "static"), ``attn_backend`` ("reference", "torch" or
-    "triton": the kernels of notebook 05), ``kv_cache_dtype`` ("auto":
+    "triton": the kernels of notebook 05; the backend runs the write and the decodes, prefill is the
+    PyTorch spec in all three, :mod:`kvlab.attention` has the table), ``kv_cache_dtype`` ("auto":
     the model's dtype; "fp16", "int8", "fp8", "int4", "k8v4": a quantized pool, scales from
     ``calibration`` or the cached default), ``enable_prefix_caching``. Pass ``block_manager`` and
     ``cache`` to share a pool across engines. Sliding windows, soft caps and attention sinks are
