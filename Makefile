@@ -7,6 +7,10 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvlab-setup
 # nbval runs every notebook top to bottom; --nbval-lax compares only cells marked NBVAL_CHECK_OUTPUT
 PYTEST_ARGS ?= -q
+# Two pytest-xdist workers share the suite, each on its share of the cores; a notebook's cells stay
+# together on one worker, in one kernel (tests/conftest.py hands them out).
+# More cores: make test TEST_WORKERS=4. One process: make test TEST_WORKERS=0
+TEST_WORKERS ?= 2
 
 # Python >= 3.11 (transformers 5.24 needs it; pyproject.toml says so): $(PYTHON) if it is new enough,
 # else the first of python3.13, python3.12, python3.11 on the PATH, else stop at once with one line
@@ -54,7 +58,7 @@ lab: setup
 	$(BIN)/jupyter lab notebooks/ $(ROOT_FLAG)
 
 test: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS) tests notebooks --nbval-lax --nbval-current-env
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS) tests notebooks --nbval-lax --nbval-current-env
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

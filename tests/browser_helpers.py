@@ -189,7 +189,8 @@ _STATE_JS = """() => {
 
 def open_notebook(page, lab: JupyterLab, name: str, timeout: float = 180) -> None:
     """Open ``name`` in JupyterLab and wait until its kernel is idle."""
-    page.goto(lab.url(f"lab/tree/{name}"))
+    # reset: a fresh layout, without the notebooks opened before (each would start a kernel again)
+    page.goto(lab.url(f"lab/tree/{name}") + "&reset")
     page.wait_for_function(f"() => {_NOTEBOOK} && window.jupyterapp.shell.currentWidget.content "
                            f"&& window.jupyterapp.shell.currentWidget.context.path === {json.dumps(name)}",
                            timeout=timeout * 1000)
@@ -483,15 +484,16 @@ def _screenshot(page, locator, path: Path) -> None:
 
 
 def find_problems(page, shots: Path | None = None, settle: float = 60, controls: bool = True,
-                  log=print) -> list[str]:
+                  control_timeout: float = 20, log=print) -> list[str]:
     """Everything a learner would see broken in the open notebook after a run, as sentences.
 
     Waits up to ``settle`` seconds for widgets and figures to finish rendering, then reports: cells
     that did not run or raised, tracebacks on stderr, widget views left "Loading widget..." or
     showing an error, empty widget views, plotly figures not drawn or without data, and (with
     ``controls``) widgets whose sliders (or, without sliders, toggle buttons and dropdowns) change
-    nothing or never change the figure: see :func:`check_controls`. Saves a screenshot of every output holding a
-    widget or a figure into ``shots`` (``cell-<index>.png``, the cell's index in the notebook).
+    nothing in ``control_timeout`` seconds or never change the figure: see :func:`check_controls`.
+    Saves a screenshot of every output holding a widget or a figure into ``shots``
+    (``cell-<index>.png``, the cell's index in the notebook).
     """
     deadline = time.monotonic() + settle
     while True:
@@ -514,7 +516,7 @@ def find_problems(page, shots: Path | None = None, settle: float = 60, controls:
                     log(f"  (no screenshot of {_cell(c)}: {type(e).__name__}: {str(e).splitlines()[0]})")
                     path = None
             if controls and o["controls"] and o["widgetRoots"]:
-                problems += check_controls(page, c, o, log=log)
+                problems += check_controls(page, c, o, timeout=control_timeout, log=log)
             if path is not None:
                 for i, p in enumerate(problems):
                     if p.startswith(_cell(c)) and "[screenshot" not in p:

@@ -52,20 +52,22 @@ if CHROMIUM is None:  # one plain line in the summary; CI (KVLAB_REQUIRE_BROWSER
     pytest.skip(f"browser test skipped: {WHY_NOT}", allow_module_level=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def lab(tmp_path_factory):
-    """One JupyterLab for the module, serving a throw-away copy of notebooks/ (the committed
-    notebooks stay stripped of outputs)."""
+    """One JupyterLab per test process (per xdist worker), serving a throw-away copy of notebooks/
+    (the committed notebooks stay stripped of outputs). Session-scoped: under xdist the notebooks'
+    browser runs are handed out between other tests, and a module fixture would restart each time."""
     root = tmp_path_factory.mktemp("lab") / "notebooks"
     shutil.copytree(ROOT / "notebooks", root, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
-    server = bh.JupyterLab(root, ARTIFACTS / "jupyter-server.log").start()
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # one log per xdist worker, each its own server
+    server = bh.JupyterLab(root, ARTIFACTS / f"jupyter-server{'-' + worker if worker else ''}.log").start()
     try:
         yield server
     finally:
         server.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def browser():
     from playwright.sync_api import sync_playwright
 
@@ -118,16 +120,18 @@ def _run_and_check(lab, browser, name: str, shots: Path, say, **check) -> tuple[
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_widgets_render_and_react(path, lab, browser, capsys):
+def test_notebook_widgets_render_and_react(path, lab, browser, capsys, record_property):
     def say(line):
         with capsys.disabled():
             print(line, flush=True)
 
     shots = ARTIFACTS / path.stem
     problems, t = _run_and_check(lab, browser, path.name, shots, say)
-    say(f"\n[browser] {path.name}: ran in {t['run_s']:.0f} s (opened {t['open_s']:.0f} s, checked "
-        f"{t['check_s']:.0f} s); {t['widget views']} widget views, {t['figures']} figures, "
-        f"{t['slider widgets']} slider widgets; screenshots in {shots}")
+    line = (f"{path.name}: ran in {t['run_s']:.0f} s (opened {t['open_s']:.0f} s, checked "
+            f"{t['check_s']:.0f} s); {t['widget views']} widget views, {t['figures']} figures, "
+            f"{t['slider widgets']} slider widgets; screenshots in {shots}")
+    say(f"\n[browser] {line}")
+    record_property("browser", line)  # xdist workers print nothing: tests/conftest.py lists these at the end
     assert not problems, f"{path.name} in the browser:\n  " + "\n  ".join(problems)
 
 
@@ -167,7 +171,9 @@ def test_the_check_catches_broken_widgets(lab, browser):
     passes the working widget."""
     name = "zz_broken_widgets.ipynb"
     (lab.root / name).write_text(json.dumps(_notebook(BROKEN_CELLS)))
-    problems, _ = _run_and_check(lab, browser, name, ARTIFACTS / "zz_broken_widgets", print, settle=15)
+    # its faults are for good: shorter waits than a real notebook's (which could still be rendering)
+    problems, _ = _run_and_check(lab, browser, name, ARTIFACTS / "zz_broken_widgets", print, settle=8,
+                                 control_timeout=10)
     by_cell = {i: [p for p in problems if p.startswith(f"cell {i} ")] for i in range(len(BROKEN_CELLS))}
     report = "\n  ".join(problems)
     assert any("never rendered" in p or "failed to render" in p for p in by_cell[0]), report
