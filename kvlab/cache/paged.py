@@ -103,9 +103,6 @@ def check_block_size(block_size) -> int:
     return check_power_of_two("block_size", block_size, 1, 256)
 
 
-_check_block_size = check_block_size  # TRANSITIONAL: old name, removed when every caller is moved
-
-
 class BlockManager:
     """Free pool, block tables, refcounts and the prefix cache. Knows token ids, never tensors."""
 
