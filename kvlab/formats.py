@@ -133,6 +133,11 @@ def kv_cache_dtype(name: str, argument: str = "kv_cache_dtype") -> tuple[Element
     return ELEMENT_FORMATS[k], ELEMENT_FORMATS[v]
 
 
+def engine_kv_cache_dtypes() -> tuple[str, ...]:
+    """What the engine's ``kv_cache_dtype=`` takes: "auto" (the model's own dtype) or a registered name."""
+    return ("auto", *KV_CACHE_DTYPES)
+
+
 def float_names() -> tuple[str, ...]:
     return tuple(n for n, f in ELEMENT_FORMATS.items() if f.kind == "float")
 
@@ -157,4 +162,4 @@ register_pair("k8v4", "int8", "int4")
 
 __all__ = ["ElementFormat", "ELEMENT_FORMATS", "KV_CACHE_DTYPES", "KINDS", "GRANULARITIES", "STATIC_GRANULARITIES",
            "TOKEN_GRANULARITIES", "register", "register_pair", "unregister", "element_format", "kv_cache_dtype",
-           "float_names", "kernel_names"]
+           "engine_kv_cache_dtypes", "float_names", "kernel_names"]

@@ -15,7 +15,7 @@ import argparse
 
 from kvlab.cache import CACHE_KINDS
 from kvlab.attention import BACKEND_NAMES
-from kvlab.formats import GRANULARITIES, KV_CACHE_DTYPES
+from kvlab.formats import GRANULARITIES, KV_CACHE_DTYPES, engine_kv_cache_dtypes
 from kvlab.sizing import dtypes
 
 #: the subcommand -> the module of kvlab.cli that holds its handler ``cmd_<name>`` (imported when it runs)
@@ -111,7 +111,7 @@ def _generate_options() -> argparse.ArgumentParser:
     # engine options: default None here, so that kvlab.cli.generate can refuse them without --engine
     s.add_argument("--attn-backend", default=None, choices=ATTN_BACKENDS,
                    help="engine: attention path (default torch; triton: the notebook 05 kernels, interpreted on a CPU)")
-    s.add_argument("--kv-cache-dtype", default=None, choices=("auto", *KV_CACHE_DTYPES),
+    s.add_argument("--kv-cache-dtype", default=None, choices=engine_kv_cache_dtypes(),
                    help="engine: storage of the block pool (default auto; quantized ones use the cached default "
                         "calibration)")
     s.add_argument("--max-num-seqs", type=positive_int("--max-num-seqs"), default=None,

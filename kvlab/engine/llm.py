@@ -26,16 +26,10 @@ from kvlab.engine.sampler import sample
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.sequence import Sequence
-from kvlab.formats import KV_CACHE_DTYPES
+from kvlab.formats import engine_kv_cache_dtypes as kv_cache_dtypes  # what kv_cache_dtype= takes
 from kvlab.probe import paged_attention_spec
 from kvlab.quant import KVQuantConfig, named_config
 from kvlab.validate import is_int
-
-
-def kv_cache_dtypes() -> tuple[str, ...]:
-    """What ``kv_cache_dtype=`` takes: "auto" (the model's own dtype) or a registered kv_cache_dtype."""
-    return ("auto", *KV_CACHE_DTYPES)
-
 
 
 
