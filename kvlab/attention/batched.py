@@ -70,8 +70,10 @@ def batched_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     tensor and one masked SDPA for the whole batch, instead of a Python loop over sequences."""
     b, n_blocks = index.table.shape
     shape = (b, n_blocks * k_cache.shape[1], *k_cache.shape[2:])  # (B, S, H_kv, D)
-    k = k_cache[index.table].reshape(shape)  # (B, n_blocks, bs, H_kv, D) -> (B, S, H_kv, D)
-    v = v_cache[index.table].reshape(shape)
+    # index_select, not k_cache[table]: the same copy, ~6x faster (advanced indexing takes a general path)
+    flat = index.table.flatten()
+    k = k_cache.index_select(0, flat).reshape(shape)  # (B * n_blocks, bs, H_kv, D) -> (B, S, H_kv, D)
+    v = v_cache.index_select(0, flat).reshape(shape)
     return _decode_sdpa(q, k, v, index.visible(window), scale, softcap, sinks)
 
 

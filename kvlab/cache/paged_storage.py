@@ -42,8 +42,9 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table, num_tok
     block_size = k_cache.shape[1]
     n_blocks = cdiv(num_tokens, block_size)
     table = torch.as_tensor(block_table[:n_blocks], device=k_cache.device, dtype=torch.long)
-    k = k_cache[table].flatten(0, 1)[:num_tokens]  # (n_blocks * block_size, H_kv, D) -> (T, H_kv, D)
-    v = v_cache[table].flatten(0, 1)[:num_tokens]
+    # index_select: the same copy as k_cache[table], several times faster on the CPU
+    k = k_cache.index_select(0, table).flatten(0, 1)[:num_tokens]  # (n_blocks * block_size, H_kv, D) -> (T, H_kv, D)
+    v = v_cache.index_select(0, table).flatten(0, 1)[:num_tokens]
     return k, v
 
 
@@ -119,7 +120,8 @@ class PagedKVCache:
 
     def read(self, layer_idx: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of some blocks as float32, (n, block_size, H_kv, D) each (a copy)."""
-        return self.k_cache[layer_idx][block_ids].float(), self.v_cache[layer_idx][block_ids].float()
+        ids = torch.as_tensor(block_ids, dtype=torch.long, device=self.k_cache[layer_idx].device).flatten()
+        return self.k_cache[layer_idx].index_select(0, ids).float(), self.v_cache[layer_idx].index_select(0, ids).float()
 
     def gather(self, layer_idx: int, block_table, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's K and V, (num_tokens, H_kv, D), read through its block table (a copy)."""

@@ -127,7 +127,8 @@ class _Store:
 
     def read(self, block_ids: torch.Tensor) -> torch.Tensor:
         """Dequantized values of some blocks: (n_blocks, block_size, H, D) float32."""
-        data = self.data[block_ids]
+        block_ids = torch.as_tensor(block_ids, dtype=torch.long, device=self.data.device).flatten()
+        data = self.data.index_select(0, block_ids)  # = self.data[block_ids], faster on the CPU
         if self.element.kind == "float":
             return data.float()
         if self.element.kind == "packed":

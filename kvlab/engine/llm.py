@@ -99,7 +99,8 @@ class LLM:
     "triton": the kernels of notebook 05; the backend runs the write and the decodes, prefill is the
     PyTorch spec in all three, :mod:`kvlab.attention` has the table), ``kv_cache_dtype`` ("auto":
     the model's dtype; "fp16", "int8", "fp8", "int4", "k8v4": a quantized pool, scales from
-    ``calibration`` or the cached default), ``enable_prefix_caching``. Pass ``block_manager`` and
+    ``calibration`` or the cached default), ``enable_prefix_caching``, ``prepack_weights`` (the linear layers' weights packed once for
+    oneDNN's small-row GEMM on the CPU, :mod:`kvlab.engine.prepack`; False: plain ``F.linear``). Pass ``block_manager`` and
     ``cache`` to share a pool across engines. Sliding windows, soft caps and attention sinks are
     honoured; a model whose attention needs something else is refused here, before any pool exists,
     with a one-line :class:`kvlab.hf.UnsupportedModelError` (:func:`kvlab.probe.paged_attention_spec`).
@@ -109,7 +110,8 @@ class LLM:
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 512, policy: str = "continuous",
                  attn_backend: str = "torch", kv_cache_dtype: str = "auto", quant_config=None, calibration=None,
                  model_name: str = "smollm2-135m", enable_prefix_caching: bool = True, watermark: float = 0.01,
-                 eos_token_id: int | None = None, block_manager: BlockManager | None = None, cache=None):
+                 eos_token_id: int | None = None, block_manager: BlockManager | None = None, cache=None,
+                 prepack_weights: bool = True):
         self.model, self.tokenizer = model, tokenizer
         layers = paged_attention_spec(model)  # a model the paged attention cannot run is refused before any pool
         if eos_token_id is not None and not is_int(eos_token_id):
@@ -126,7 +128,7 @@ class LLM:
         windows = [a.sliding_window for a in layers]  # every layer slides: the stats count blocks out of every window
         block_manager.sliding_window = max(windows) if None not in windows else None
         self.scheduler = Scheduler(block_manager, max_num_seqs, max_num_batched_tokens, policy, watermark)
-        self.runner = ModelRunner(model, cache, attn_backend)
+        self.runner = ModelRunner(model, cache, attn_backend, prepack=prepack_weights, batch_hint=max_num_seqs)
         if eos_token_id is None:
             eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_id = eos_token_id

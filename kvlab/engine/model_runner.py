@@ -14,14 +14,18 @@ import time
 import torch
 
 from kvlab.attention import BACKEND_NAMES, BACKENDS, DecodeIndex
+from kvlab.engine.prepack import PrepackedLinears
 from kvlab.hf import PagedBatch, attention_implementation, model_configs, register_paged_attention
 
 
 class ModelRunner:
     """Runs the engine's steps on the model through one attention backend (:mod:`kvlab.attention`:
-    its table says what runs prefill and decode in each)."""
+    its table says what runs prefill and decode in each).
 
-    def __init__(self, model, cache, attn_backend: str = "reference"):
+    ``prepack=True``: the model's linear layers multiply by weights packed once for oneDNN
+    (:mod:`kvlab.engine.prepack`; on the CPU in fp32, a no-op elsewhere), ``batch_hint`` rows in mind."""
+
+    def __init__(self, model, cache, attn_backend: str = "reference", prepack: bool = False, batch_hint: int = 16):
         if not isinstance(attn_backend, str) or attn_backend not in BACKENDS:
             raise ValueError(f"attn_backend must be one of {BACKEND_NAMES}, got {attn_backend!r}")
         self.model, self.cache, self.attn_backend = model, cache, attn_backend
@@ -30,6 +34,9 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.attn_name = register_paged_attention()
         self._configs = model_configs(model)  # switched to kvlab's attention for each forward
+        if not isinstance(prepack, bool):
+            raise TypeError(f"prepack must be True or False, got {type(prepack).__name__} {prepack!r}")
+        self.prepacked = PrepackedLinears(model, batch_hint) if prepack else PrepackedLinears.empty()
         self.timings: dict[str, float] = {}  # seconds of the last step: "packing", "forward"
 
     @torch.inference_mode()
@@ -66,7 +73,7 @@ class ModelRunner:
         pos = torch.tensor([positions], device=self.device)
         keep = torch.tensor(last, dtype=torch.long, device=self.device)
         t1 = time.perf_counter()
-        with attention_implementation(self.model, self.attn_name, self._configs):
+        with attention_implementation(self.model, self.attn_name, self._configs), self.prepacked.active():
             out = self.model(input_ids=ids, position_ids=pos, use_cache=False, kvlab_paged=paged,
                              logits_to_keep=0 if all_logits else keep if last else 1)  # 0: every position
         t2 = time.perf_counter()

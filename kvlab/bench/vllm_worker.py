@@ -1,0 +1,131 @@
+"""The vLLM side of ``kvlab bench engine --systems vllm ...`` and of the bridge test: a script run by
+the PEER environment's Python (``make peer``: ``.venv-vllm``), never imported by kvlab.
+
+It imports nothing from kvlab (the peer environment has vLLM's own transformers, not the lab's) and
+talks through two JSON files::
+
+    .venv-vllm/bin/python kvlab/bench/vllm_worker.py serve  job.json result.json
+    .venv-vllm/bin/python kvlab/bench/vllm_worker.py scales job.json result.json
+
+``serve``: the workload as token ids, output lengths and arrival offsets, served by vLLM's engine
+stepped by hand (requests added when their arrival time comes, as kvlab's bench does), every
+request's greedy tokens and clock (arrival, first token, finish) written back. ``scales``: open a
+model folder, read every attention layer's ``kv_cache_dtype`` / ``_k_scale`` / ``_v_scale`` inside
+vLLM's worker (``LLM.apply_model``), and greedy-decode a few prompts. :mod:`kvlab.bench.vllm_peer` is
+kvlab's half.
+"""
+
+import json
+import os
+import sys
+import time
+
+# Python put this file's folder (kvlab/bench) first on sys.path: its kernels.py would shadow the
+# `kernels` package transformers probes for. The peer needs nothing from this folder.
+if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
+
+
+def _layer_scales(model):
+    """Inside vLLM's worker: what each attention layer holds (runs there via ``LLM.apply_model``)."""
+    out = []
+    for name, mod in model.named_modules():
+        if hasattr(mod, "kv_cache_dtype") and hasattr(mod, "_k_scale"):
+            out.append({"name": name, "kv_cache_dtype": str(mod.kv_cache_dtype),
+                        "k_scale": mod._k_scale.detach().float().flatten().tolist(),
+                        "v_scale": mod._v_scale.detach().float().flatten().tolist()})
+    return out
+
+
+def _llm(job):
+    from vllm import LLM  # the peer environment's vLLM: only this script imports it
+
+    kw = dict(model=job["model"], dtype=job.get("dtype", "float32"), seed=0,
+              max_num_seqs=job.get("max_num_seqs", 16), enable_prefix_caching=job.get("enable_prefix_caching", True),
+              block_size=job.get("block_size", 32), enforce_eager=job.get("enforce_eager", False),
+              kv_cache_dtype=job.get("kv_cache_dtype", "auto"), max_model_len=job.get("max_model_len", 2048))
+    if job.get("max_num_batched_tokens"):
+        kw["max_num_batched_tokens"] = job["max_num_batched_tokens"]
+    if job.get("kv_cache_memory_bytes"):
+        kw["kv_cache_memory_bytes"] = job["kv_cache_memory_bytes"]
+    return LLM(**kw)
+
+
+def _params(max_tokens, ignore_eos=True):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens if ignore_eos else 0, ignore_eos=ignore_eos,
+                          temperature=0.0, detokenize=False)
+
+
+def serve(job):
+    """Serve job["prompts"] with job["output_lens"] at job["arrivals"]; each request's tokens and clock."""
+    llm = _llm(job)
+    engine = llm.llm_engine
+    prompts, outs, arrivals = job["prompts"], job["output_lens"], job["arrivals"]
+    warm = job.get("warm_up", 2)  # one tiny run first, so no first-call set-up lands in the timing
+    for i in range(min(warm, len(prompts))):
+        engine.add_request(f"warm{i}", {"prompt_token_ids": prompts[i]}, _params(2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+    reqs = {}
+    t0 = time.perf_counter()
+    while order or engine.has_unfinished_requests():
+        while order and t0 + arrivals[order[0]] <= time.perf_counter():
+            i = order.pop(0)
+            reqs[i] = {"arrival": t0 + arrivals[i], "first_token": None, "finish": None, "token_ids": []}
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompts[i]}, _params(outs[i]))
+        if engine.has_unfinished_requests():
+            for out in engine.step():
+                now = time.perf_counter()
+                r = reqs[int(out.request_id[1:])]
+                if out.outputs and out.outputs[0].token_ids:
+                    if r["first_token"] is None:
+                        r["first_token"] = now
+                    r["token_ids"] = list(out.outputs[0].token_ids)
+                if out.finished:
+                    r["finish"] = now
+        elif order:
+            time.sleep(max(0.0, t0 + arrivals[order[0]] - time.perf_counter()))
+    rows = [dict(reqs[i], t0=t0) for i in sorted(reqs)]
+    return {"requests": rows, "vllm": _versions()}
+
+
+def scales(job):
+    """Open job["model"] (a folder with kvlab export-vllm's config.json and scales), read back what its
+    attention layers hold, and greedy-decode job["prompts"] (token ids) for job["max_tokens"] tokens."""
+    try:
+        llm = _llm(job)
+    except Exception as e:  # vLLM's own refusal is a result: the bridge test asserts it
+        return {"refused": f"{type(e).__name__}: {e}", "vllm": _versions()}
+    layers = llm.apply_model(_layer_scales)
+    layers = layers[0] if layers and isinstance(layers[0], list) else layers
+    outs = llm.generate([{"prompt_token_ids": p} for p in job.get("prompts", [])],
+                        _params(job.get("max_tokens", 8), ignore_eos=True), use_tqdm=False)
+    return {"layers": layers, "token_ids": [list(o.outputs[0].token_ids) for o in outs], "vllm": _versions()}
+
+
+def _versions():
+    import torch
+    import vllm
+
+    return {"vllm": vllm.__version__, "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def main(argv):
+    if len(argv) != 3 or argv[0] not in ("serve", "scales"):
+        raise SystemExit("usage: vllm_worker.py serve|scales JOB.json RESULT.json")
+    with open(argv[1]) as f:
+        job = json.load(f)
+    result = (serve if argv[0] == "serve" else scales)(job)
+    with open(argv[2] + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(argv[2] + ".tmp", argv[2])
+
+
+if __name__ == "__main__":  # vLLM's engine spawns worker processes: they re-import this file
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # LLM.apply_model sends a function
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    main(sys.argv[1:])
