@@ -10,7 +10,15 @@ system prompt; all at once or Poisson arrivals) is served by four systems on the
   order, ``max_new_tokens`` = the batch's longest; each request's useful tokens counted, its
   tokens timed as they stream out (a streamer), so HF is not charged for waiting on its batch;
 * ``hf_generate_batch``: HF's own continuous batching (``generate_batch``'s manager, per-request
-  ``max_new_tokens``, the same ``max_num_seqs`` and token budget per step as kvlab's engine).
+  ``max_new_tokens``, the same ``max_num_seqs`` and token budget per step as kvlab's engine);
+
+and, where ``make peer`` installed it, by vLLM's CPU build in its own environment (a subprocess,
+:mod:`kvlab.bench.vllm_peer`), on the identical token ids, output lengths and arrivals:
+
+* ``vllm``: its default, compiled mode (torch.compile); ``vllm_eager``: ``enforce_eager=True``.
+
+Both get the same seats, token budget per step and prefix caching; vLLM's CPU attention needs pages
+of 32 tokens. Their rows say, per request, whether vLLM's greedy tokens equal kvlab continuous's.
 
 Every request asks for exactly its output length (EOS ignored). Ratios are taken against
 ``kvlab_continuous`` from the same run.
@@ -22,10 +30,12 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from kvlab.attention import BACKEND_NAMES
+from kvlab.bench import vllm_peer
 from kvlab.cache.paged import check_block_size
 from kvlab.cache.simulate import workload
 from kvlab.data import play_text
@@ -34,7 +44,9 @@ from kvlab.engine.metrics import percentile
 from kvlab.generate import left_pad
 from kvlab.validate import cdiv
 
-SYSTEMS = ("kvlab_continuous", "kvlab_static", "hf_generate", "hf_generate_batch")
+SYSTEMS = ("kvlab_continuous", "kvlab_static", "hf_generate", "hf_generate_batch")  # in this process
+PEER_SYSTEMS = ("vllm", "vllm_eager")  # vLLM's CPU build, a subprocess in the peer environment (make peer)
+ALL_SYSTEMS = SYSTEMS + PEER_SYSTEMS
 SYSTEM_PROMPT = ("You are a helpful assistant in a literature class. Answer questions about the passage the "
                  "student quotes, briefly and precisely, in plain English.")
 
@@ -104,7 +116,8 @@ def _wait_until(t: float) -> None:
 
 def run_kvlab(model, tokenizer, wl: Workload, policy: str = "continuous", max_num_seqs: int = 32,
               num_blocks: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 512,
-              attn_backend: str = "torch", kv_cache_dtype: str = "auto", progress=None) -> tuple[dict, object]:
+              attn_backend: str = "torch", kv_cache_dtype: str = "auto", progress=None) -> tuple[dict, object, list]:
+    """``wl`` served by kvlab's engine: its row, the engine, and every request's output tokens (workload order)."""
     if num_blocks is None:  # room for the max_num_seqs longest requests at once: no preemption by default
         need = sorted((cdiv(len(p) + o, block_size) for p, o in zip(wl.prompts, wl.output_lens)), reverse=True)
         num_blocks = sum(need[:max_num_seqs])
@@ -134,7 +147,7 @@ def run_kvlab(model, tokenizer, wl: Workload, policy: str = "continuous", max_nu
                scheduler_share=s["scheduler_share"], packing_share=s["packing_share"],
                forward_share=s["forward_share"], sample_share=s["sample_share"],
                scheduler_share_at_max_num_seqs=share_full, num_blocks=num_blocks)
-    return row, llm
+    return row, llm, [list(llm.seqs[ids[i]].output_token_ids) for i in sorted(ids)]
 
 
 class _TokenTimes:
@@ -217,10 +230,36 @@ def run_hf_generate_batch(model, wl: Workload, max_num_seqs: int = 32, max_num_b
     return _row(reqs, max(r["finish"] for r in reqs) - t0)
 
 
+def model_folder(model) -> str | None:
+    """The folder ``model`` was loaded from, if it is one on disk (vLLM opens the model from there)."""
+    path = getattr(model.config, "_name_or_path", "") or ""
+    return path if path and (Path(path) / "config.json").is_file() else None
+
+
+def run_vllm(model, wl: Workload, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
+             enable_prefix_caching: bool = True, eager: bool = False) -> tuple[dict, list[list[int]]]:
+    """``wl`` served by the peer vLLM (a subprocess); its row and every request's greedy tokens."""
+    folder = model_folder(model)
+    if folder is None:
+        raise ValueError("the vllm systems need a model loaded from a folder on disk (vLLM opens it from there), "
+                         f"e.g. smollm2-135m; this one came from {getattr(model.config, '_name_or_path', None)!r}")
+    res = vllm_peer.serve(folder, wl.prompts, wl.output_lens, wl.arrivals, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
+                          enable_prefix_caching=enable_prefix_caching, eager=eager)
+    reqs = [{"arrival": r["arrival"], "first_token": r["first_token"], "finish": r["finish"],
+             "output_tokens": len(r["token_ids"])} for r in res["requests"]]
+    t0 = res["requests"][0]["t0"]
+    row = _row(reqs, max(r["finish"] for r in reqs) - t0, peer=res["vllm"], block_size=vllm_peer.VLLM_BLOCK_SIZE,
+               mode="eager" if eager else "compiled (torch.compile)")
+    return row, [r["token_ids"] for r in res["requests"]]
+
+
 def _warm_up(model, tokenizer, wl: Workload, systems) -> None:
     """One tiny run of each system first, so no system pays for first-call set-up in the timing."""
     small = Workload(wl.prompts[:2], [2, 2], [0.0, 0.0])
     for name in systems:
+        if name in PEER_SYSTEMS:
+            continue  # the peer warms itself up in its own process
         if name.startswith("kvlab"):
             run_kvlab(model, tokenizer, small, policy=name.removeprefix("kvlab_"), max_num_seqs=2)
         elif name == "hf_generate":
@@ -231,10 +270,21 @@ def _warm_up(model, tokenizer, wl: Workload, systems) -> None:
 
 def bench_engine(model, tokenizer, wl: Workload, max_num_seqs: int = 32, systems=SYSTEMS, progress: bool = True,
                  **engine_kw) -> dict:
-    """Serve ``wl`` with each of ``systems`` in turn; the JSON of ``kvlab bench engine``."""
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown or not systems:
-        raise ValueError(f"systems must be a non-empty subset of {SYSTEMS}, got {sorted(unknown)}")
+    """Serve ``wl`` with each of ``systems`` in turn; the JSON of ``kvlab bench engine``.
+
+    ``systems`` may name the peer's (:data:`PEER_SYSTEMS`); without the peer they are skipped, and
+    ``res["skipped"]`` says why and how to get it."""
+    if isinstance(systems, str) or not systems or set(systems) - set(ALL_SYSTEMS):
+        raise ValueError(f"systems must be a non-empty subset of {ALL_SYSTEMS}, got {systems!r}")
+    skipped = {}
+    if vllm_peer.peer_python() is None:
+        skipped = {name: vllm_peer.HOW_TO_GET for name in systems if name in PEER_SYSTEMS}
+    elif any(name in PEER_SYSTEMS for name in systems) and model_folder(model) is None:
+        skipped = {name: "the vllm systems need a model loaded from a folder on disk (e.g. smollm2-135m)"
+                   for name in systems if name in PEER_SYSTEMS}
+    systems = tuple(name for name in systems if name not in skipped)
+    if not systems:
+        raise ValueError(f"nothing to run: {'; '.join(sorted(set(skipped.values())))}")
     check_block_size(engine_kw.get("block_size", 16))  # before the progress bar and the warm-up
     if engine_kw.get("attn_backend", "torch") not in BACKEND_NAMES:
         raise ValueError(f"attn_backend must be one of {BACKEND_NAMES}, got {engine_kw['attn_backend']!r}")
@@ -245,12 +295,18 @@ def bench_engine(model, tokenizer, wl: Workload, max_num_seqs: int = 32, systems
         bar = tqdm(total=len(wl.prompts) * len(systems), desc="bench engine", unit="req", file=sys.stderr)
     _warm_up(model, tokenizer, wl, systems)
     out: dict = {}
+    tokens: dict[str, list[list[int]]] = {}
     for name in systems:
         if bar is not None:
             bar.set_postfix_str(name)
-        if name.startswith("kvlab"):
-            out[name], _ = run_kvlab(model, tokenizer, wl, policy=name.removeprefix("kvlab_"),
-                                     max_num_seqs=max_num_seqs, progress=bar, **engine_kw)
+        if name in PEER_SYSTEMS:
+            out[name], tokens[name] = run_vllm(model, wl, max_num_seqs, engine_kw.get("max_num_batched_tokens", 512),
+                                               engine_kw.get("enable_prefix_caching", True), eager=name == "vllm_eager")
+            if bar is not None:
+                bar.update(len(wl.prompts))
+        elif name.startswith("kvlab"):
+            out[name], _, tokens[name] = run_kvlab(model, tokenizer, wl, policy=name.removeprefix("kvlab_"),
+                                                   max_num_seqs=max_num_seqs, progress=bar, **engine_kw)
         elif name == "hf_generate":
             out[name] = run_hf_generate(model, tokenizer, wl, max_num_seqs, progress=bar)
         else:
@@ -258,13 +314,19 @@ def bench_engine(model, tokenizer, wl: Workload, max_num_seqs: int = 32, systems
                                               engine_kw.get("max_num_batched_tokens", 512), progress=bar)
     if bar is not None:
         bar.close()
+    if "kvlab_continuous" in tokens:
+        for name in PEER_SYSTEMS:
+            if name in tokens:
+                diff = vllm_peer.agreement(tokens["kvlab_continuous"], tokens[name])
+                out[name]["greedy_equal_to_kvlab"] = sum(d is None for d in diff)
+                out[name]["greedy_first_difference"] = diff  # per request: None (equal) or the first differing position
     base = out.get("kvlab_continuous")
     for row in out.values():
         if base is not None:
             row["throughput_vs_kvlab"] = row["output_tok_s"] / base["output_tok_s"]
             row["ttft_p50_vs_kvlab"] = row["ttft_p50_s"] / base["ttft_p50_s"]
             row["tpot_p50_vs_kvlab"] = row["tpot_p50_s"] / base["tpot_p50_s"]
-    res = {"systems": out, "workload": wl.meta, "max_num_seqs": max_num_seqs,
+    res = {"systems": out, "skipped": skipped, "workload": wl.meta, "max_num_seqs": max_num_seqs,
            "threads": torch.get_num_threads(), "device": str(next(model.parameters()).device)}
     if base is not None:
         res["scheduler_overhead_share"] = base["scheduler_share"]

@@ -15,7 +15,8 @@ from kvlab.bench import caches
 from kvlab import models  # through the module: tests swap models.load_model
 from kvlab.cache import simulate
 from kvlab.cache.paged import check_block_size
-from kvlab.bench.engine import SYSTEMS, bench_engine, check_workload_args, make_workload
+from kvlab.bench.engine import ALL_SYSTEMS, bench_engine, check_workload_args, make_workload
+from kvlab.bench.profile import format_profile, profile_engine
 from kvlab.files import check_writable_target, write_atomic
 from kvlab.bench import kernels as kbench
 from kvlab.sizing import fmt_bytes
@@ -100,10 +101,14 @@ def _engine(args) -> int:
     model, tokenizer = models.load_model(args.model)
     wl = make_workload(tokenizer, args.num_requests, args.workload, scale=args.scale, seed=args.seed,
                        arrival=args.arrival, rate=args.rate, shared_prefix=not args.no_shared_prefix)
-    systems = tuple(args.systems or SYSTEMS)
+    systems = tuple(args.systems or ALL_SYSTEMS)
     res = bench_engine(model, tokenizer, wl, max_num_seqs=args.max_num_seqs, systems=systems,
                        progress=not args.json, block_size=args.block_size,
                        max_num_batched_tokens=args.max_num_batched_tokens, attn_backend=args.attn_backend)
+    if args.profile:
+        res["profile"] = profile_engine(model, tokenizer, wl, max_num_seqs=args.max_num_seqs,
+                                        block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                                        attn_backend=args.attn_backend)
     w = res["workload"]
     lines = [f"{w['requests']} requests ({w['shape']} x {w['scale']}, arrival {w['arrival']}): prompts "
              f"{w['prompt_tokens_mean']:.0f} tokens on average (shared prefix {w['shared_prefix_tokens']}), outputs "
@@ -121,6 +126,16 @@ def _engine(args) -> int:
                      f"{c['packing_share']:.1%}, model forward {c['forward_share']:.1%}, sampling "
                      f"{c['sample_share']:.1%}; scheduler share in steps at max_num_seqs running: "
                      f"{c['scheduler_share_at_max_num_seqs']:.1%}")
+    for name, why in res["skipped"].items():
+        lines.append(f"{name}: skipped: {why}")
+    for name, r in res["systems"].items():
+        if "greedy_equal_to_kvlab" in r:
+            first = [d for d in r["greedy_first_difference"] if d is not None]
+            lines.append(f"{name}: greedy tokens equal to kvlab continuous's in {r['greedy_equal_to_kvlab']} of "
+                         f"{len(r['greedy_first_difference'])} requests"
+                         + (f"; the others first differ at output positions {sorted(first)}" if first else ""))
+    if "profile" in res:
+        lines += format_profile(res["profile"])
     if "hf_generate" in res["systems"]:
         lines.append(f"hf_generate computed {res['systems']['hf_generate']['generated_tokens']} tokens, "
                      f"{res['systems']['hf_generate']['useful_share']:.0%} of them useful (padded batches)")

