@@ -30,7 +30,9 @@ compressed-tensors ``src/compressed_tensors/quantization/quant_config.py`` (``Qu
 ``config_groups``, ``quant_method="compressed-tensors"``, ``kv_cache_scheme``, ``format``,
 ``quantization_status``); llm-compressor-format exports tested in intel/auto-round (``[num_kv_heads]``
 per-head scales; ``num_bits 8, type float, strategy tensor, dynamic false, symmetric true``).
-Not run against a vLLM install here (none offline): the format is checked against those sources.
+And run against vLLM itself where ``make peer`` installed its CPU build: :func:`bridge_in_vllm`
+builds a servable folder (the model's files + the export), opens it in that vLLM, reads back what
+its attention layers hold and decodes with them (tests/test_peer_vllm.py, notebook 06).
 """
 
 from __future__ import annotations
@@ -44,7 +46,10 @@ from typing import NamedTuple
 
 import torch
 
+from kvlab.bench import vllm_peer
 from kvlab.calibrate import default_calibration
+from kvlab.engine import LLM, SamplingParams
+from kvlab.quant import named_config
 from kvlab.quant.calibration import Calibration
 from kvlab.quant.core import FP8_MAX
 from kvlab.sizing import kv_config
@@ -171,6 +176,48 @@ def export_vllm(out_dir, calibration=None, *, strategy: str = "tensor", stat: st
             "layers": num_layers, "num_kv_heads": num_kv_heads, "tensors": len(scales),
             "k_scale_min": float(ks.min()), "k_scale_max": float(ks.max()),
             "v_scale_min": float(vs.min()), "v_scale_max": float(vs.max())}
+
+
+# ---- the export inside a real vLLM (the peer of `make peer`) ----------------------------------------
+
+def servable_folder(out_dir, model_dir, calibration=None, *, strategy: str = "tensor", model=None,
+                    tokenizer=None) -> Path:
+    """A folder vLLM can open: ``model_dir``'s files (linked, or copied where links fail) with
+    :func:`export_vllm`'s ``config.json`` and scales file in place of the model's config."""
+    src, out = Path(model_dir), Path(out_dir)
+    if not (src / CONFIG_FILE).is_file():
+        raise ValueError(f"model_dir {str(src)!r} has no {CONFIG_FILE}: not a model folder")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name != CONFIG_FILE and not (out / f.name).exists():
+            try:
+                (out / f.name).symlink_to(f.resolve())
+            except OSError:  # no symlinks here (some file systems): a copy does the same
+                (out / f.name).write_bytes(f.read_bytes())
+    export_vllm(out, calibration, strategy=strategy, model=model, tokenizer=tokenizer)
+    return out
+
+
+def bridge_in_vllm(model, tokenizer, out_dir, *, strategy: str = "tensor", prompts=("The capital of France is",),
+                   max_tokens: int = 8, calibration=None) -> dict:
+    """Export ``model``'s calibrated scales, open the folder in the peer vLLM (``kv_cache_dtype="auto"``:
+    the checkpoint's scheme decides), and compare what vLLM holds and decodes with kvlab's own FP8 cache.
+
+    Returns ``{"exported": {name: [floats]}, "vllm": {"layers": [...], "token_ids": [...]} or {"refused": why},
+    "kvlab_token_ids": [...], "prompts": [...]}``; raises :class:`kvlab.bench.vllm_peer.PeerError` without
+    the peer (its message says how to get it)."""
+    from safetensors.torch import load_file  # the exported scales, as written
+
+    from_dir = getattr(model.config, "_name_or_path", "")
+    folder = servable_folder(out_dir, from_dir, calibration, strategy=strategy, model=model, tokenizer=tokenizer)
+    exported = {k: v.tolist() for k, v in load_file(str(folder / SCALES_FILE)).items()}
+    ids = [list(tokenizer.encode(p)) if isinstance(p, str) else list(p) for p in prompts]
+    theirs = vllm_peer.read_scales(folder, ids, max_tokens=max_tokens)
+    llm = LLM(model, tokenizer, num_blocks=64, max_num_seqs=len(ids), calibration=calibration,
+              quant_config=named_config("fp8", granularity=_GRANULARITY[strategy]))
+    ours = llm.generate(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return {"strategy": strategy, "prompts": [p if isinstance(p, str) else None for p in prompts],
+            "exported": exported, "vllm": theirs, "kvlab_token_ids": [o.token_ids for o in ours]}
 
 
 # ---- every kvlab knob, and what vLLM and HF transformers call it ------------------------------------

@@ -26,8 +26,11 @@ if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.a
     sys.path.pop(0)
 
 
-def _layer_scales(model):
-    """Inside vLLM's worker: what each attention layer holds (runs there via ``LLM.apply_model``)."""
+# What each attention layer holds, read inside vLLM's worker process (LLM.apply_model pickles the
+# function by reference, so it must live in a module that process can import: written next to the job)
+PROBE_MODULE = "kvlab_vllm_probe"
+PROBE_SOURCE = """
+def layer_scales(model):
     out = []
     for name, mod in model.named_modules():
         if hasattr(mod, "kv_cache_dtype") and hasattr(mod, "_k_scale"):
@@ -35,6 +38,16 @@ def _layer_scales(model):
                         "k_scale": mod._k_scale.detach().float().flatten().tolist(),
                         "v_scale": mod._v_scale.detach().float().flatten().tolist()})
     return out
+"""
+
+
+def _probe():
+    here = os.getcwd()
+    with open(os.path.join(here, PROBE_MODULE + ".py"), "w") as f:
+        f.write(PROBE_SOURCE)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    sys.path.insert(0, here)
+    return __import__(PROBE_MODULE).layer_scales
 
 
 def _llm(job):
@@ -95,11 +108,12 @@ def serve(job):
 def scales(job):
     """Open job["model"] (a folder with kvlab export-vllm's config.json and scales), read back what its
     attention layers hold, and greedy-decode job["prompts"] (token ids) for job["max_tokens"] tokens."""
+    layer_scales = _probe()  # before the engine starts its worker, which inherits PYTHONPATH
     try:
         llm = _llm(job)
     except Exception as e:  # vLLM's own refusal is a result: the bridge test asserts it
         return {"refused": f"{type(e).__name__}: {e}", "vllm": _versions()}
-    layers = llm.apply_model(_layer_scales)
+    layers = llm.apply_model(layer_scales)
     layers = layers[0] if layers and isinstance(layers[0], list) else layers
     outs = llm.generate([{"prompt_token_ids": p} for p in job.get("prompts", [])],
                         _params(job.get("max_tokens", 8), ignore_eos=True), use_tqdm=False)
