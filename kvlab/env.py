@@ -92,6 +92,21 @@ class LabInfo:
         )
 
 
+def cpu_name() -> str:
+    """The CPU's model name, and whether it has AVX-512 (the engine-vs-vLLM ratio moves with both):
+    /proc/cpuinfo on Linux, else what the platform module knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                platform.machine())
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    simd = "AVX-512" if "avx512f" in flags else "AVX2, no AVX-512" if "avx2" in flags else "no AVX2"
+    return f"{name} ({simd}, {os.cpu_count()} logical CPUs)"
+
+
 def lab_info() -> LabInfo:
     device = default_device()
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else (platform.processor() or platform.machine())

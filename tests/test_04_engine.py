@@ -164,8 +164,14 @@ def test_quantized_engine_equals_paged_generate_on_the_same_quantized_cache(tiny
 
 # ---- the batched attention path ------------------------------------------------------------------------
 
+@pytest.mark.parametrize("max_groups", [1, 4])
 @pytest.mark.parametrize("h_q,h_kv,block_size", [(4, 2, 4), (3, 3, 16), (8, 1, 1), (6, 2, 8)])
-def test_batched_decode_attention_equals_the_reference_on_ragged_contexts(h_q, h_kv, block_size):
+def test_batched_decode_attention_equals_the_reference_on_ragged_contexts(h_q, h_kv, block_size, max_groups,
+                                                                          monkeypatch):
+    """One padded gather for all decodes (max_groups=1) and rows cut into groups of similar context
+    length (the default): both equal the specification."""
+    monkeypatch.setattr(DecodeIndex, "max_groups", max_groups)
+    monkeypatch.setattr(DecodeIndex, "group_overhead", 0)  # split wherever it saves any padding
     g = torch.Generator().manual_seed(0)
     d, n_blocks = 16, 64
     k_cache = torch.randn(n_blocks, block_size, h_kv, d, generator=g)
@@ -184,8 +190,66 @@ def test_batched_decode_attention_equals_the_reference_on_ragged_contexts(h_q, h
         k_cache[table[-1], c % block_size or block_size:] = 1e4
     q = torch.randn(len(ctx), h_q, d, generator=g)
     ref = paged_attention(q, k_cache, v_cache, tables, ctx, [1] * len(ctx), scale=d ** -0.5)
-    out = batched_decode_attention(q, k_cache, v_cache, DecodeIndex(tables, ctx, block_size), scale=d ** -0.5)
+    index = DecodeIndex(tables, ctx, block_size)
+    out = batched_decode_attention(q, k_cache, v_cache, index, scale=d ** -0.5)
     assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+    groups = index.groups()
+    assert (len(groups) > 1) == (max_groups > 1)
+    if max_groups > 1:  # every row in exactly one group, each group's rows sorted by context length
+        rows = torch.cat([r for r, _ in groups]).tolist()
+        assert sorted(rows) == list(range(len(ctx)))
+        assert [ctx[i] for i in rows] == sorted(ctx)
+
+
+def test_prepacked_weights_change_no_token_and_leave_the_model_as_it_was(tiny):
+    """LLM(prepack_weights=True), the default: the linear layers multiply by oneDNN-packed weights
+    during the engine's forward only; the tokens equal the plain F.linear engine's and HF's."""
+    from kvlab.engine.prepack import PrepackedLinears, prepack_available
+
+    model, tok = tiny
+    prompts = [[5, 9, 11, 3, 7], [2, 4, 6], [13, 1, 8, 8, 2, 9, 10]]
+    packed = LLM(model, tok, num_blocks=64, max_num_seqs=4, eos_token_id=None)
+    plain = LLM(model, tok, num_blocks=64, max_num_seqs=4, eos_token_id=None, prepack_weights=False)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    assert len(packed.runner.prepacked) == (sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+                                            if prepack_available(model) else 0)
+    assert len(plain.runner.prepacked) == 0
+    ours = [o.token_ids for o in packed.generate(prompts, params)]
+    assert ours == [o.token_ids for o in plain.generate(prompts, params)]
+    assert not any("forward" in m.__dict__ for m in model.modules())  # nothing left on the model
+    if prepack_available(model):  # a weight changed in place is packed again at its next call
+        lin = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+        pl = PrepackedLinears(model)
+        x = torch.randn(3, lin.in_features)
+        old = lin.weight.detach().clone()
+        try:
+            with torch.no_grad():
+                lin.weight.mul_(2)
+            with pl.active(), torch.inference_mode():
+                y = lin(x)
+            assert torch.allclose(y, torch.nn.functional.linear(x, lin.weight), atol=1e-5)
+        finally:
+            with torch.no_grad():
+                lin.weight.copy_(old)
+    with pytest.raises(TypeError, match="prepack must be True or False"):
+        LLM(model, tok, num_blocks=8, prepack_weights="yes")
+
+
+def test_step_profile_parts_add_up(tiny):
+    """kvlab bench engine --profile: every part of a step measured, the shares adding up to one."""
+    from kvlab.bench.profile import PARTS, format_profile, profile_steps
+
+    model, tok = tiny
+    llm = LLM(model, tok, num_blocks=64, max_num_seqs=4, eos_token_id=None)
+    for p in ([5, 9, 11, 3, 7], [2, 4, 6], [13, 1, 8, 8, 2, 9, 10], [3, 3, 3, 3]):
+        llm.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True))
+    prof = profile_steps(llm, steps=6, skip=2)
+    assert prof["steps"] == 6 and set(prof["share"]) == set(PARTS)
+    assert abs(sum(prof["share"].values()) - 1) < 1e-9
+    assert prof["ms_per_step"]["model GEMMs"] > 0 and prof["ms_per_step"]["attention: compute"] > 0
+    assert 0 < prof["outside_model_math_share"] < 1 and 0 < prof["engine_share"] < prof["outside_model_math_share"]
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert "outside the model's GEMMs and norms" in "\n".join(format_profile(prof))
 
 
 # ---- stress ---------------------------------------------------------------------------------------------

@@ -243,3 +243,15 @@ def test_bench_kernels_table_and_bad_input(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "kernels", "--batches", "0"])
     assert "--batches" in capsys.readouterr().err
+
+
+def test_bench_engine_without_the_vllm_peer_says_how_to_get_it(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("KVLAB_VLLM_PYTHON", str(tmp_path / "no-such-python"))
+    assert main(["bench", "engine", "--model", "tiny", "--num-requests", "3", "--max-num-seqs", "2", "--scale", "0.05",
+                 "--systems", "kvlab_continuous", "vllm", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert set(res["systems"]) == {"kvlab_continuous"}
+    assert "make peer" in res["skipped"]["vllm"] or "Linux" in res["skipped"]["vllm"]
+    # nothing left to run: exit 2 with one line, not a traceback
+    assert main(["bench", "engine", "--model", "tiny", "--num-requests", "3", "--systems", "vllm"]) == 2
+    assert "nothing to run" in capsys.readouterr().err

@@ -21,8 +21,15 @@ class DecodeIndex:
     layer: ``table`` (B, n_blocks) physical block ids (0-padded), ``valid`` (B, n_blocks * block_size)
     which key positions exist, ``seq_lens`` (B,). :meth:`visible` adds a sliding window."""
 
+    #: at most this many length groups in :meth:`groups` (1: one padded gather for all decodes)
+    max_groups = 4
+    #: a group's fixed cost (one more gather + SDPA call), in padded (row x block) units
+    group_overhead = 48
+
     def __init__(self, block_tables, seq_lens, block_size: int, device="cpu"):
         self.num = len(block_tables)
+        self._tables, self._lens, self._block_size, self._device = block_tables, list(seq_lens), block_size, device
+        self._groups = None
         n_blocks = cdiv(max(seq_lens), block_size)
         table = torch.zeros((self.num, n_blocks), dtype=torch.long)
         for i, t in enumerate(block_tables):
@@ -33,6 +40,37 @@ class DecodeIndex:
         pos = torch.arange(n_blocks * block_size, device=device)
         self.valid = pos[None, :] < self.seq_lens[:, None]  # (B, n_blocks * block_size)
         self._pos, self._windowed = pos, {None: self.valid}
+
+    def groups(self) -> list[tuple[torch.Tensor | None, "DecodeIndex"]]:
+        """The decodes in up to :attr:`max_groups` groups of similar context length, ``(rows, index)`` each
+        (``rows`` None: one group, this index itself). Contexts are heavy-tailed: padding every row to
+        the longest gathers and attends mostly padding, so rows sorted by length are cut where the
+        padded (row x block) work saved pays for another call. Built once per step, read by every layer."""
+        if self._groups is None:
+            self._groups = self._split()
+        return self._groups
+
+    def _split(self):
+        n, bs = self.num, self._block_size
+        if n < 2 or self.max_groups < 2:
+            return [(None, self)]
+        order = sorted(range(n), key=self._lens.__getitem__)
+        blocks = [cdiv(self._lens[i], bs) for i in order]
+        best_cost, best = n * blocks[-1] + self.group_overhead, None
+        for k in range(2, min(self.max_groups, n) + 1):
+            bounds = [0] + [round(n * j / k) for j in range(1, k + 1)]
+            cost = sum((b - a) * blocks[b - 1] for a, b in zip(bounds, bounds[1:])) + k * self.group_overhead
+            if cost < best_cost:
+                best_cost, best = cost, bounds
+        if best is None:
+            return [(None, self)]
+        out = []
+        for a, b in zip(best, best[1:]):
+            rows = order[a:b]
+            sub = DecodeIndex([self._tables[i] for i in rows], [self._lens[i] for i in rows], bs, self._device)
+            sub.max_groups = 1
+            out.append((torch.as_tensor(rows, dtype=torch.long, device=self._device), sub))
+        return out
 
     def visible(self, window: int | None = None) -> torch.Tensor:
         """(B, S) the key positions each sequence's new token sees: the last ``window`` of its context
@@ -67,7 +105,15 @@ def batched_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              scale: float, *, window: int | None = None, softcap: float | None = None,
                              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence (B, H_q, D) over the pool: one gather through the block-table
-    tensor and one masked SDPA for the whole batch, instead of a Python loop over sequences."""
+    tensor and one masked SDPA per group of similar context lengths (:meth:`DecodeIndex.groups`),
+    instead of a Python loop over sequences."""
+    groups = index.groups()
+    if len(groups) > 1:
+        out = torch.empty_like(q)
+        for rows, sub in groups:
+            out[rows] = batched_decode_attention(q[rows], k_cache, v_cache, sub, scale, window=window, softcap=softcap,
+                                                 sinks=sinks)
+        return out
     b, n_blocks = index.table.shape
     shape = (b, n_blocks * k_cache.shape[1], *k_cache.shape[2:])  # (B, S, H_kv, D)
     # index_select, not k_cache[table]: the same copy, ~6x faster (advanced indexing takes a general path)

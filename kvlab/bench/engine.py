@@ -41,6 +41,7 @@ from kvlab.cache.simulate import workload
 from kvlab.data import play_text
 from kvlab.engine import LLM, SamplingParams
 from kvlab.engine.metrics import percentile
+from kvlab.env import cpu_name
 from kvlab.generate import left_pad
 from kvlab.validate import cdiv
 
@@ -327,7 +328,7 @@ def bench_engine(model, tokenizer, wl: Workload, max_num_seqs: int = 32, systems
             row["ttft_p50_vs_kvlab"] = row["ttft_p50_s"] / base["ttft_p50_s"]
             row["tpot_p50_vs_kvlab"] = row["tpot_p50_s"] / base["tpot_p50_s"]
     res = {"systems": out, "skipped": skipped, "workload": wl.meta, "max_num_seqs": max_num_seqs,
-           "threads": torch.get_num_threads(), "device": str(next(model.parameters()).device)}
+           "threads": torch.get_num_threads(), "device": str(next(model.parameters()).device), "cpu": cpu_name()}
     if base is not None:
         res["scheduler_overhead_share"] = base["scheduler_share"]
         res["scheduler_overhead_share_at_max_num_seqs"] = base["scheduler_share_at_max_num_seqs"]

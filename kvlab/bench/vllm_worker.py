@@ -25,6 +25,8 @@ import time
 if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
     sys.path.pop(0)
 
+import torch  # noqa: E402  (the peer's own torch: 2.13.0+cpu, as kvlab's)
+
 
 # What each attention layer holds, read inside vLLM's worker process (LLM.apply_model pickles the
 # function by reference, so it must live in a module that process can import: written next to the job)
@@ -65,7 +67,7 @@ def _llm(job):
 
 
 def _params(max_tokens, ignore_eos=True):
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # the peer environment's vLLM
 
     return SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens if ignore_eos else 0, ignore_eos=ignore_eos,
                           temperature=0.0, detokenize=False)
@@ -121,8 +123,7 @@ def scales(job):
 
 
 def _versions():
-    import torch
-    import vllm
+    import vllm  # the peer environment's vLLM
 
     return {"vllm": vllm.__version__, "torch": torch.__version__, "threads": torch.get_num_threads()}
 

@@ -113,7 +113,7 @@ def _engine(args) -> int:
     lines = [f"{w['requests']} requests ({w['shape']} x {w['scale']}, arrival {w['arrival']}): prompts "
              f"{w['prompt_tokens_mean']:.0f} tokens on average (shared prefix {w['shared_prefix_tokens']}), outputs "
              f"{w['output_tokens_mean']:.0f} on average, {w['output_tokens_max']} at most; max_num_seqs "
-             f"{res['max_num_seqs']}, {res['threads']} threads, {res['device']}",
+             f"{res['max_num_seqs']}, {res['threads']} threads, {res['device']}, {res['cpu']}",
              f"{'system':<20}{'out tok/s':>10}{'x kvlab':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
              f"{'TPOT p99':>10}"]
     for name, r in res["systems"].items():
