@@ -29,7 +29,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
-from kvlab.attention import DecodeIndex, get_backend
+from kvlab.attention import DecodeIndex, PrefillIndex, get_backend
 from kvlab.cache import ContiguousCache, StaticCache
 
 
@@ -120,6 +120,7 @@ class PagedBatch:
     slot_mapping: torch.Tensor  # (T,) where the new tokens' K/V go
     backend: object = "reference"  # a kvlab.attention backend or its name: "reference", "torch", "triton"
     decode: DecodeIndex | None = None  # backends that batch decodes: the first decode.num sequences
+    prefill: PrefillIndex | None = None  # backends that batch prefill chunks: the sequences after the decodes
 
     def __post_init__(self):
         self.backend = get_backend(self.backend)

@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-from kvlab.attention import DecodeIndex, batched_decode_attention, paged_attention
+from kvlab.attention import (DecodeIndex, PrefillIndex, batched_decode_attention, batched_prefill_attention,
+                             paged_attention)
 from kvlab.cache import BlockManager
 from kvlab.engine import LLM, SamplingParams, Scheduler, Sequence
 from kvlab.generate import hf_generate, paged_generate
@@ -199,6 +200,39 @@ def test_batched_decode_attention_equals_the_reference_on_ragged_contexts(h_q, h
         rows = torch.cat([r for r, _ in groups]).tolist()
         assert sorted(rows) == list(range(len(ctx)))
         assert [ctx[i] for i in rows] == sorted(ctx)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("h_q,h_kv,block_size", [(4, 2, 4), (3, 3, 16), (6, 2, 8)])
+def test_batched_prefill_attention_equals_the_reference(h_q, h_kv, block_size, window):
+    """All prefill chunks of a step in one SDPA (the torch backend over a float pool) = the spec, for
+    ragged chunks (a whole prompt, a later chunk, one token) over contexts whose pages hold the chunks."""
+    g = torch.Generator().manual_seed(1)
+    d, n_blocks = 16, 64
+    k_cache = torch.randn(n_blocks, block_size, h_kv, d, generator=g)
+    v_cache = torch.randn(n_blocks, block_size, h_kv, d, generator=g)
+    ctx, qlens = [9, 3 * block_size + 2, 1, 2 * block_size], [9, block_size + 1, 1, 3]
+    perm = torch.randperm(n_blocks, generator=g).tolist()
+    tables, used = [], 0
+    for c in ctx:
+        nb = -(-c // block_size)
+        tables.append(perm[used:used + nb])
+        used += nb
+    for t in range(used, n_blocks):  # stale values in blocks no sequence owns must not leak in
+        k_cache[perm[t]] = 1e4
+        v_cache[perm[t]] = -1e4
+    q = torch.randn(sum(qlens), h_q, d, generator=g)
+    ref = paged_attention(q, k_cache, v_cache, tables, ctx, qlens, scale=d ** -0.5, window=window)
+    out = batched_prefill_attention(q, k_cache, v_cache, PrefillIndex(tables, ctx, qlens, block_size),
+                                    scale=d ** -0.5, window=window)
+    assert out.shape == ref.shape
+    assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+
+
+def test_prefill_is_batched_only_where_padding_pays():
+    assert not PrefillIndex.pays([60], [60], 16)  # one chunk: nothing to batch
+    assert PrefillIndex.pays([60, 45, 80, 62], [60, 45, 80, 62], 16)  # admissions of similar prompts
+    assert not PrefillIndex.pays([300, 40, 30], [300, 40, 30], 16)  # one long chunk would pad the others 10x
 
 
 def test_prepacked_weights_change_no_token_and_leave_the_model_as_it_was(tiny):

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from kvlab import kernels
-from kvlab.attention.batched import batched_decode_attention, quantized_batched_decode_attention
+from kvlab.attention.batched import (batched_decode_attention, batched_prefill_attention,
+                                     quantized_batched_decode_attention)
 from kvlab.attention.spec import paged_attention, quantized_paged_attention
 from kvlab.kernels.pool import check_head_dim, check_kernel_format
 from kvlab.quant.rotation import rotate
@@ -46,6 +47,8 @@ class AttentionBackend:
     name = "reference"
     #: decodes go through :meth:`decode` with a DecodeIndex (else the specification runs them too)
     batched_decode = False
+    #: prefill chunks over a float pool go through one call with a PrefillIndex (else the spec, per sequence)
+    batched_prefill = False
     runs_write, runs_decode, runs_prefill = "pool.write (PyTorch)", "the spec, per sequence", "the spec, per sequence"
 
     def check(self, pool) -> None:
@@ -75,8 +78,14 @@ class AttentionBackend:
         if nd:
             out[:nd] = self.decode(q[:nd], pool, layer, batch.decode, scale, k_new[:nd], v_new[:nd], **features)
         if nd < q.shape[0]:
-            out[nd:] = self.prefill(q[nd:], k_new[nd:], v_new[nd:], pool, layer, batch.block_tables[nd:],
-                                    batch.seq_lens[nd:], batch.query_lens[nd:], scale, **features)
+            index = getattr(batch, "prefill", None)
+            if (self.batched_prefill and index is not None and not pool.is_quantized
+                    and features.get("softcap") is None and features.get("sinks") is None):
+                out[nd:] = batched_prefill_attention(q[nd:], *pool.layer_pages(layer), index, scale,
+                                                     window=features.get("window"))
+            else:
+                out[nd:] = self.prefill(q[nd:], k_new[nd:], v_new[nd:], pool, layer, batch.block_tables[nd:],
+                                        batch.seq_lens[nd:], batch.query_lens[nd:], scale, **features)
         return out
 
     def __repr__(self) -> str:
@@ -89,7 +98,9 @@ class TorchBackend(AttentionBackend):
 
     name = "torch"
     batched_decode = True
+    batched_prefill = True
     runs_decode = "one gather + one masked SDPA for all decodes (PyTorch)"
+    runs_prefill = "one gather + one masked SDPA for all chunks of a float pool (else the spec)"
 
     def decode(self, q, pool, layer: int, index, scale: float, k_new=None, v_new=None, **features) -> torch.Tensor:
         if pool.is_quantized:

@@ -138,3 +138,76 @@ def quantized_batched_decode_attention(q, k_new, v_new, cache, layer: int, index
         qf, k_own = rotate(qf), rotate(k_own)  # along head_dim
     k[rows, own], v[rows, own] = k_own, v_new.float()
     return _decode_sdpa(qf, k, v, index.visible(window), scale, softcap, sinks).to(q.dtype)
+
+
+class PrefillIndex:
+    """The block tables and query positions of one step's prefill chunks as tensors, built once and
+    read by every layer: ``table`` (P, n_blocks), ``q_index`` (P, L) packed row of each padded query
+    slot (L: the longest chunk), ``q_rows`` the padded slots that are real queries, in packed order,
+    and :meth:`visible` (P, L, S) which keys each query sees (causal, inside its sequence, windowed)."""
+
+    #: batch the chunks only while padding at most doubles the (query x key) work
+    max_padding = 2.0
+
+    @classmethod
+    def pays(cls, seq_lens, query_lens, block_size: int) -> bool:
+        """Whether one padded call beats the per-sequence spec: more than one chunk, and padding to the
+        longest chunk and context at most :attr:`max_padding` times the exact work."""
+        if len(seq_lens) < 2:
+            return False
+        s = cdiv(max(seq_lens), block_size) * block_size
+        padded = len(seq_lens) * max(query_lens) * s
+        return padded <= cls.max_padding * sum(q * c for q, c in zip(query_lens, seq_lens))
+
+    def __init__(self, block_tables, seq_lens, query_lens, block_size: int, device="cpu"):
+        self.num = len(block_tables)
+        n_blocks = cdiv(max(seq_lens), block_size)
+        table = torch.zeros((self.num, n_blocks), dtype=torch.long)
+        for i, t in enumerate(block_tables):
+            t = t[:n_blocks]
+            table[i, :len(t)] = torch.as_tensor(t, dtype=torch.long)
+        self.table = table.to(device)
+        self.max_query_len = max(query_lens)
+        lens = torch.as_tensor(seq_lens, dtype=torch.long)
+        qlens = torch.as_tensor(query_lens, dtype=torch.long)
+        slot = torch.arange(self.max_query_len)
+        real = slot[None, :] < qlens[:, None]  # (P, L)
+        starts = torch.cumsum(qlens, 0) - qlens
+        self.q_index = torch.where(real, starts[:, None] + slot[None, :], 0).to(device)  # padding reads row 0
+        self.q_rows = torch.nonzero(real.flatten()).flatten().to(device)  # (T,) in packed order
+        # absolute position of each query; a padding slot stands at its sequence's last token (it sees keys)
+        self.q_pos = torch.where(real, (lens - qlens)[:, None] + slot[None, :], (lens - 1)[:, None]).to(device)
+        self._k_pos = torch.arange(n_blocks * block_size, device=device)
+        self.seq_lens = lens.to(device)
+        self._masks: dict = {}
+
+    def visible(self, window: int | None = None) -> torch.Tensor:
+        if window not in self._masks:
+            check_features(1, window)
+            k, q = self._k_pos[None, None, :], self.q_pos[:, :, None]
+            mask = (k <= q) & (k < self.seq_lens[:, None, None])
+            if window is not None:
+                mask &= k > q - window
+            self._masks[window] = mask
+        return self._masks[window]
+
+
+def batched_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: PrefillIndex,
+                              scale: float, *, window: int | None = None) -> torch.Tensor:
+    """Every prefill chunk of a step in ONE masked SDPA over a float pool whose pages already hold the
+    chunks' own K/V (the write comes first): q (T, H_q, D) packed -> (T, H_q, D). Chunks are padded to
+    the longest, contexts to the longest; the mask keeps each query causal and inside its sequence."""
+    p, n_blocks = index.table.shape
+    s = n_blocks * k_cache.shape[1]
+    h_kv, d = k_cache.shape[2], k_cache.shape[3]
+    h_q, g, L = q.shape[1], q.shape[1] // h_kv, index.max_query_len
+    flat = index.table.flatten()
+    k = k_cache.index_select(0, flat).reshape(p, s, h_kv, d).transpose(1, 2)  # (P, H_kv, S, D)
+    v = v_cache.index_select(0, flat).reshape(p, s, h_kv, d).transpose(1, 2)
+    # the G query heads of a KV head and the chunk's L positions share SDPA's query axis (no K/V repeat)
+    qp = q.index_select(0, index.q_index.flatten()).reshape(p, L, h_kv, g, d).permute(0, 2, 3, 1, 4)
+    qp = qp.reshape(p, h_kv, g * L, d)
+    mask = index.visible(window)[:, None, None].expand(p, 1, g, L, s).reshape(p, 1, g * L, s)
+    out = torch.nn.functional.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
+    out = out.reshape(p, h_kv, g, L, d).permute(0, 3, 1, 2, 4).reshape(p * L, h_q, d)
+    return out.index_select(0, index.q_rows)

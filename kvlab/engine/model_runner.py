@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from kvlab.attention import BACKEND_NAMES, BACKENDS, DecodeIndex
+from kvlab.attention import BACKEND_NAMES, BACKENDS, DecodeIndex, PrefillIndex
 from kvlab.engine.prepack import PrepackedLinears
 from kvlab.hf import PagedBatch, attention_implementation, model_configs, register_paged_attention
 
@@ -65,10 +65,16 @@ class ModelRunner:
         if self.backend.batched_decode and batch.num_decodes:
             nd = batch.num_decodes
             decode = DecodeIndex(tables[:nd], seq_lens[:nd], block_manager.block_size, self.device)
+        prefill = None
+        nd = batch.num_decodes if decode is not None else 0
+        if (self.backend.batched_prefill and not self.cache.is_quantized
+                and PrefillIndex.pays(seq_lens[nd:], batch.num_new_tokens[nd:], block_manager.block_size)):
+            prefill = PrefillIndex(tables[nd:], seq_lens[nd:], batch.num_new_tokens[nd:], block_manager.block_size,
+                                   self.device)
         paged = PagedBatch(cache=self.cache, block_tables=tables, seq_lens=seq_lens,
                            query_lens=list(batch.num_new_tokens),
                            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-                           backend=self.backend, decode=decode)
+                           backend=self.backend, decode=decode, prefill=prefill)
         ids = torch.tensor([tokens], device=self.device)
         pos = torch.tensor([positions], device=self.device)
         keep = torch.tensor(last, dtype=torch.long, device=self.device)
