@@ -246,11 +246,13 @@ def run_vllm(model, wl: Workload, max_num_seqs: int = 32, max_num_batched_tokens
                          f"e.g. smollm2-135m; this one came from {getattr(model.config, '_name_or_path', None)!r}")
     res = vllm_peer.serve(folder, wl.prompts, wl.output_lens, wl.arrivals, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
-                          enable_prefix_caching=enable_prefix_caching, eager=eager)
+                          enable_prefix_caching=enable_prefix_caching, eager=eager,
+                          threads=torch.get_num_threads())  # the threads kvlab has, no more
     reqs = [{"arrival": r["arrival"], "first_token": r["first_token"], "finish": r["finish"],
              "output_tokens": len(r["token_ids"])} for r in res["requests"]]
     t0 = res["requests"][0]["t0"]
     row = _row(reqs, max(r["finish"] for r in reqs) - t0, peer=res["vllm"], block_size=vllm_peer.VLLM_BLOCK_SIZE,
+               threads=torch.get_num_threads(),
                mode="eager" if eager else "compiled (torch.compile)")
     return row, [r["token_ids"] for r in res["requests"]]
 

@@ -51,13 +51,21 @@ class PeerError(RuntimeError):
     """The peer ran and failed: the message ends with the tail of its output."""
 
 
-def run_worker(command: str, job: dict, timeout: float = 1800) -> dict:
-    """Run ``vllm_worker.py command`` on ``job`` in the peer environment; its JSON result."""
+def run_worker(command: str, job: dict, timeout: float = 1800, threads: int | None = None) -> dict:
+    """Run ``vllm_worker.py command`` on ``job`` in the peer environment; its JSON result.
+
+    ``threads``: the CPU threads vLLM may use (kvlab's own ``torch.get_num_threads()`` for a fair race).
+    All of the machine's: vLLM's own default (its threads bound to the cores); fewer: unbound, that many."""
     python = peer_python()
     if python is None:
         raise PeerError(HOW_TO_GET)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}  # nothing of kvlab's own env
     env.update(HF_HUB_OFFLINE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", TOKENIZERS_PARALLELISM="false")
+    if threads is not None and threads < (os.cpu_count() or threads):
+        env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(threads))
+    elif threads is not None:
+        env.pop("OMP_NUM_THREADS", None)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "auto"
     with tempfile.TemporaryDirectory(prefix="kvlab-vllm-") as tmp:
         job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_file.write_text(json.dumps(job))
@@ -72,14 +80,15 @@ def run_worker(command: str, job: dict, timeout: float = 1800) -> dict:
 
 
 def serve(model_dir, prompts, output_lens, arrivals, *, max_num_seqs: int, max_num_batched_tokens: int,
-          enable_prefix_caching: bool = True, eager: bool = False, max_model_len: int = 2048) -> dict:
+          enable_prefix_caching: bool = True, eager: bool = False, max_model_len: int = 2048,
+          threads: int | None = None) -> dict:
     """The workload served by vLLM: per request its arrival, first-token and finish clock (seconds on
     the peer's ``perf_counter``, ``t0`` its start) and greedy token ids."""
     job = {"model": str(model_dir), "prompts": prompts, "output_lens": output_lens, "arrivals": arrivals,
            "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
            "enable_prefix_caching": enable_prefix_caching, "enforce_eager": eager, "block_size": VLLM_BLOCK_SIZE,
            "dtype": "float32", "max_model_len": max_model_len, "kv_cache_memory_bytes": 512 * 2**20}
-    return run_worker("serve", job)
+    return run_worker("serve", job, threads=threads)
 
 
 def read_scales(model_dir, prompts=(), max_tokens: int = 8, kv_cache_dtype: str = "auto") -> dict:
