@@ -19,7 +19,8 @@ A stored value is ``fp8_e4m3(clamp(x / scale, -448, 448))``, so the scale that u
 range without clipping is ``absmax / 448``: exactly the scale of kvlab's own static FP8 cache
 (``named_config("fp8")``, :mod:`kvlab.cache.quantized`), which is what the tests check bit for bit.
 When a checkpoint declares a ``kv_cache_scheme``, vLLM turns ``kv_cache_dtype="auto"`` into "fp8"
-and switches ``calculate_kv_scales`` off; per-head scales need its FlashAttention backend.
+and switches ``calculate_kv_scales`` off; vLLM's docs say per-head scales need its FlashAttention
+backend on a GPU (its 0.32 CPU build loads them too and holds all of them: tests/test_peer_vllm.py).
 
 Sources checked: vLLM docs "Quantized KV Cache"
 (https://docs.vllm.ai/en/latest/features/quantization/quantized_kvcache/,
@@ -272,7 +273,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("attention backend", "attn_backend='torch' (LLM, ModelRunner), also reference, triton; --attn-backend",
          "--attention-backend FLASH_ATTN, FLASHINFER, TRITON_ATTN (was env VLLM_ATTENTION_BACKEND)",
          "attn_implementation sdpa, paged|eager or flash_attention_2/3 (CB auto_switch_to_flash=True picks flash)",
-         "per-head FP8 scales need vLLM's FLASH_ATTN"),
+         "per-head FP8 scales need vLLM's FLASH_ATTN on a GPU (its CPU build 0.32 loads them too)"),
 )
 
 
