@@ -30,6 +30,7 @@ from kvlab.attention.spec import (attend, gather_kv, paged_attention, quantized_
 from kvlab.validate import check_attention_features as check_features
 
 __all__ = ["attend", "gather_kv", "paged_attention", "quantized_paged_attention", "scores_softmax", "visible",
-           "check_features", "DecodeIndex", "PrefillIndex", "batched_decode_attention", "batched_prefill_attention", "quantized_batched_decode_attention",
+           "check_features", "DecodeIndex", "PrefillIndex", "batched_decode_attention", "batched_prefill_attention",
+           "quantized_batched_decode_attention",
            "AttentionBackend", "TorchBackend", "TritonBackend", "BACKENDS", "BACKEND_NAMES", "get_backend",
            "spec_attention"]
