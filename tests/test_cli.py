@@ -255,3 +255,17 @@ def test_bench_engine_without_the_vllm_peer_says_how_to_get_it(capsys, monkeypat
     # nothing left to run: exit 2 with one line, not a traceback
     assert main(["bench", "engine", "--model", "tiny", "--num-requests", "3", "--systems", "vllm"]) == 2
     assert "nothing to run" in capsys.readouterr().err
+
+
+def test_bench_engine_repeat_takes_turns_and_reports_medians(capsys):
+    assert main(["bench", "engine", "--model", "tiny", "--num-requests", "3", "--max-num-seqs", "2", "--scale", "0.05",
+                 "--systems", "kvlab_continuous", "kvlab_static", "--repeat", "3", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["repeat"] == 3
+    for row in res["systems"].values():
+        runs = row["output_tok_s_runs"]
+        assert len(runs) == 3 and row["output_tok_s"] == sorted(runs)[1]  # the median run
+        assert len(row["throughput_vs_kvlab_paired"]) == 3
+    with pytest.raises(SystemExit):  # argparse refuses it, naming the option
+        main(["bench", "engine", "--model", "tiny", "--repeat", "0"])
+    assert "--repeat must be >= 1" in capsys.readouterr().err

@@ -73,8 +73,12 @@ def test_bench_engine_vllm_eager_serves_the_same_workload(smollm2):
     model, tok = smollm2
     wl = make_workload(tok, n=6, seed=3, scale=0.1)
     wl = Workload(wl.prompts, [min(o, 12) for o in wl.output_lens], wl.arrivals, wl.meta)
-    res = bench_engine(model, tok, wl, max_num_seqs=4, systems=("kvlab_continuous", "vllm_eager"), progress=False)
+    # repeat=2: one vLLM start, then two runs on command, taking turns with kvlab's (vllm_peer.PeerSession)
+    res = bench_engine(model, tok, wl, max_num_seqs=4, systems=("kvlab_continuous", "vllm_eager"), progress=False,
+                       repeat=2)
     v, k = res["systems"]["vllm_eager"], res["systems"]["kvlab_continuous"]
+    assert len(v["output_tok_s_runs"]) == len(v["throughput_vs_kvlab_paired"]) == 2
+    assert k["throughput_vs_kvlab_paired"] == [1.0, 1.0]
     assert res["skipped"] == {}
     assert v["output_tokens"] == k["output_tokens"] == sum(wl.output_lens)
     assert v["peer"]["vllm"] == vllm_peer.VLLM_PIN.split("==")[1]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import random
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +44,7 @@ from kvlab.engine import LLM, SamplingParams
 from kvlab.engine.metrics import percentile
 from kvlab.env import cpu_name
 from kvlab.generate import left_pad
-from kvlab.validate import cdiv
+from kvlab.validate import cdiv, check_int
 
 SYSTEMS = ("kvlab_continuous", "kvlab_static", "hf_generate", "hf_generate_batch")  # in this process
 PEER_SYSTEMS = ("vllm", "vllm_eager")  # vLLM's CPU build, a subprocess in the peer environment (make peer)
@@ -237,24 +238,32 @@ def model_folder(model) -> str | None:
     return path if path and (Path(path) / "config.json").is_file() else None
 
 
-def run_vllm(model, wl: Workload, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
-             enable_prefix_caching: bool = True, eager: bool = False) -> tuple[dict, list[list[int]]]:
-    """``wl`` served by the peer vLLM (a subprocess); its row and every request's greedy tokens."""
+def _peer_job(model, wl: Workload, max_num_seqs: int, max_num_batched_tokens: int, enable_prefix_caching: bool,
+              eager: bool) -> dict:
     folder = model_folder(model)
     if folder is None:
         raise ValueError("the vllm systems need a model loaded from a folder on disk (vLLM opens it from there), "
                          f"e.g. smollm2-135m; this one came from {getattr(model.config, '_name_or_path', None)!r}")
-    res = vllm_peer.serve(folder, wl.prompts, wl.output_lens, wl.arrivals, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
-                          enable_prefix_caching=enable_prefix_caching, eager=eager,
-                          threads=torch.get_num_threads())  # the threads kvlab has, no more
+    return vllm_peer.serve_job(folder, wl.prompts, wl.output_lens, wl.arrivals, max_num_seqs=max_num_seqs,
+                               max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
+                               enable_prefix_caching=enable_prefix_caching, eager=eager)
+
+
+def _vllm_row(res: dict, eager: bool) -> tuple[dict, list[list[int]]]:
+    """A peer result -> its row (the same columns as kvlab's) and every request's greedy tokens."""
     reqs = [{"arrival": r["arrival"], "first_token": r["first_token"], "finish": r["finish"],
              "output_tokens": len(r["token_ids"])} for r in res["requests"]]
     t0 = res["requests"][0]["t0"]
     row = _row(reqs, max(r["finish"] for r in reqs) - t0, peer=res["vllm"], block_size=vllm_peer.VLLM_BLOCK_SIZE,
-               threads=torch.get_num_threads(),
-               mode="eager" if eager else "compiled (torch.compile)")
+               threads=torch.get_num_threads(), mode="eager" if eager else "compiled (torch.compile)")
     return row, [r["token_ids"] for r in res["requests"]]
+
+
+def run_vllm(model, wl: Workload, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
+             enable_prefix_caching: bool = True, eager: bool = False) -> tuple[dict, list[list[int]]]:
+    """``wl`` served once by the peer vLLM (a subprocess, given kvlab's threads); its row and tokens."""
+    job = _peer_job(model, wl, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, eager)
+    return _vllm_row(vllm_peer.run_worker("serve", job, threads=torch.get_num_threads()), eager)
 
 
 def _warm_up(model, tokenizer, wl: Workload, systems) -> None:
@@ -271,12 +280,23 @@ def _warm_up(model, tokenizer, wl: Workload, systems) -> None:
             run_hf_generate_batch(model, small, 2)
 
 
+def _median_run(rows: list[dict]) -> dict:
+    """Of several runs of one system, the one with the median throughput (its latencies with it);
+    with ``output_tok_s_runs`` listing every run's throughput when there was more than one."""
+    row = dict(sorted(rows, key=lambda r: r["output_tok_s"])[(len(rows) - 1) // 2])
+    if len(rows) > 1:
+        row["output_tok_s_runs"] = [r["output_tok_s"] for r in rows]
+    return row
+
+
 def bench_engine(model, tokenizer, wl: Workload, max_num_seqs: int = 32, systems=SYSTEMS, progress: bool = True,
-                 **engine_kw) -> dict:
+                 repeat: int = 1, **engine_kw) -> dict:
     """Serve ``wl`` with each of ``systems`` in turn; the JSON of ``kvlab bench engine``.
 
     ``systems`` may name the peer's (:data:`PEER_SYSTEMS`); without the peer they are skipped, and
-    ``res["skipped"]`` says why and how to get it."""
+    ``res["skipped"]`` says why and how to get it. ``repeat``: serve the workload that many times with
+    every system, the systems taking turns run by run; each row is its median run, and
+    ``throughput_vs_kvlab_paired`` compares every run with the kvlab continuous run beside it."""
     if isinstance(systems, str) or not systems or set(systems) - set(ALL_SYSTEMS):
         raise ValueError(f"systems must be a non-empty subset of {ALL_SYSTEMS}, got {systems!r}")
     skipped = {}
@@ -291,32 +311,50 @@ def bench_engine(model, tokenizer, wl: Workload, max_num_seqs: int = 32, systems
     check_block_size(engine_kw.get("block_size", 16))  # before the progress bar and the warm-up
     if engine_kw.get("attn_backend", "torch") not in BACKEND_NAMES:
         raise ValueError(f"attn_backend must be one of {BACKEND_NAMES}, got {engine_kw['attn_backend']!r}")
+    check_int("repeat", repeat)
     bar = None
     if progress:
         from tqdm.auto import tqdm  # optional: only for the progress bar
 
-        bar = tqdm(total=len(wl.prompts) * len(systems), desc="bench engine", unit="req", file=sys.stderr)
-    _warm_up(model, tokenizer, wl, systems)
-    out: dict = {}
+        bar = tqdm(total=len(wl.prompts) * len(systems) * repeat, desc="bench engine", unit="req", file=sys.stderr)
+    runs: dict[str, list[dict]] = {name: [] for name in systems}
     tokens: dict[str, list[list[int]]] = {}
-    for name in systems:
-        if bar is not None:
-            bar.set_postfix_str(name)
-        if name in PEER_SYSTEMS:
-            out[name], tokens[name] = run_vllm(model, wl, max_num_seqs, engine_kw.get("max_num_batched_tokens", 512),
-                                               engine_kw.get("enable_prefix_caching", True), eager=name == "vllm_eager")
-            if bar is not None:
-                bar.update(len(wl.prompts))
-        elif name.startswith("kvlab"):
-            out[name], _, tokens[name] = run_kvlab(model, tokenizer, wl, policy=name.removeprefix("kvlab_"),
-                                                   max_num_seqs=max_num_seqs, progress=bar, **engine_kw)
-        elif name == "hf_generate":
-            out[name] = run_hf_generate(model, tokenizer, wl, max_num_seqs, progress=bar)
-        else:
-            out[name] = run_hf_generate_batch(model, wl, max_num_seqs,
-                                              engine_kw.get("max_num_batched_tokens", 512), progress=bar)
+    with ExitStack() as stack:
+        # each peer engine starts once (its start-up is not timed) and then serves on command, so that
+        # with repeat > 1 the systems alternate run by run and a drifting machine slows them alike
+        sessions = {name: stack.enter_context(vllm_peer.PeerSession(
+            _peer_job(model, wl, max_num_seqs, engine_kw.get("max_num_batched_tokens", 512),
+                      engine_kw.get("enable_prefix_caching", True), eager=name == "vllm_eager"),
+            threads=torch.get_num_threads())) for name in systems if name in PEER_SYSTEMS}
+        _warm_up(model, tokenizer, wl, systems)
+        for _ in range(repeat):
+            for name in systems:
+                if bar is not None:
+                    bar.set_postfix_str(name)
+                toks = None
+                if name in PEER_SYSTEMS:
+                    row, toks = _vllm_row(sessions[name].serve(), eager=name == "vllm_eager")
+                    if bar is not None:
+                        bar.update(len(wl.prompts))
+                elif name.startswith("kvlab"):
+                    row, _, toks = run_kvlab(model, tokenizer, wl, policy=name.removeprefix("kvlab_"),
+                                             max_num_seqs=max_num_seqs, progress=bar, **engine_kw)
+                elif name == "hf_generate":
+                    row = run_hf_generate(model, tokenizer, wl, max_num_seqs, progress=bar)
+                else:
+                    row = run_hf_generate_batch(model, wl, max_num_seqs, engine_kw.get("max_num_batched_tokens", 512),
+                                                progress=bar)
+                runs[name].append(row)
+                if toks is not None:
+                    tokens.setdefault(name, toks)
     if bar is not None:
         bar.close()
+    out = {name: _median_run(rows) for name, rows in runs.items()}
+    if repeat > 1 and "kvlab_continuous" in runs:  # run by run, each system against the kvlab run beside it
+        for name, rows in runs.items():
+            paired = [r["output_tok_s"] / k["output_tok_s"] for r, k in zip(rows, runs["kvlab_continuous"])]
+            out[name]["throughput_vs_kvlab_paired"] = paired
+            out[name]["throughput_vs_kvlab_paired_median"] = percentile(paired, 50)
     if "kvlab_continuous" in tokens:
         for name in PEER_SYSTEMS:
             if name in tokens:
@@ -329,7 +367,7 @@ def bench_engine(model, tokenizer, wl: Workload, max_num_seqs: int = 32, systems
             row["throughput_vs_kvlab"] = row["output_tok_s"] / base["output_tok_s"]
             row["ttft_p50_vs_kvlab"] = row["ttft_p50_s"] / base["ttft_p50_s"]
             row["tpot_p50_vs_kvlab"] = row["tpot_p50_s"] / base["tpot_p50_s"]
-    res = {"systems": out, "skipped": skipped, "workload": wl.meta, "max_num_seqs": max_num_seqs,
+    res = {"systems": out, "skipped": skipped, "workload": wl.meta, "max_num_seqs": max_num_seqs, "repeat": repeat,
            "threads": torch.get_num_threads(), "device": str(next(model.parameters()).device), "cpu": cpu_name()}
     if base is not None:
         res["scheduler_overhead_share"] = base["scheduler_share"]

@@ -51,21 +51,26 @@ class PeerError(RuntimeError):
     """The peer ran and failed: the message ends with the tail of its output."""
 
 
-def run_worker(command: str, job: dict, timeout: float = 1800, threads: int | None = None) -> dict:
-    """Run ``vllm_worker.py command`` on ``job`` in the peer environment; its JSON result.
-
-    ``threads``: the CPU threads vLLM may use (kvlab's own ``torch.get_num_threads()`` for a fair race).
-    All of the machine's: vLLM's own default (its threads bound to the cores); fewer: unbound, that many."""
-    python = peer_python()
-    if python is None:
-        raise PeerError(HOW_TO_GET)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}  # nothing of kvlab's own env
+def _peer_env(threads: int | None) -> dict:
+    """The peer's environment: nothing of kvlab's Python settings, offline, and ``threads`` CPU threads
+    (kvlab's own ``torch.get_num_threads()`` for a fair race): all of the machine's -> vLLM's own default
+    (threads bound to the cores); fewer -> unbound, that many."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env.update(HF_HUB_OFFLINE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", TOKENIZERS_PARALLELISM="false")
     if threads is not None and threads < (os.cpu_count() or threads):
         env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(threads))
     elif threads is not None:
         env.pop("OMP_NUM_THREADS", None)
         env["VLLM_CPU_OMP_THREADS_BIND"] = "auto"
+    return env
+
+
+def run_worker(command: str, job: dict, timeout: float = 1800, threads: int | None = None) -> dict:
+    """Run ``vllm_worker.py command`` on ``job`` in the peer environment; its JSON result."""
+    python = peer_python()
+    if python is None:
+        raise PeerError(HOW_TO_GET)
+    env = _peer_env(threads)
     with tempfile.TemporaryDirectory(prefix="kvlab-vllm-") as tmp:
         job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_file.write_text(json.dumps(job))
@@ -79,16 +84,76 @@ def run_worker(command: str, job: dict, timeout: float = 1800, threads: int | No
     return result
 
 
-def serve(model_dir, prompts, output_lens, arrivals, *, max_num_seqs: int, max_num_batched_tokens: int,
-          enable_prefix_caching: bool = True, eager: bool = False, max_model_len: int = 2048,
-          threads: int | None = None) -> dict:
-    """The workload served by vLLM: per request its arrival, first-token and finish clock (seconds on
-    the peer's ``perf_counter``, ``t0`` its start) and greedy token ids."""
-    job = {"model": str(model_dir), "prompts": prompts, "output_lens": output_lens, "arrivals": arrivals,
-           "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-           "enable_prefix_caching": enable_prefix_caching, "enforce_eager": eager, "block_size": VLLM_BLOCK_SIZE,
-           "dtype": "float32", "max_model_len": max_model_len, "kv_cache_memory_bytes": 512 * 2**20}
-    return run_worker("serve", job, threads=threads)
+def serve_job(model_dir, prompts, output_lens, arrivals, *, max_num_seqs: int, max_num_batched_tokens: int,
+              enable_prefix_caching: bool = True, eager: bool = False, max_model_len: int = 2048) -> dict:
+    return {"model": str(model_dir), "prompts": prompts, "output_lens": output_lens, "arrivals": arrivals,
+            "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+            "enable_prefix_caching": enable_prefix_caching, "enforce_eager": eager, "block_size": VLLM_BLOCK_SIZE,
+            "dtype": "float32", "max_model_len": max_model_len, "kv_cache_memory_bytes": 512 * 2**20}
+
+
+def serve(model_dir, prompts, output_lens, arrivals, *, threads: int | None = None, **kw) -> dict:
+    """The workload served by vLLM once: per request its arrival, first-token and finish clock (seconds
+    on the peer's ``perf_counter``, ``t0`` its start) and greedy token ids. ``kw``: :func:`serve_job`'s."""
+    return run_worker("serve", serve_job(model_dir, prompts, output_lens, arrivals, **kw), threads=threads)
+
+
+class PeerSession:
+    """One vLLM engine started once and kept, serving the workload each time :meth:`serve` is called,
+    so kvlab can alternate its own runs with vLLM's in one benchmark (``kvlab bench engine --repeat``):
+    a machine whose speed drifts between minutes then slows both sides alike. Idle between calls
+    (vLLM's engine waits on its input queue). Use as a context manager."""
+
+    def __init__(self, job: dict, threads: int | None = None, timeout: float = 1800):
+        python = peer_python()
+        if python is None:
+            raise PeerError(HOW_TO_GET)
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvlab-vllm-")
+        self._dir, self._timeout, self._n = Path(self._tmp.name), timeout, 0
+        self._tail: list[str] = []
+        (self._dir / "job.json").write_text(json.dumps(job))
+        self._proc = subprocess.Popen([str(python), str(WORKER), "session", str(self._dir / "job.json"), str(self._dir)],
+                                      cwd=self._dir, env=_peer_env(threads), stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        try:
+            self._wait("KVLAB-READY")
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait(self, marker: str) -> None:
+        for line in self._proc.stdout:
+            if line.startswith(marker):
+                return
+            self._tail = (self._tail + [line.rstrip()])[-15:]
+        self._proc.wait(timeout=60)
+        raise PeerError(f"vLLM peer stopped (exit {self._proc.returncode}):\n" + "\n".join(self._tail))
+
+    def serve(self) -> dict:
+        """Serve the workload once more; the same result as :func:`serve`."""
+        self._proc.stdin.write("serve\n")
+        self._proc.stdin.flush()
+        self._wait(f"KVLAB-DONE {self._n}")
+        result = json.loads((self._dir / f"result-{self._n}.json").read_text())
+        self._n += 1
+        return result
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            try:
+                self._proc.stdin.write("quit\n")
+                self._proc.stdin.close()
+                self._proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self._proc.kill()
+                self._proc.wait()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> "PeerSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def read_scales(model_dir, prompts=(), max_tokens: int = 8, kv_cache_dtype: str = "auto") -> dict:
@@ -118,5 +183,6 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> list[int | 
     return out
 
 
-__all__ = ["VLLM_PIN", "HOW_TO_GET", "peer_python", "PeerError", "run_worker", "serve", "read_scales", "recorded",
+__all__ = ["VLLM_PIN", "HOW_TO_GET", "peer_python", "PeerError", "run_worker", "serve", "serve_job", "PeerSession",
+           "read_scales", "recorded",
            "agreement", "VLLM_BLOCK_SIZE"]

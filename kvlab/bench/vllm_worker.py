@@ -6,6 +6,7 @@ talks through two JSON files::
 
     .venv-vllm/bin/python kvlab/bench/vllm_worker.py serve  job.json result.json
     .venv-vllm/bin/python kvlab/bench/vllm_worker.py scales job.json result.json
+    .venv-vllm/bin/python kvlab/bench/vllm_worker.py session job.json out_dir   # serves on "serve" lines
 
 ``serve``: the workload as token ids, output lengths and arrival offsets, served by vLLM's engine
 stepped by hand (requests added when their arrival time comes, as kvlab's bench does), every
@@ -73,16 +74,17 @@ def _params(max_tokens, ignore_eos=True):
                           temperature=0.0, detokenize=False)
 
 
-def serve(job):
-    """Serve job["prompts"] with job["output_lens"] at job["arrivals"]; each request's tokens and clock."""
-    llm = _llm(job)
-    engine = llm.llm_engine
-    prompts, outs, arrivals = job["prompts"], job["output_lens"], job["arrivals"]
-    warm = job.get("warm_up", 2)  # one tiny run first, so no first-call set-up lands in the timing
-    for i in range(min(warm, len(prompts))):
+def _warm(engine, prompts, n=2):
+    """A tiny run first, so no first-call set-up lands in the timing."""
+    for i in range(min(n, len(prompts))):
         engine.add_request(f"warm{i}", {"prompt_token_ids": prompts[i]}, _params(2))
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def _serve_once(engine, job, tag=""):
+    """job["prompts"] with job["output_lens"] at job["arrivals"] through ``engine``, stepped by hand."""
+    prompts, outs, arrivals = job["prompts"], job["output_lens"], job["arrivals"]
     order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
     reqs = {}
     t0 = time.perf_counter()
@@ -90,11 +92,11 @@ def serve(job):
         while order and t0 + arrivals[order[0]] <= time.perf_counter():
             i = order.pop(0)
             reqs[i] = {"arrival": t0 + arrivals[i], "first_token": None, "finish": None, "token_ids": []}
-            engine.add_request(f"r{i}", {"prompt_token_ids": prompts[i]}, _params(outs[i]))
+            engine.add_request(f"{tag}r{i}", {"prompt_token_ids": prompts[i]}, _params(outs[i]))
         if engine.has_unfinished_requests():
             for out in engine.step():
                 now = time.perf_counter()
-                r = reqs[int(out.request_id[1:])]
+                r = reqs[int(out.request_id.rsplit("r", 1)[1])]
                 if out.outputs and out.outputs[0].token_ids:
                     if r["first_token"] is None:
                         r["first_token"] = now
@@ -103,8 +105,32 @@ def serve(job):
                     r["finish"] = now
         elif order:
             time.sleep(max(0.0, t0 + arrivals[order[0]] - time.perf_counter()))
-    rows = [dict(reqs[i], t0=t0) for i in sorted(reqs)]
-    return {"requests": rows, "vllm": _versions()}
+    return {"requests": [dict(reqs[i], t0=t0) for i in sorted(reqs)], "vllm": _versions()}
+
+
+def serve(job):
+    """Start vLLM, warm it up, serve the workload once; each request's tokens and clock."""
+    engine = _llm(job).llm_engine
+    _warm(engine, job["prompts"], job.get("warm_up", 2))
+    return _serve_once(engine, job)
+
+
+def session(job, out_dir):
+    """Start vLLM once, then serve the workload each time a line "serve" arrives on stdin (the result
+    into out_dir/result-N.json, then "KVLAB-DONE N" on stdout); "quit" or the end of stdin stops it.
+    kvlab alternates its own runs with these (``kvlab bench engine --repeat``)."""
+    engine = _llm(job).llm_engine
+    _warm(engine, job["prompts"], job.get("warm_up", 2))
+    print("KVLAB-READY", flush=True)
+    for n, line in enumerate(sys.stdin):
+        if line.strip() != "serve":
+            break
+        result = _serve_once(engine, job, tag=f"s{n}")
+        path = os.path.join(out_dir, f"result-{n}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(result, f)
+        os.replace(path + ".tmp", path)
+        print(f"KVLAB-DONE {n}", flush=True)
 
 
 def scales(job):
@@ -129,10 +155,13 @@ def _versions():
 
 
 def main(argv):
-    if len(argv) != 3 or argv[0] not in ("serve", "scales"):
-        raise SystemExit("usage: vllm_worker.py serve|scales JOB.json RESULT.json")
+    if len(argv) != 3 or argv[0] not in ("serve", "scales", "session"):
+        raise SystemExit("usage: vllm_worker.py serve|scales JOB.json RESULT.json, or session JOB.json OUT_DIR")
     with open(argv[1]) as f:
         job = json.load(f)
+    if argv[0] == "session":
+        session(job, argv[2])
+        return
     result = (serve if argv[0] == "serve" else scales)(job)
     with open(argv[2] + ".tmp", "w") as f:
         json.dump(result, f)

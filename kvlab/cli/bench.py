@@ -104,7 +104,8 @@ def _engine(args) -> int:
     systems = tuple(args.systems or ALL_SYSTEMS)
     res = bench_engine(model, tokenizer, wl, max_num_seqs=args.max_num_seqs, systems=systems,
                        progress=not args.json, block_size=args.block_size,
-                       max_num_batched_tokens=args.max_num_batched_tokens, attn_backend=args.attn_backend)
+                       max_num_batched_tokens=args.max_num_batched_tokens, attn_backend=args.attn_backend,
+                       repeat=args.repeat)
     if args.profile:
         res["profile"] = profile_engine(model, tokenizer, wl, max_num_seqs=args.max_num_seqs,
                                         block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -126,6 +127,14 @@ def _engine(args) -> int:
                      f"{c['packing_share']:.1%}, model forward {c['forward_share']:.1%}, sampling "
                      f"{c['sample_share']:.1%}; scheduler share in steps at max_num_seqs running: "
                      f"{c['scheduler_share_at_max_num_seqs']:.1%}")
+    if res["repeat"] > 1:
+        lines.append(f"{res['repeat']} runs each, the systems taking turns; rows are median runs. Each run against "
+                     "the kvlab continuous run beside it:")
+        for name, r in res["systems"].items():
+            if "throughput_vs_kvlab_paired" in r and name != "kvlab_continuous":
+                lines.append(f"  {name:<18} " + " ".join(f"{x:.2f}x" for x in r["throughput_vs_kvlab_paired"])
+                             + f"  (median {r['throughput_vs_kvlab_paired_median']:.2f}x; tok/s "
+                             + ", ".join(f"{x:.0f}" for x in r["output_tok_s_runs"]) + ")")
     for name, why in res["skipped"].items():
         lines.append(f"{name}: skipped: {why}")
     for name, r in res["systems"].items():

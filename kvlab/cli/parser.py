@@ -147,6 +147,8 @@ def _bench_options() -> argparse.ArgumentParser:
     s.add_argument("--attn-backend", default="torch", choices=ATTN_BACKENDS)
     s.add_argument("--systems", nargs="+", default=None, choices=BENCH_SYSTEMS,
                    help="engine: default all (vllm, vllm_eager: the peer of `make peer`, skipped without it)")
+    s.add_argument("--repeat", type=positive_int("--repeat"), default=1,
+                   help="engine: serve the workload this many times, the systems taking turns (medians; paired ratios)")
     s.add_argument("--profile", action="store_true",
                    help="engine: also profile kvlab continuous's steps (where a step's milliseconds go)")
     s.add_argument("--no-shared-prefix", action="store_true", help="engine: no shared system prompt")
