@@ -16,6 +16,15 @@ from kvlab.quant.rotation import rotate
 from kvlab.validate import cdiv, check_attention_features as check_features
 
 
+def _table_tensor(block_tables, n_blocks: int, device) -> torch.Tensor:
+    """Block tables as one (B, n_blocks) tensor of physical block ids, 0-padded, cut at n_blocks."""
+    table = torch.zeros((len(block_tables), n_blocks), dtype=torch.long)
+    for i, t in enumerate(block_tables):
+        t = t[:n_blocks]
+        table[i, :len(t)] = torch.as_tensor(t, dtype=torch.long)
+    return table.to(device)
+
+
 class DecodeIndex:
     """The block tables of one step's decode sequences as ONE tensor, built once and read by every
     layer: ``table`` (B, n_blocks) physical block ids (0-padded), ``valid`` (B, n_blocks * block_size)
@@ -31,11 +40,7 @@ class DecodeIndex:
         self._tables, self._lens, self._block_size, self._device = block_tables, list(seq_lens), block_size, device
         self._groups = None
         n_blocks = cdiv(max(seq_lens), block_size)
-        table = torch.zeros((self.num, n_blocks), dtype=torch.long)
-        for i, t in enumerate(block_tables):
-            t = t[:n_blocks]
-            table[i, :len(t)] = torch.as_tensor(t, dtype=torch.long)
-        self.table = table.to(device)
+        self.table = _table_tensor(block_tables, n_blocks, device)
         self.seq_lens = torch.as_tensor(seq_lens, dtype=torch.long, device=device)
         pos = torch.arange(n_blocks * block_size, device=device)
         self.valid = pos[None, :] < self.seq_lens[:, None]  # (B, n_blocks * block_size)
@@ -162,11 +167,7 @@ class PrefillIndex:
     def __init__(self, block_tables, seq_lens, query_lens, block_size: int, device="cpu"):
         self.num = len(block_tables)
         n_blocks = cdiv(max(seq_lens), block_size)
-        table = torch.zeros((self.num, n_blocks), dtype=torch.long)
-        for i, t in enumerate(block_tables):
-            t = t[:n_blocks]
-            table[i, :len(t)] = torch.as_tensor(t, dtype=torch.long)
-        self.table = table.to(device)
+        self.table = _table_tensor(block_tables, n_blocks, device)
         self.max_query_len = max(query_lens)
         lens = torch.as_tensor(seq_lens, dtype=torch.long)
         qlens = torch.as_tensor(query_lens, dtype=torch.long)

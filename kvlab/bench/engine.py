@@ -259,13 +259,6 @@ def _vllm_row(res: dict, eager: bool) -> tuple[dict, list[list[int]]]:
     return row, [r["token_ids"] for r in res["requests"]]
 
 
-def run_vllm(model, wl: Workload, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
-             enable_prefix_caching: bool = True, eager: bool = False) -> tuple[dict, list[list[int]]]:
-    """``wl`` served once by the peer vLLM (a subprocess, given kvlab's threads); its row and tokens."""
-    job = _peer_job(model, wl, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, eager)
-    return _vllm_row(vllm_peer.run_worker("serve", job, threads=torch.get_num_threads()), eager)
-
-
 def _warm_up(model, tokenizer, wl: Workload, systems) -> None:
     """One tiny run of each system first, so no system pays for first-call set-up in the timing."""
     small = Workload(wl.prompts[:2], [2, 2], [0.0, 0.0])
