@@ -269,6 +269,33 @@ def test_prepacked_weights_change_no_token_and_leave_the_model_as_it_was(tiny):
         LLM(model, tok, num_blocks=8, prepack_weights="yes")
 
 
+def test_fused_siblings_give_each_layer_its_own_product(tiny):
+    """q/k/v and gate/up packed as one weight: each sibling called with the shared input gets exactly
+    its own slice; a sibling called with another input still multiplies that input (one GEMM again)."""
+    from kvlab.engine.prepack import PrepackedLinears, prepack_available
+
+    model, _ = tiny
+    if not prepack_available(model):
+        pytest.skip("no oneDNN on this build: nothing is packed")
+    pl = PrepackedLinears(model)
+    attn = next(m for m in model.modules() if hasattr(m, "q_proj"))
+    mlp = next(m for m in model.modules() if hasattr(m, "gate_proj"))
+    assert len(pl.fused) == 2 * model.config.num_hidden_layers
+    assert {id(m) for m in pl.modules} >= {id(attn.k_proj), id(mlp.up_proj)}
+    x, other = torch.randn(5, attn.q_proj.in_features), torch.randn(5, attn.q_proj.in_features)
+    lin = torch.nn.functional.linear
+    with pl.active(), torch.inference_mode():
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        k_other = attn.k_proj(other)  # not the input the group multiplied last
+        g, u = mlp.gate_proj(x), mlp.up_proj(x)
+        v_again = attn.v_proj(x)  # a slice is handed out once; a second call multiplies again
+    for out, m, inp in ((q, attn.q_proj, x), (k, attn.k_proj, x), (v, attn.v_proj, x), (k_other, attn.k_proj, other),
+                        (g, mlp.gate_proj, x), (u, mlp.up_proj, x), (v_again, attn.v_proj, x)):
+        assert out.shape == (5, m.out_features)
+        assert torch.allclose(out, lin(inp, m.weight, m.bias), atol=1e-5)
+    assert all(f.outs is None for f in pl.fused)  # no activation kept past the forward
+
+
 def test_step_profile_parts_add_up(tiny):
     """kvlab bench engine --profile: every part of a step measured, the shares adding up to one."""
     from kvlab.bench.profile import PARTS, format_profile, profile_steps

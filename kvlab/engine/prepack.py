@@ -8,10 +8,17 @@ every call; oneDNN can reorder a weight ONCE into the blocked layout its small-r
 SmolLM2's shapes on 2 cores this makes the model's GEMMs 2-3x faster at 16 rows, for one extra copy of
 the weights (the packed one).
 
+Sibling layers that read the same input (an attention's ``q_proj``, ``k_proj``, ``v_proj``; an MLP's
+``gate_proj``, ``up_proj``) are packed as ONE weight, their rows stacked, and multiplied in one GEMM on
+the first call; the others get their slice of its output when they are called with the same input
+tensor (vLLM's ``QKVParallelLinear`` and ``MergedColumnParallelLinear`` stack them the same way). Seven
+GEMMs a layer become four, and the narrow ones (SmolLM2's K/V projections are 192 wide) stop paying a
+whole call each.
+
 The model stays unmodified: :meth:`PrepackedLinears.active` points each ``nn.Linear``'s ``forward``
 at its packed weight for the duration of one engine forward and restores it afterwards, so the same
 model object keeps serving HF ``generate()`` as before. A weight changed in place after packing
-(its tensor ``_version`` moves) or replaced is packed again at its next call.
+(its tensor ``_version`` moves) or replaced is packed again when the next forward begins.
 """
 
 from __future__ import annotations
@@ -42,13 +49,89 @@ class _Packed:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
         self.weight, self.version = w, w._version
 
+    def refresh(self, batch_hint: int) -> None:
+        """Pack again if the weight was replaced or changed in place since it was packed."""
+        w = self.module.weight
+        if w is not self.weight or w._version != self.version:
+            self.pack(batch_hint)
+
     def forward(self, x: torch.Tensor, batch_hint: int) -> torch.Tensor:
         w = self.module.weight
-        if w is not self.weight or w._version != self.version:  # changed since it was packed
-            self.pack(batch_hint)
         if x.dtype != torch.float32 or x.device.type != "cpu":
             return nn.functional.linear(x, w, self.module.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.module.bias, "none", [], "")
+
+
+#: sibling linear layers that read one input, packed and multiplied together (:class:`_Fused`)
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class _Fused:
+    """Sibling linear layers that read the same input, their weights stacked into ONE packed weight.
+
+    The first member called with an input tensor runs the one GEMM and keeps its output's slices;
+    a sibling called with that same tensor (same object, not changed in place since) gets its slice;
+    a call with any other input runs the one GEMM again on it, so a model that feeds siblings
+    different inputs stays right (and pays for the stacked rows it throws away)."""
+
+    __slots__ = ("modules", "state", "packed", "bias", "sizes", "x", "x_version", "outs")
+
+    def __init__(self, modules: list[nn.Linear], batch_hint: int):
+        self.modules = modules
+        self.sizes = [m.out_features for m in modules]
+        self.pack(batch_hint)
+
+    def pack(self, batch_hint: int) -> None:
+        ms = self.modules
+        with torch.no_grad():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([m.weight.detach() for m in ms]), batch_hint)
+            self.bias = None if ms[0].bias is None else torch.cat([m.bias.detach() for m in ms])
+        self.state = self._state()
+        self.forget()
+
+    def _state(self) -> list:
+        return [(m.weight, m.weight._version, m.bias, None if m.bias is None else m.bias._version) for m in self.modules]
+
+    def refresh(self, batch_hint: int) -> None:
+        """Pack again if a weight or bias was replaced or changed in place since it was packed."""
+        if any(a is not b or va != vb or c is not d or vc != vd
+               for (a, va, c, vc), (b, vb, d, vd) in zip(self._state(), self.state)):
+            self.pack(batch_hint)
+
+    def forget(self) -> None:
+        self.x, self.x_version, self.outs = None, None, None
+
+    def forward(self, i: int, x: torch.Tensor, batch_hint: int) -> torch.Tensor:
+        m = self.modules[i]
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            return nn.functional.linear(x, m.weight, m.bias)
+        if self.outs is not None and x is self.x and _version(x) == self.x_version and self.outs[i] is not None:
+            out, self.outs[i] = self.outs[i], None  # each sibling takes its slice once
+            return out
+        y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        outs = list(y.split(self.sizes, dim=-1))
+        out, outs[i] = outs[i], None
+        self.x, self.x_version, self.outs = x, _version(x), outs
+        return out
+
+
+def _version(x: torch.Tensor) -> int | None:
+    """In-place changes seen so far (None for an inference-mode tensor, which keeps no count)."""
+    return None if x.is_inference() else x._version
+
+
+def _fused_groups(model) -> list[list[nn.Linear]]:
+    """Each parent's children named as one of :data:`FUSED_GROUPS`, where all are plain fp32 ``nn.Linear``
+    of one input width with bias on all or none."""
+    groups = []
+    for parent in model.modules():
+        for names in FUSED_GROUPS:
+            ms = [getattr(parent, n, None) for n in names]
+            if not all(isinstance(m, nn.Linear) and "forward" not in m.__dict__ for m in ms):
+                continue
+            if len({m.in_features for m in ms}) == 1 and len({m.bias is None for m in ms}) == 1:
+                groups.append(ms)
+    return groups
 
 
 class PrepackedLinears:
@@ -58,12 +141,15 @@ class PrepackedLinears:
     count works. Where :func:`prepack_available` is False this holds nothing and :meth:`active` does
     nothing. A module that already carries its own ``forward`` (a hook library's) is left alone."""
 
-    def __init__(self, model, batch_hint: int = 16):
+    def __init__(self, model, batch_hint: int = 16, fuse: bool = True):
         self.batch_hint = max(1, int(batch_hint))
         self.entries: list[_Packed] = []
+        self.fused: list[_Fused] = []
         if model is not None and prepack_available(model):
+            self.fused = [_Fused(ms, self.batch_hint) for ms in _fused_groups(model)] if fuse else []
+            in_group = {id(m) for f in self.fused for m in f.modules}
             self.entries = [_Packed(m, self.batch_hint) for m in model.modules()
-                            if isinstance(m, nn.Linear) and "forward" not in m.__dict__]
+                            if isinstance(m, nn.Linear) and "forward" not in m.__dict__ and id(m) not in in_group]
 
     @classmethod
     def empty(cls) -> "PrepackedLinears":
@@ -73,19 +159,32 @@ class PrepackedLinears:
     @property
     def nbytes(self) -> int:
         """Bytes of the packed copies (the extra memory this costs)."""
-        return sum(e.packed.numel() * e.packed.element_size() for e in self.entries)
+        return sum(e.packed.numel() * e.packed.element_size() for e in [*self.entries, *self.fused])
+
+    @property
+    def modules(self) -> list[nn.Linear]:
+        """Every linear layer that multiplies by a packed weight (alone or in a fused group)."""
+        return [e.module for e in self.entries] + [m for f in self.fused for m in f.modules]
 
     def __len__(self) -> int:
-        return len(self.entries)
+        """Linear layers packed (alone or in a fused group)."""
+        return len(self.entries) + sum(len(f.modules) for f in self.fused)
 
     @contextmanager
     def active(self):
         """Within: each packed module's forward multiplies by its packed weight; after: as it was."""
         hint = self.batch_hint
+        for e in [*self.entries, *self.fused]:  # weights do not change inside a forward: checked once here
+            e.refresh(hint)
         for e in self.entries:
             e.module.forward = lambda x, e=e: e.forward(x, hint)
+        for f in self.fused:
+            for i, m in enumerate(f.modules):
+                m.forward = lambda x, f=f, i=i: f.forward(i, x, hint)
         try:
             yield
         finally:
-            for e in self.entries:
-                e.module.__dict__.pop("forward", None)
+            for m in self.modules:
+                m.__dict__.pop("forward", None)
+            for f in self.fused:
+                f.forget()  # no activation kept past the forward
