@@ -507,3 +507,28 @@ def test_preemption_takes_the_most_recently_admitted_and_requeues_it_first():
     assert b.status.value == "preempted" and b.num_computed_tokens == 0 and b.token_ids[-1] == 7
     assert [(e.seq_id, e.action) for e in s.trace if e.action == "preempted"] == [(1, "preempted")]
     bm.check_invariants()
+
+
+def test_the_recorded_vllm_run_is_whole_and_its_note_says_what_it_holds():
+    """kvlab/bench/vllm_recorded.json (notebook 04 reads it where there is no peer): both seat counts, all
+    six systems, medians of the runs, a profile whose parts add up, and a note whose ratios are the data's."""
+    import re
+
+    from kvlab.bench.engine import ALL_SYSTEMS
+    from kvlab.bench.profile import PARTS
+    from kvlab.bench.vllm_peer import recorded
+
+    rec = recorded()
+    assert set(rec["seats"]) == {"16", "64"} and rec["machine"] and rec["date"]
+    for n, res in rec["seats"].items():
+        assert res["max_num_seqs"] == int(n) and set(res["systems"]) == set(ALL_SYSTEMS)
+        for row in res["systems"].values():
+            runs = row["output_tok_s_runs"]
+            assert len(runs) == res["repeat"] and row["output_tok_s"] == sorted(runs)[len(runs) // 2]
+        p = res["profile"]
+        assert set(p["ms_per_step"]) == set(PARTS) and abs(sum(p["share"].values()) - 1) < 1e-9
+    # "kvlab continuous against vLLM compiled: 1.01x (16 seats) and 1.03x (64)": kvlab / vLLM, paired medians
+    said = re.search(r"against vLLM compiled: ([\d.]+)x \(16 seats\) and ([\d.]+)x \(64\)", rec["note"])
+    assert said, rec["note"]
+    for n, text in zip(("16", "64"), said.groups()):
+        assert text == f"{1 / rec['seats'][n]['systems']['vllm']['throughput_vs_kvlab_paired_median']:.2f}"

@@ -257,6 +257,19 @@ def test_bench_engine_without_the_vllm_peer_says_how_to_get_it(capsys, monkeypat
     assert "nothing to run" in capsys.readouterr().err
 
 
+def test_bench_engine_when_the_vllm_peer_fails_says_so_with_its_output(capsys, monkeypatch, tmp_path):
+    """A peer that starts and dies: exit status 1 (not bad input, not a traceback) and the tail of its output."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'ImportError: no module named vllm' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("KVLAB_VLLM_PYTHON", str(fake))
+    monkeypatch.setattr("kvlab.bench.engine.model_folder", lambda model: str(tmp_path))  # the tiny model has none
+    assert main(["bench", "engine", "--model", "tiny", "--num-requests", "3", "--max-num-seqs", "2", "--scale", "0.05",
+                 "--systems", "kvlab_continuous", "vllm_eager"]) == 1
+    err = capsys.readouterr().err
+    assert "kvlab: vLLM peer stopped (exit 3):" in err and "no module named vllm" in err and "Traceback" not in err
+
+
 def test_bench_engine_repeat_takes_turns_and_reports_medians(capsys):
     assert main(["bench", "engine", "--model", "tiny", "--num-requests", "3", "--max-num-seqs", "2", "--scale", "0.05",
                  "--systems", "kvlab_continuous", "kvlab_static", "--repeat", "3", "--json"]) == 0

@@ -23,7 +23,8 @@ one JSON object on stdout instead of a table):
 The parser is ``kvlab.cli.parser``; each subcommand's handler ``cmd_<name>(args) -> int`` lives in
 the module ``parser.COMMAND_MODULES`` names (``info``, ``generate``, ``bench``, ``quant``, ``export``,
 ``claims``). Bad input goes to stderr as one ``kvlab: error: ...`` line with exit status 2, so
-scripts (and the tests) can tell bad input from a crash; Ctrl-C exits with 130.
+scripts (and the tests) can tell bad input from a crash; the vLLM peer failing exits with 1 and the tail
+of its output; Ctrl-C exits with 130.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from kvlab.bench.vllm_peer import PeerError
 from kvlab.cache import OutOfBlocksError
 from kvlab.env import silence_known_warnings
 from kvlab.cli.common import CLIError
@@ -50,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CLIError, ValueError, TypeError, OSError, OutOfBlocksError) as e:
         print(f"kvlab: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except PeerError as e:  # the vLLM peer ran and failed: not bad input; its output's tail says why
+        print(f"kvlab: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # Ctrl-C: what kvlab writes is atomic, so nothing is left half-done
         print("kvlab: interrupted", file=sys.stderr)
         return 130
