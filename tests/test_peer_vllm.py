@@ -69,6 +69,26 @@ def test_vllm_fp8_tokens_with_kvlab_scales_match_kvlab_fp8(bridge):
     assert equal >= 0.6 * sum(map(len, ours)), (diff, theirs, ours)
 
 
+def test_vllm_uses_the_scales_it_holds(bridge, smollm2, tmp_path):
+    """The control: the same export with every scale 16x too small (K/V saturate at e4m3's 448). If vLLM
+    only held the scales and did not use them, its tokens would not move; they must, on most prompts."""
+    from safetensors.torch import load_file, save_file
+
+    from kvlab.export import SCALES_FILE, servable_folder
+
+    if bridge["strategy"] != "tensor":
+        pytest.skip("one control is enough: the per-tensor export")
+    model, tok = smollm2
+    folder = servable_folder(tmp_path / "scales-off", model.config._name_or_path, strategy="tensor", model=model,
+                             tokenizer=tok)
+    scales = load_file(str(folder / SCALES_FILE))
+    save_file({k: v / 16 for k, v in scales.items()}, str(folder / SCALES_FILE))
+    off = vllm_peer.read_scales(folder, [tok.encode(p) for p in PROMPTS], max_tokens=8)
+    assert off["layers"][0]["k_scale"] == [x / 16 for x in bridge["vllm"]["layers"][0]["k_scale"]]
+    moved = [d for d in vllm_peer.agreement(bridge["vllm"]["token_ids"], off["token_ids"]) if d is not None]
+    assert len(moved) >= 2, (off["token_ids"], bridge["vllm"]["token_ids"])
+
+
 def test_bench_engine_vllm_eager_serves_the_same_workload(smollm2):
     model, tok = smollm2
     wl = make_workload(tok, n=6, seed=3, scale=0.1)
