@@ -4,7 +4,7 @@ kvlab never imports vLLM (it pins another transformers). ``make peer`` puts it i
 environment (``.venv-vllm`` beside the project, or ``$KVLAB_VLLM_PYTHON``), and this module runs
 :mod:`kvlab.bench.vllm_worker` there as a subprocess, handing the job over as a JSON file:
 
-* :func:`serve` -> the ``vllm`` / ``vllm_eager`` systems of ``kvlab bench engine``: the identical
+* :class:`PeerSession` -> the ``vllm`` / ``vllm_eager`` systems of ``kvlab bench engine``: the identical
   workload (token ids, output lengths, arrival offsets), seats, token budget and prefix caching;
 * :func:`read_scales` -> the bridge (tests/test_peer_vllm.py, notebook 06): open a folder made by
   ``kvlab export-vllm`` in vLLM and read back what its attention layers hold.
@@ -65,12 +65,16 @@ def _peer_env(threads: int | None) -> dict:
     return env
 
 
-def run_worker(command: str, job: dict, timeout: float = 1800, threads: int | None = None) -> dict:
-    """Run ``vllm_worker.py command`` on ``job`` in the peer environment; its JSON result."""
+def _python() -> Path:
     python = peer_python()
     if python is None:
         raise PeerError(HOW_TO_GET)
-    env = _peer_env(threads)
+    return python
+
+
+def run_worker(command: str, job: dict, timeout: float = 1800, threads: int | None = None) -> dict:
+    """Run ``vllm_worker.py command`` on ``job`` in the peer environment; its JSON result."""
+    python, env = _python(), _peer_env(threads)
     with tempfile.TemporaryDirectory(prefix="kvlab-vllm-") as tmp:
         job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_file.write_text(json.dumps(job))
@@ -86,16 +90,11 @@ def run_worker(command: str, job: dict, timeout: float = 1800, threads: int | No
 
 def serve_job(model_dir, prompts, output_lens, arrivals, *, max_num_seqs: int, max_num_batched_tokens: int,
               enable_prefix_caching: bool = True, eager: bool = False, max_model_len: int = 2048) -> dict:
+    """The job a :class:`PeerSession` serves: the workload and the engine settings, fp32, block size 32."""
     return {"model": str(model_dir), "prompts": prompts, "output_lens": output_lens, "arrivals": arrivals,
             "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
             "enable_prefix_caching": enable_prefix_caching, "enforce_eager": eager, "block_size": VLLM_BLOCK_SIZE,
             "dtype": "float32", "max_model_len": max_model_len, "kv_cache_memory_bytes": 512 * 2**20}
-
-
-def serve(model_dir, prompts, output_lens, arrivals, *, threads: int | None = None, **kw) -> dict:
-    """The workload served by vLLM once: per request its arrival, first-token and finish clock (seconds
-    on the peer's ``perf_counter``, ``t0`` its start) and greedy token ids. ``kw``: :func:`serve_job`'s."""
-    return run_worker("serve", serve_job(model_dir, prompts, output_lens, arrivals, **kw), threads=threads)
 
 
 class PeerSession:
@@ -104,12 +103,10 @@ class PeerSession:
     a machine whose speed drifts between minutes then slows both sides alike. Idle between calls
     (vLLM's engine waits on its input queue). Use as a context manager."""
 
-    def __init__(self, job: dict, threads: int | None = None, timeout: float = 1800):
-        python = peer_python()
-        if python is None:
-            raise PeerError(HOW_TO_GET)
+    def __init__(self, job: dict, threads: int | None = None):
+        python = _python()
         self._tmp = tempfile.TemporaryDirectory(prefix="kvlab-vllm-")
-        self._dir, self._timeout, self._n = Path(self._tmp.name), timeout, 0
+        self._dir, self._n = Path(self._tmp.name), 0
         self._tail: list[str] = []
         (self._dir / "job.json").write_text(json.dumps(job))
         self._proc = subprocess.Popen([str(python), str(WORKER), "session", str(self._dir / "job.json"), str(self._dir)],
@@ -130,7 +127,8 @@ class PeerSession:
         raise PeerError(f"vLLM peer stopped (exit {self._proc.returncode}):\n" + "\n".join(self._tail))
 
     def serve(self) -> dict:
-        """Serve the workload once more; the same result as :func:`serve`."""
+        """Serve the workload once more: per request its arrival, first-token and finish clock (seconds on
+        the peer's ``perf_counter``, ``t0`` its start) and greedy token ids."""
         self._proc.stdin.write("serve\n")
         self._proc.stdin.flush()
         self._wait(f"KVLAB-DONE {self._n}")
@@ -183,6 +181,6 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> list[int | 
     return out
 
 
-__all__ = ["VLLM_PIN", "HOW_TO_GET", "peer_python", "PeerError", "run_worker", "serve", "serve_job", "PeerSession",
+__all__ = ["VLLM_PIN", "HOW_TO_GET", "peer_python", "PeerError", "run_worker", "serve_job", "PeerSession",
            "read_scales", "recorded",
            "agreement", "VLLM_BLOCK_SIZE"]

@@ -4,13 +4,13 @@ the PEER environment's Python (``make peer``: ``.venv-vllm``), never imported by
 It imports nothing from kvlab (the peer environment has vLLM's own transformers, not the lab's) and
 talks through two JSON files::
 
-    .venv-vllm/bin/python kvlab/bench/vllm_worker.py serve  job.json result.json
-    .venv-vllm/bin/python kvlab/bench/vllm_worker.py scales job.json result.json
     .venv-vllm/bin/python kvlab/bench/vllm_worker.py session job.json out_dir   # serves on "serve" lines
+    .venv-vllm/bin/python kvlab/bench/vllm_worker.py scales  job.json result.json
 
-``serve``: the workload as token ids, output lengths and arrival offsets, served by vLLM's engine
-stepped by hand (requests added when their arrival time comes, as kvlab's bench does), every
-request's greedy tokens and clock (arrival, first token, finish) written back. ``scales``: open a
+``session``: start vLLM once; on each "serve" line, the workload as token ids, output lengths and
+arrival offsets, served by vLLM's engine stepped by hand (requests added when their arrival time
+comes, as kvlab's bench does), every request's greedy tokens and clock (arrival, first token,
+finish) written back. ``scales``: open a
 model folder, read every attention layer's ``kv_cache_dtype`` / ``_k_scale`` / ``_v_scale`` inside
 vLLM's worker (``LLM.apply_model``), and greedy-decode a few prompts. :mod:`kvlab.bench.vllm_peer` is
 kvlab's half.
@@ -108,13 +108,6 @@ def _serve_once(engine, job, tag=""):
     return {"requests": [dict(reqs[i], t0=t0) for i in sorted(reqs)], "vllm": _versions()}
 
 
-def serve(job):
-    """Start vLLM, warm it up, serve the workload once; each request's tokens and clock."""
-    engine = _llm(job).llm_engine
-    _warm(engine, job["prompts"], job.get("warm_up", 2))
-    return _serve_once(engine, job)
-
-
 def session(job, out_dir):
     """Start vLLM once, then serve the workload each time a line "serve" arrives on stdin (the result
     into out_dir/result-N.json, then "KVLAB-DONE N" on stdout); "quit" or the end of stdin stops it.
@@ -155,14 +148,14 @@ def _versions():
 
 
 def main(argv):
-    if len(argv) != 3 or argv[0] not in ("serve", "scales", "session"):
-        raise SystemExit("usage: vllm_worker.py serve|scales JOB.json RESULT.json, or session JOB.json OUT_DIR")
+    if len(argv) != 3 or argv[0] not in ("scales", "session"):
+        raise SystemExit("usage: vllm_worker.py scales JOB.json RESULT.json, or session JOB.json OUT_DIR")
     with open(argv[1]) as f:
         job = json.load(f)
     if argv[0] == "session":
         session(job, argv[2])
         return
-    result = (serve if argv[0] == "serve" else scales)(job)
+    result = scales(job)
     with open(argv[2] + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(argv[2] + ".tmp", argv[2])

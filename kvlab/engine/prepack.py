@@ -141,12 +141,12 @@ class PrepackedLinears:
     count works. Where :func:`prepack_available` is False this holds nothing and :meth:`active` does
     nothing. A module that already carries its own ``forward`` (a hook library's) is left alone."""
 
-    def __init__(self, model, batch_hint: int = 16, fuse: bool = True):
+    def __init__(self, model, batch_hint: int = 16):
         self.batch_hint = max(1, int(batch_hint))
         self.entries: list[_Packed] = []
         self.fused: list[_Fused] = []
         if model is not None and prepack_available(model):
-            self.fused = [_Fused(ms, self.batch_hint) for ms in _fused_groups(model)] if fuse else []
+            self.fused = [_Fused(ms, self.batch_hint) for ms in _fused_groups(model)]
             in_group = {id(m) for f in self.fused for m in f.modules}
             self.entries = [_Packed(m, self.batch_hint) for m in model.modules()
                             if isinstance(m, nn.Linear) and "forward" not in m.__dict__ and id(m) not in in_group]
