@@ -9,7 +9,9 @@ package, which transformers probes for.
 | `pool.py`     | a pool's K or V as the kernels see it (data, format, scales)                |
 | `write.py`    | quantize-on-write: new K/V -> their slots, round half to even, counters     |
 | `decode.py`   | paged decode attention: block-table walk, online softmax, GQA, fused dequant, split-KV |
-| `traffic.py`  | bytes per launch, predicted and counted; projections per GPU                |
+| `convert.py`  | the conversion variants (cast, magic number, prmt, bf16, int8 dot) and their bit-exact Python replicas |
+| `traffic.py`  | bytes per launch, predicted and counted; operations per launch by pipe; projections per GPU |
+| `ptx.py`      | the decode kernel compiled for sm_90 without a GPU: the instructions each variant becomes |
 | `bench_h200.json` | one ``kvlab bench kernels`` run on an H200 (the benchmark: `kvlab/bench/kernels.py`) |
 
 Every kernel runs compiled on a GPU and interpreted on the CPU (``TRITON_INTERPRET=1``). PyPI has
@@ -102,7 +104,7 @@ def skip_cells_without_triton(shell=None) -> bool:
 # The kernels import triton; the byte model (``traffic``) and the operand descriptions do not, so a
 # machine without triton (macOS) can still draw the bandwidth story. Kernel names load on first use.
 _LAZY = {
-    "paged_decode": "decode", "online_softmax_update": "decode",
+    "paged_decode": "decode", "online_softmax_update": "decode", "convert_all_values": "decode",
     "write_kv": "write", "round_half_even": "write", "cast_demo": "write",
     "Operand": "pool", "KERNEL_FORMATS": "pool",
 }
@@ -113,7 +115,7 @@ def __getattr__(name):
 
     if name in _LAZY:
         return getattr(importlib.import_module(f"kvlab.kernels.{_LAZY[name]}"), name)
-    if name in ("traffic", "decode", "write", "pool"):
+    if name in ("traffic", "decode", "write", "pool", "convert", "ptx"):
         return importlib.import_module(f"kvlab.kernels.{name}")
     raise AttributeError(f"module 'kvlab.kernels' has no attribute {name!r}")
 

@@ -47,6 +47,7 @@ require_triton("kvlab.kernels.decode")  # where triton is missing (macOS, Window
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from kvlab.kernels import convert as C
 from kvlab.kernels import pool as O
 from kvlab.kernels import triton_mode
 from kvlab.kernels.pool import Operand
@@ -54,6 +55,30 @@ from kvlab.kernels.pool import Operand
 # format and scale codes as compile-time constants: a @triton.jit function reads globals only as tl.constexpr
 FLOAT, INT8, INT4 = tl.constexpr(O.FLOAT), tl.constexpr(O.INT8), tl.constexpr(O.INT4)
 NO_SCALE, STATIC, PER_SLOT = tl.constexpr(O.NO_SCALE), tl.constexpr(O.STATIC), tl.constexpr(O.PER_SLOT)
+# how stored integers become matmul operands (kvlab.kernels.convert): RAW = not at all (dot8's K, int8 x int8 dot)
+CAST, MAGIC, PRMT, RAW = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+_CONVERT_CODES = {"cast": (0, 0), "magic": (1, 1), "prmt": (2, 2), "bf16": (0, 0), "dot8": (3, 1)}  # (K, V)
+
+
+@triton.jit
+def int8_magic(u):
+    """int8 values stored as bytes ``u`` (a uint8 view) -> fp16 without a conversion instruction: the
+    byte ``u ^ 0x80`` (= x + 128) becomes the low mantissa byte of 1024.0 (0x6400), then 1152 goes."""
+    h = ((u ^ 0x80).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)  # 1024 + x + 128, exact
+    return h - 1152.0  # stays fp16: x exactly
+
+
+@triton.jit
+def int8_prmt(x):
+    """int8 -> fp16 four values at a time in inline PTX (:data:`kvlab.kernels.convert.PRMT_ASM`):
+    compiled GPUs only; :func:`kvlab.kernels.convert.prmt_replica` replays it on the CPU."""
+    return tl.inline_asm_elementwise(C.PRMT_ASM, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def int4_magic(n):
+    """int4 nibbles n = q + 8 (uint8, 0..15) -> q as fp16: 0x6400 | n is 1024 + n, then 1032 goes."""
+    return (n.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
 
 
 @triton.jit
@@ -97,10 +122,13 @@ def soft_cap(s, cap):
 def _load_pages(ptr, scale_ptr, blk, offs_t, tok_mask, head,
                 s_blk, s_tok, s_head, c_blk, c_tok, c_head, c_grp,
                 FMT: tl.constexpr, SCALE: tl.constexpr, PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, DTYPE: tl.constexpr):
+                HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, DTYPE: tl.constexpr, CONVERT: tl.constexpr):
     """PAGES pages of one KV head -> (PAGES * BLOCK_SIZE, D) values in DTYPE (the matmul dtype) and
     (PAGES * BLOCK_SIZE,) fp32 per-slot scales still to apply (1.0 where there are none or they were
-    applied here). int8 values widen straight to DTYPE: every int8 is exact in fp16 and bf16.
+    applied here). int8 values become DTYPE as CONVERT says (every int8 is exact in fp16 and bf16):
+    CAST widens them, MAGIC and PRMT go through fp16 bits (``ptr`` then holds the bytes as uint8 for
+    MAGIC), RAW leaves them int8 for an integer dot. int4: CAST widens through fp32, MAGIC/PRMT
+    through fp16 bits with the group scales rounded to fp16 (the product is rounded once either way).
 
     blk (PAGES,) int64 block ids; offs_t (BLOCK_SIZE,) offsets in a block; tok_mask (PAGES, BLOCK_SIZE).
     """
@@ -110,20 +138,31 @@ def _load_pages(ptr, scale_ptr, blk, offs_t, tok_mask, head,
     if FMT == INT4:
         offs_j = tl.arange(0, HEAD_DIM // 2)  # packed bytes: channel 2j in the low nibble, 2j+1 in the high
         packed = tl.load(ptr + base[:, :, None] + offs_j[None, None, :], mask=tok_mask[:, :, None], other=0)
-        lo = (packed & 0x0F).to(tl.float32)
-        hi = (packed >> 4).to(tl.float32)
-        x = tl.reshape(tl.interleave(lo, hi), (N, HEAD_DIM)) - 8.0  # symmetric: stored q + 8
+        if CONVERT == CAST:
+            lo = (packed & 0x0F).to(tl.float32)
+            hi = (packed >> 4).to(tl.float32)
+            x = tl.reshape(tl.interleave(lo, hi), (N, HEAD_DIM)) - 8.0  # symmetric: stored q + 8
+        else:
+            x = tl.reshape(tl.interleave(int4_magic(packed & 0x0F), int4_magic(packed >> 4)), (N, HEAD_DIM))
         NG: tl.constexpr = HEAD_DIM // GROUP_SIZE
         offs_g = tl.arange(0, NG)
         sbase = blk[:, None] * c_blk + offs_t[None, :] * c_tok + head * c_head  # (PAGES, BS)
         gs = tl.load(scale_ptr + sbase[:, :, None] + offs_g[None, None, :] * c_grp, mask=tok_mask[:, :, None],
                      other=0.0)
         gs = tl.reshape(gs, (N, NG))
+        if CONVERT != CAST:
+            gs = gs.to(tl.float16)  # fp16 x fp16: no value is widened
         x = tl.reshape(tl.reshape(x, (N, NG, GROUP_SIZE)) * gs[:, :, None], (N, HEAD_DIM)).to(DTYPE)  # group scales
     else:
         offs_d = tl.arange(0, HEAD_DIM)
         x = tl.load(ptr + base[:, :, None] + offs_d[None, None, :], mask=tok_mask[:, :, None], other=0)
-        x = tl.reshape(x.to(DTYPE), (N, HEAD_DIM))  # int8 -> DTYPE in registers
+        if FMT == INT8 and CONVERT == MAGIC:
+            x = int8_magic(x)
+        elif FMT == INT8 and CONVERT == PRMT:
+            x = int8_prmt(x)
+        if CONVERT != RAW:
+            x = x.to(DTYPE)  # int8 (CAST) or exact fp16 values -> DTYPE in registers
+        x = tl.reshape(x, (N, HEAD_DIM))
         if SCALE == PER_SLOT:
             sc = tl.load(scale_ptr + blk[:, None] * c_blk + offs_t[None, :] * c_tok + head * c_head, mask=tok_mask,
                          other=0.0)
@@ -148,6 +187,7 @@ def _paged_decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
     QPP: tl.constexpr, QPP_PAD: tl.constexpr, GQA: tl.constexpr, HAS_OWN: tl.constexpr, SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    K_CONVERT: tl.constexpr, V_CONVERT: tl.constexpr,
 ):
     b = tl.program_id(0)
     pid_h = tl.program_id(1)  # a KV head (grouped) or a query head (QPP == 1)
@@ -166,6 +206,10 @@ def _paged_decode_kernel(
     q_pool = q * sm_scale
     if K_SCALE == STATIC:  # fold the K scale into q once: (q * s_k) . k_int8 == q . (s_k * k_int8)
         q_pool = q_pool * tl.load(ks_ptr + kv_head * HEAD_DIM + offs_d)[None, :]
+    if K_CONVERT == RAW:  # dot8: q itself to int8, one scale per row, so QK^T is an int8 x int8 -> int32 dot
+        q_amax = tl.max(tl.abs(q_pool), axis=1)
+        q_sc = tl.where(q_amax > 0, q_amax / 127.0, 1.0)
+        q_pool = tl.minimum(tl.maximum(tl.floor(q_pool / q_sc[:, None] + 0.5), -127.0), 127.0).to(tl.int8)
 
     ctx = tl.load(ctx_ptr + b).to(tl.int32)
     n_pool = ctx - HAS_OWN  # tokens read from the pool
@@ -186,11 +230,14 @@ def _paged_decode_kernel(
         tok_mask = (pos < n_pool) & (pos >= lo)
         k, k_sc = _load_pages(k_ptr, ks_ptr, blk, offs_t, tok_mask, kv_head, sk_blk, sk_tok, sk_head,
                               ck_blk, ck_tok, ck_head, ck_grp, K_FMT, K_SCALE, PAGES, BLOCK_SIZE, HEAD_DIM, K_GROUP,
-                              DOT_DTYPE)
+                              DOT_DTYPE, K_CONVERT)
         v, v_sc = _load_pages(v_ptr, vs_ptr, blk, offs_t, tok_mask, kv_head, sv_blk, sv_tok, sv_head,
                               cv_blk, cv_tok, cv_head, cv_grp, V_FMT, V_SCALE, PAGES, BLOCK_SIZE, HEAD_DIM, V_GROUP,
-                              DOT_DTYPE)
-        s = dot(q_pool, tl.trans(k))  # (QPP_PAD, D) @ (D, N) -> (QPP_PAD, N) scores
+                              DOT_DTYPE, V_CONVERT)
+        if K_CONVERT == RAW:  # int8 x int8 on the tensor cores, exact in int32; q's row scales after
+            s = tl.dot(q_pool, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * q_sc[:, None]
+        else:
+            s = dot(q_pool, tl.trans(k))  # (QPP_PAD, D) @ (D, N) -> (QPP_PAD, N) scores
         if K_SCALE == PER_SLOT and K_FMT == INT8:
             s = s * k_sc[None, :]  # per-slot K scale folded into QK
         if HAS_SOFTCAP:
@@ -288,7 +335,8 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
                  scale: float, k_own: torch.Tensor | None = None, v_own: torch.Tensor | None = None,
                  num_splits: int | None = None, pages: int | None = None, group_heads: bool = True,
                  out: torch.Tensor | None = None, num_warps: int | None = None, *, window: int | None = None,
-                 softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 softcap: float | None = None, sinks: torch.Tensor | None = None, convert: str = "cast",
+                 num_stages: int | None = None) -> torch.Tensor:
     """Decode attention of one query token per sequence over a paged pool.
 
     q (B, H_q, D); k, v operands (a pool's ``kernel_operands(layer)``); block_tables (B, max_blocks)
@@ -298,8 +346,17 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
     ``k_own, v_own`` (B, H_kv, D): give them to attend the new token at full precision (it is then
     not read from the pool). ``out``: write the result here (same shape as q). ``window``,
     ``softcap``, ``sinks`` (H_q,): sliding window, soft cap and attention sinks, as in
-    :mod:`kvlab.attention`. Returns (B, H_q, D) in q's dtype.
+    :mod:`kvlab.attention`. ``convert``: how int8/int4 pages become matmul operands, one of
+    :data:`kvlab.kernels.convert.CONVERSIONS` (the module's table; "prmt" and "bf16" run compiled on a
+    GPU only, "dot8" needs int8 K pages). ``num_warps``, ``num_stages``: Triton's launch options (on a
+    GPU; the interpreter ignores them). Returns (B, H_q, D) in q's dtype.
     """
+    C.check_convert(convert)
+    if triton_mode() == "interpreter" and convert in C.NOT_INTERPRETABLE:
+        raise ValueError(f"convert={convert!r} cannot run here: {C.NOT_INTERPRETABLE[convert]}; "
+                         f"under the interpreter use one of {tuple(c for c in C.CONVERSIONS if c not in C.NOT_INTERPRETABLE)}")
+    if convert == "dot8" and k.fmt != O.INT8:
+        raise ValueError(f"convert='dot8' multiplies int8 K pages by an int8 q; these K pages are {k.label or 'not int8'}")
     if q.dim() != 3:
         raise ValueError(f"q must be (B, H_q, D), got shape {tuple(q.shape)}")
     bsz, h_q, d = q.shape
@@ -372,6 +429,17 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
     ks = k.static_scale if k.scale_kind == O.STATIC else k.slot_scale if k.slot_scale is not None else q
     vs = v.static_scale if v.scale_kind == O.STATIC else v.slot_scale if v.slot_scale is not None else q
     kd, vd = k.data, v.data
+    k_conv, v_conv = _CONVERT_CODES[convert]
+    if k_conv == 1 and k.fmt == O.INT8:  # the magic number works on the bytes as unsigned: a view, no copy
+        kd = kd.view(torch.uint8)
+    if v_conv == 1 and v.fmt == O.INT8:
+        vd = vd.view(torch.uint8)
+    dot_dtype = tl.float32 if triton_mode() == "interpreter" else _DOT_DTYPES.get(q.dtype, tl.float32)
+    if convert == "bf16":
+        dot_dtype = tl.bfloat16
+    launch = {"num_warps": num_warps} if num_warps else {}
+    if num_stages is not None:
+        launch["num_stages"] = check_int("num_stages", num_stages)
     grid = (bsz, h_q // qpp, num_splits)
     _paged_decode_kernel[grid](
         q, dst, lse_arg, kd, vd, ks, vs, own_k, own_v, block_tables, seq_lens,
@@ -386,8 +454,7 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
         HEAD_DIM=d, BLOCK_SIZE=block_size, PAGES=pages,
         QPP=qpp, QPP_PAD=max(16, _pow2(qpp)), GQA=gqa, HAS_OWN=has_own, SPLIT=split,
         HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
-        DOT_DTYPE=tl.float32 if triton_mode() == "interpreter" else _DOT_DTYPES.get(q.dtype, tl.float32),
-        **({"num_warps": num_warps} if num_warps else {}),
+        DOT_DTYPE=dot_dtype, K_CONVERT=k_conv, V_CONVERT=v_conv, **launch,
     )
     if split:
         _merge_kernel[(bsz, h_q)](part, lse, out, num_splits, part.stride(0), part.stride(1), part.stride(2),
@@ -395,6 +462,36 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
                                   HEAD_DIM=d, SPLITS_PAD=_pow2(num_splits))
     return out
 
+
+
+# ---- every int8 value and every nibble through each conversion: exhaustive, on the CPU and on a GPU ---------
+
+@triton.jit
+def _convert_all_kernel(x_ptr, u_ptr, cast_ptr, magic_ptr, int4_ptr, prmt_ptr, PRMT_TOO: tl.constexpr):
+    offs = tl.arange(0, 256)
+    x = tl.load(x_ptr + offs)
+    tl.store(cast_ptr + offs, x.to(tl.float16))
+    u = tl.load(u_ptr + offs)
+    tl.store(magic_ptr + offs, int8_magic(u))
+    tl.store(int4_ptr + offs, int4_magic(u & 0x0F))
+    if PRMT_TOO:
+        tl.store(prmt_ptr + offs, int8_prmt(x))
+
+
+def convert_all_values(device="cpu") -> dict[str, bool]:
+    """Run the kernel's conversion functions over all 256 int8 values (and their low nibbles as int4)
+    and say which give exactly ``x.half()``: "cast", "magic", "int4 magic", and "prmt" where the kernels
+    run compiled (the interpreter cannot run inline PTX)."""
+    x = torch.arange(-128, 128, dtype=torch.int8, device=device)
+    outs = [torch.full((256,), float("nan"), dtype=torch.float16, device=device) for _ in range(4)]
+    prmt_too = triton_mode() == "compiled"
+    _convert_all_kernel[(1,)](x, x.view(torch.uint8), *outs, PRMT_TOO=prmt_too)
+    want4 = ((x.view(torch.uint8) & 0x0F).to(torch.int16) - 8).half()
+    got = {"cast": torch.equal(outs[0], x.half()), "magic": torch.equal(outs[1], x.half()),
+           "int4 magic": torch.equal(outs[2], want4)}
+    if prmt_too:
+        got["prmt"] = torch.equal(outs[3], x.half())
+    return got
 
 # ---- the online-softmax recurrence alone: notebook 05's exercise runs a learner's update here ----------
 
@@ -431,4 +528,4 @@ def run_online_softmax(update, s: torch.Tensor, v: torch.Tensor, v_scale: torch.
     return out
 
 
-__all__ = ["run_online_softmax", "online_softmax_update", "paged_decode", "default_splits", "default_pages"]
+__all__ = ["convert_all_values", "run_online_softmax", "online_softmax_update", "paged_decode", "default_splits", "default_pages"]

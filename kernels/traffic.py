@@ -187,3 +187,104 @@ def count_traffic():
         yield counts
     finally:
         del b.create_masked_load, b.create_masked_store  # back to the class's methods
+
+
+# ---- the operations model: what converting the bytes costs ------------------------------------------
+
+#: instructions per stored value, by (storage, conversion variant) and pipe, as the kernel is written for
+#: fp16 matmuls (kvlab.kernels.convert): "cvt" = conversion instructions, "int" = integer/logic ops,
+#: "fp16"/"fp32" = arithmetic results (16-bit covers bf16). None would mean: not modelled. The byte
+#: shuffles the compiler adds to pack loaded bytes into registers (prmt, in every variant) are not counted.
+CONVERT_COST = {
+    ("int8", "cast"): {"cvt": 1},  # cvt.rn.f16.s8
+    ("int8", "magic"): {"int": 3, "fp16": 1},  # xor 0x80, widen to 16 bits, or 0x6400; subtract 1152
+    ("int8", "prmt"): {"int": 0.75, "fp16": 1},  # per 4 values: xor + 2 prmt, 2 sub.f16x2 (4 results)
+    ("int8", "dot8"): {},  # K: never converted (int8 dot); V as magic (below, by the caller)
+    ("int8", "bf16"): {"int": 1, "fp16": 1},  # Triton's own Hopper lowering, read off its sm_90 PTX (kernels/ptx.py)
+    ("int4", "cast"): {"int": 1, "cvt": 1.5, "fp32": 2},  # mask/shift, u8 -> f32, - 8, x scale, f32 -> f16 (2 per cvt)
+    ("int4", "magic"): {"int": 2, "fp16": 2},  # mask/shift, or 0x6400; subtract 1032, x group scale (fp16)
+    ("int4", "prmt"): {"int": 2, "fp16": 2},  # int4 pages take the magic path under prmt too
+    ("int4", "dot8"): {"int": 2, "fp16": 2},  # dot8's V is converted as magic
+    ("int4", "bf16"): {"int": 1, "cvt": 1.5, "fp32": 2},  # as cast (the PTX shows the same u8 -> f32 cvt)
+    ("float", "cast"): {}, ("float", "magic"): {}, ("float", "prmt"): {}, ("float", "dot8"): {}, ("float", "bf16"): {},
+}
+#: results per clock per SM (CUDA C++ Programming Guide, arithmetic instruction throughput: compute
+#: capability 8.0 for the A100, 9.0 for the H100/H200; "cvt" is the guide's "all other type
+#: conversions", "sfu" its exp2/rsqrt row; prmt is counted on the integer pipe, which the guide omits)
+PIPE_RATE = {
+    "A100": {"cvt": 16, "int": 64, "fp16": 256, "fp32": 64, "sfu": 16},
+    "H100": {"cvt": 16, "int": 64, "fp16": 256, "fp32": 128, "sfu": 16},
+    "H200": {"cvt": 16, "int": 64, "fp16": 256, "fp32": 128, "sfu": 16},
+}
+#: (SMs, boost clock Hz, dense fp16 and int8 tensor-core ops/s) from the vendors' datasheets
+GPU_CORES = {"A100": (108, 1.41e9, 312e12, 624e12), "H100": (132, 1.98e9, 989e12, 1979e12),
+             "H200": (132, 1.98e9, 989e12, 1979e12)}
+
+
+def _storage(spec: Spec) -> str:
+    return {FLOAT: "float", INT8: "int8", INT4: "int4"}[spec.fmt]
+
+
+def decode_ops(seq_lens, h_q: int, h_kv: int, d: int, k: Spec, v: Spec, *, convert: str = "cast",
+               block_size: int = 16, pages: int | None = None, group_heads: bool = True) -> dict:
+    """Operations one ``paged_decode`` launch executes, by pipe, as the kernel is written (tiles of
+    ``pages * block_size`` token slots, masked lanes included: a GPU runs them too; the G query heads
+    of a KV head padded to 16 rows, tl.dot's smallest). Returns ``{"tiles", "values", "pipes": {cvt,
+    int, fp16, fp32, sfu}, "mma_flops": {"fp16", "int8"}, "modelled"}``; ``modelled`` is False where
+    a conversion's cost is Triton's own (``bf16``) and the pipes leave it out.
+
+    Counted per tile: each stored value's conversion (:data:`CONVERT_COST`), per-slot scales folded
+    into the scores and into P (one fp32 multiply per padded row and slot), one exp per padded row
+    and slot (the softmax; the rescaling exps per row are left out), the two matmuls, and for
+    ``dot8`` the int32 -> fp32 conversion and the row-scale multiply of every score.
+    """
+    from kvlab.kernels.convert import check_convert
+
+    check_convert(convert)
+    pages = pages or max(1, 128 // block_size)
+    pages = max(pages, 16 // block_size)
+    n = pages * block_size
+    g = h_q // h_kv
+    qpp = g if group_heads else 1
+    rows = max(16, 1 << max(0, (qpp - 1).bit_length()))  # QPP_PAD
+    programs_per_seq = h_q // qpp
+    pipes = dict.fromkeys(("cvt", "int", "fp16", "fp32", "sfu"), 0.0)
+    mma = {"fp16": 0, "int8": 0}
+    tiles = 0
+    modelled = True
+    k_cost = CONVERT_COST[(_storage(k), convert)]
+    v_cost = CONVERT_COST[(_storage(v), "magic" if convert == "dot8" and v.fmt == INT8 else convert)]
+    for ctx in seq_lens:
+        t = cdiv(max(ctx, 0), n) * programs_per_seq
+        tiles += t
+        for cost in (k_cost, v_cost):
+            if cost is None:
+                modelled = False
+                continue
+            for pipe, per_value in cost.items():
+                pipes[pipe] += per_value * t * n * d
+        slots = t * rows * n  # padded score entries
+        pipes["fp32"] += slots * ((k.scale_kind == PER_SLOT and k.fmt == INT8) + (v.scale_kind == PER_SLOT and v.fmt == INT8))
+        pipes["sfu"] += slots
+        if convert == "dot8":
+            pipes["cvt"] += slots  # int32 scores -> fp32
+            pipes["fp32"] += slots  # x q's row scale
+            mma["int8"] += 2 * slots * d
+        else:
+            mma["fp16"] += 2 * slots * d
+        mma["fp16"] += 2 * slots * d  # P.V
+    return {"tiles": tiles, "values": 2 * tiles * n * d, "pipes": pipes, "mma_flops": mma, "modelled": modelled}
+
+
+def ops_time(ops: dict, nbytes: int, gpu: str = "H200") -> dict:
+    """Microseconds each pipe of :func:`decode_ops` needs at ``gpu``'s peak rates, beside the bytes'
+    time at its peak bandwidth; ``bound_us`` is the largest (a MODEL: pipes overlap at best, and no
+    kernel reaches peak; the measured table says how far the kernels are from it)."""
+    if gpu not in PIPE_RATE:
+        raise ValueError(f"gpu must be one of {sorted(PIPE_RATE)}, got {gpu!r}")
+    sms, clock, tc16, tc8 = GPU_CORES[gpu]
+    us = {pipe: 1e6 * count / (PIPE_RATE[gpu][pipe] * sms * clock) for pipe, count in ops["pipes"].items()}
+    us["tensor"] = 1e6 * (ops["mma_flops"]["fp16"] / tc16 + ops["mma_flops"]["int8"] / tc8)
+    us["bytes"] = 1e6 * nbytes / GPU_BANDWIDTH[gpu]
+    limit = max(us, key=us.get)
+    return {"us": us, "bound_us": us[limit], "limit": limit, "modelled": ops["modelled"]}

@@ -433,6 +433,177 @@ def test_bytes_the_kernel_loads_match_the_prediction_and_int8_halves_them(d):
     assert totals["int8"] < totals["int8-per-token-head"] < 0.56 * totals["fp16"], totals  # + 4 B per token-head
 
 
+
+# ---- conversion variants (kvlab.kernels.convert): cheaper ways from stored bytes to matmul operands -----
+
+def test_magic_number_conversions_are_exact_for_every_int8_and_int4_value():
+    """Exhaustive: all 256 int8 values and all 16 nibbles, through the numpy replicas of the bit tricks."""
+    import numpy as np
+    from kvlab.kernels import convert as C
+
+    x = np.arange(-128, 128, dtype=np.int8)
+    assert np.array_equal(C.magic_int8_replica(x), x.astype(np.float16))
+    n = np.arange(16, dtype=np.uint8)
+    assert np.array_equal(C.magic_int4_replica(n), (n.astype(np.int16) - 8).astype(np.float16))
+    # the issue's formula holds only for the byte read as unsigned: a sign-extended x | 0x6400 is not 1024 + x
+    wrong = (x.astype(np.int16).view(np.uint16) | 0x6400).view(np.float16) - np.float16(1152)
+    assert not np.array_equal(wrong, x.astype(np.float16))
+
+
+def test_prmt_replica_reproduces_every_int8_value_in_every_byte_position():
+    import numpy as np
+    from kvlab.kernels import convert as C
+
+    vals = np.arange(-128, 128, dtype=np.int8)
+    for lane in range(4):  # each value in each of the word's four bytes, the other bytes different
+        for x in vals:
+            b = np.array([(int(x) + 37 * j) % 256 - 128 for j in range(4)], dtype=np.int8)
+            b[lane] = x
+            word = int(b.view(np.uint8).astype(np.uint32) @ (1 << (8 * np.arange(4, dtype=np.uint32))))
+            assert np.array_equal(C.prmt_replica(word), b.astype(np.float16)), (lane, int(x))
+    assert C.prmt(0x44332211, 0x88776655, 0x7170) == 0x88228811  # selector nibbles pick bytes of {b, a}
+    assert C.prmt(0x000000F0, 0, 0x1118) == 0x000000FF  # bit 3 of a nibble: the byte's sign replicated
+
+
+def test_triton_conversion_functions_are_exact_for_every_value():
+    from kvlab.kernels import decode as D
+
+    got = D.convert_all_values()
+    assert got == {"cast": True, "magic": True, "int4 magic": True, **({"prmt": True} if not INTERPRETER else {})}
+
+
+VARIANT_CASES = {  # name: (config, per-token-head?)
+    "int8 per-head": named_config("int8"),
+    "int8 per-token-head": named_config("int8", granularity="per-token-head", policy="dynamic"),
+    "k8v4": named_config("k8v4"),
+}
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="the variants' CPU check runs under the interpreter")
+@pytest.mark.parametrize("name", list(VARIANT_CASES))
+@pytest.mark.parametrize("splits", [1, 3])
+def test_conversion_variants_match_the_cast_kernel(name, splits):
+    """magic: the same values as cast (int8: bit-identical output; int4: group scales rounded to fp16,
+    within the float tolerance). dot8: q quantized per row, within a bound computed from the data."""
+    from kvlab.kernels.convert import quantize_rows_replica
+
+    h_q, h_kv, d, bs, ctx = 8, 2, 64, 16, [70, 33, 128]
+    g = torch.Generator().manual_seed(5)
+    tables, slots = _layout(ctx, bs, 48, seed=4)
+    k, v = torch.randn(len(slots), h_kv, d, generator=g), torch.randn(len(slots), h_kv, d, generator=g)
+    cache = _quant_cache(VARIANT_CASES[name], h_kv, d, bs, 48, k, v, slots)
+    q = torch.randn(len(ctx), h_q, d, generator=g)
+    last = torch.tensor([sum(ctx[:i + 1]) - 1 for i in range(len(ctx))])
+    idx = DecodeIndex(tables, ctx, bs)
+    run = {c: TRITON.decode(q, cache, 0, idx, d ** -0.5, k[last], v[last], num_splits=splits, convert=c,
+                            out=_nan_out(q)) for c in ("cast", "magic", "dot8")}
+    ref = quantized_batched_decode_attention(q, k[last], v[last], cache, 0, idx, d ** -0.5)
+    torch.testing.assert_close(run["cast"], ref, atol=2e-5, rtol=0)
+    if name == "k8v4":
+        torch.testing.assert_close(run["magic"], run["cast"], atol=2e-3 * v.abs().max().item(), rtol=0)
+    else:
+        assert torch.equal(run["magic"], run["cast"])
+    # dot8: each score moves by at most eps = 0.5 * s_q * sum|k8| (q's rounding), so each softmax weight by a
+    # factor within exp(+-2 eps), and the output by at most (exp(2 eps) - 1) * max|V| (+ the float tolerance)
+    k_op, _ = cache.kernel_operands(0)
+    q_pool = q * d ** -0.5 * (k_op.static_scale.repeat_interleave(h_q // h_kv, 0)[None]
+                              if k_op.static_scale is not None else 1.0)
+    _, s_q = quantize_rows_replica(q_pool.numpy())
+    k8_l1 = k_op.data.float().abs().sum(-1)  # (blocks, bs, H_kv): sum over channels of |stored K|
+    k_sc = k_op.slot_scale[..., 0] if k_op.slot_scale is not None else torch.ones_like(k8_l1)
+    eps = 0.5 * float(s_q.max()) * float((k8_l1 * k_sc).max())
+    v_max = max(v.abs().max().item(), 1.0)
+    bound = (math.exp(2 * eps) - 1) * v_max + 2e-5
+    err = (run["dot8"] - run["cast"]).abs().max().item()
+    assert err <= bound, (err, bound)
+    assert err > 0  # it really ran the int8 dot (a cast path would agree exactly)
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="the refusals are of the interpreter")
+def test_conversion_variants_refuse_what_cannot_run_here_and_bad_names():
+    h_kv, d, bs = 2, 64, 16
+    pool = PagedKVCache(1, 8, bs, h_kv, d)
+    k_op, v_op = pool.kernel_operands(0)
+    q = torch.randn(1, 4, d)
+    table, lens = torch.tensor([[0, 1]]), torch.tensor([20])
+    for convert, words in (("prmt", "inline PTX"), ("bf16", "bf16"), ("dot8", "int8 K"), ("fast", "must be one of")):
+        with pytest.raises(ValueError, match=words):
+            K.paged_decode(q, k_op, v_op, table, lens, 0.1, convert=convert)
+    with pytest.raises(ValueError, match="num_stages"):
+        K.paged_decode(q, k_op, v_op, table, lens, 0.1, num_stages=0)
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="counts loads through Triton's interpreter (CPU)")
+def test_conversion_variants_read_the_same_bytes():
+    h_q, h_kv, d, bs = 8, 2, 64, 16
+    ctx = [300, 64]
+    tables, _ = _layout(ctx, bs, 64, seed=2)
+    idx = DecodeIndex(tables, ctx, bs)
+    q = torch.randn(len(ctx), h_q, d)
+    for fmt in ("int8", "k8v4"):
+        k_op, v_op = _traffic_cache(fmt, h_kv, d, bs, 64).kernel_operands(0)
+        counts = []
+        for convert in ("cast", "magic", "dot8"):
+            with count_traffic() as n:
+                K.paged_decode(q, k_op, v_op, idx.table, idx.seq_lens, 0.1, convert=convert)
+            counts.append((n["read"], n["write"]))
+        pred = decode_traffic(ctx, h_q, h_kv, d, spec_of(k_op), spec_of(v_op), block_size=bs, q_bytes=4,
+                              table_bytes=idx.table.element_size())
+        assert counts == [(sum(pred["read"].values()), sum(pred["write"].values()))] * 3, fmt
+
+
+@pytest.mark.skipif(not K.available(), reason=K.WHY_NO_TRITON)
+def test_every_variant_compiles_for_hopper_and_only_cast_converts_int8_in_the_loop():
+    """Triton's own PTX assembler compiles the kernel for sm_90 here, no GPU needed: the GPU-only variants
+    (inline PTX, bf16) compile, and the PTX holds the conversions the operations model counts."""
+    from kvlab.kernels.ptx import compile_variants
+
+    rows = {r["convert"]: r for r in compile_variants(("cast", "magic", "prmt", "bf16", "dot8"), ("int8",))}
+    per_thread = 2 * 128 * 128 // (4 * 32)  # K and V values of one 128-token tile, d 128, over 4 warps' threads
+    assert rows["cast"]["counts"]["cvt from int"] == per_thread  # one cvt per value (decode_ops: "cvt": 1)
+    for c in ("magic", "prmt", "bf16"):
+        assert rows[c]["counts"]["cvt from int"] == 0, rows[c]
+    for c in ("magic", "prmt"):
+        assert rows[c]["counts"]["16-bit x2 arithmetic"] == per_thread // 2  # one sub.f16x2 per two values
+    assert rows["dot8"]["counts"]["cvt from int"] == 16 * 128 // (4 * 32)  # only the int32 scores
+    assert all(r["cubin_bytes"] > 0 for r in rows.values())
+
+
+def test_operations_model_counts_by_hand():
+    """One sequence of 200 tokens, 8 query / 2 KV heads, d 64, tiles of 128 slots: 2 tiles x 2 programs."""
+    from kvlab.kernels.traffic import FORMATS, decode_ops, ops_time
+
+    tiles, n, d, rows = 4, 128, 64, 16
+    values = tiles * n * d  # of K, and of V
+    cast = decode_ops([200], 8, 2, d, *FORMATS["int8"], convert="cast")
+    assert cast["tiles"] == tiles and cast["values"] == 2 * values
+    assert cast["pipes"] == {"cvt": 2 * values, "int": 0, "fp16": 0, "fp32": 0, "sfu": tiles * rows * n}
+    assert cast["mma_flops"] == {"fp16": 2 * 2 * tiles * rows * n * d, "int8": 0}
+    magic = decode_ops([200], 8, 2, d, *FORMATS["int8"], convert="magic")["pipes"]
+    assert (magic["cvt"], magic["int"], magic["fp16"]) == (0, 6 * values, 2 * values)
+    prmt = decode_ops([200], 8, 2, d, *FORMATS["int8"], convert="prmt")["pipes"]
+    assert (prmt["cvt"], prmt["int"], prmt["fp16"]) == (0, 1.5 * values, 2 * values)
+    dot8 = decode_ops([200], 8, 2, d, *FORMATS["int8"], convert="dot8")
+    assert dot8["pipes"]["cvt"] == tiles * rows * n and dot8["pipes"]["int"] == 3 * values  # scores; V's magic
+    assert dot8["mma_flops"] == {"fp16": 2 * tiles * rows * n * d, "int8": 2 * tiles * rows * n * d}
+    k8v4 = decode_ops([200], 8, 2, d, *FORMATS["k8v4"], convert="cast")["pipes"]
+    assert k8v4["cvt"] == values + 1.5 * values and k8v4["fp32"] == 2 * values  # int4 V: u8->f32, f32x2->f16x2
+    per_token = decode_ops([200], 8, 2, d, *FORMATS["int8-per-token-head"], convert="cast")["pipes"]
+    assert per_token["fp32"] == 2 * tiles * rows * n  # K's scale into the scores, V's into P
+    bf16 = decode_ops([200], 8, 2, d, *FORMATS["int8"], convert="bf16")
+    assert bf16["modelled"] and (bf16["pipes"]["cvt"], bf16["pipes"]["int"]) == (0, 2 * values)
+    assert decode_ops([200], 8, 8, d, *FORMATS["fp16"])["pipes"]["cvt"] == 0
+    # at the issue's shape the model says what the H200 showed: converting int8 costs more than reading it
+    ctx = [16384] * 32
+    for convert, limit in (("cast", "cvt"), ("magic", "bytes"), ("prmt", "bytes")):
+        ops = decode_ops(ctx, 32, 8, 128, *FORMATS["int8"], convert=convert)
+        t = ops_time(ops, decode_traffic(ctx, 32, 8, 128, *FORMATS["int8"])["total"], "H200")
+        assert t["limit"] == limit, (convert, t)
+    with pytest.raises(ValueError, match="gpu must be one of"):
+        ops_time(cast, 1, "T4")
+    with pytest.raises(ValueError, match="convert must be one of"):
+        decode_ops([200], 8, 2, d, *FORMATS["int8"], convert="fast")
+
 # ---- the engine on the kernels ------------------------------------------------------------------------
 
 @pytest.mark.slow

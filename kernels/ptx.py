@@ -1,0 +1,118 @@
+"""The decode kernel compiled for a Hopper GPU on a machine without one: what each variant becomes.
+
+Triton ships its own PTX assembler, so :func:`compile_variants` can compile
+:func:`~kvlab.kernels.decode.paged_decode`'s kernel for sm_90 (the H100/H200) on any Linux machine,
+GPU or not, and count the instructions the conversion variants turn into (notebook 05): ``cast``
+leaves one ``cvt`` from int8 per value in the loop, ``magic`` and ``prmt`` none. This proves that the
+GPU-only variants (inline PTX, bf16) compile before a GPU is borrowed, and shows the instruction mix;
+it is not a timing.
+
+The kernels under the interpreter (``TRITON_INTERPRET=1``, which ``import kvlab`` sets on a CPU) are
+not compilable, so the compile runs in a child process with the interpreter off:
+``python -m kvlab.kernels.ptx`` prints the counts as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+from kvlab.kernels.convert import CONVERSIONS, check_convert
+
+#: PTX opcodes counted, by what they mean for the conversion story
+PATTERNS = {
+    "cvt from int": r"\bcvt\.[a-z.]*f(16|32)\.[su](8|16|32)\b",  # integer -> float: the conversion pipe
+    "cvt float": r"\bcvt\.[a-z.]*(f16|bf16|f32|bf16x2|f16x2)\.f(16|32)\b",  # between float widths
+    "prmt": r"\bprmt\.b32\b",
+    "lop3/and/or/xor": r"\b(lop3\.b32|and\.b(16|32)|or\.b(16|32)|xor\.b(16|32))\b",
+    "16-bit x2 arithmetic": r"\b(sub|add|mul|fma)\.(rn\.)?(f16x2|bf16x2)\b",
+    "tensor core": r"\b(mma\.sync|wgmma\.mma_async)\b",
+}
+
+#: the formats of the kernel's pools: name -> (K fmt, K scale kind, V fmt, V scale kind, K/V pointer types)
+_FORMATS = {"fp16": (0, 0, 0, 0, "*fp16", "*fp16"), "int8": (1, 1, 1, 1, "*i8", "*i8"),
+            "k8v4": (1, 1, 2, 2, "*i8", "*u8")}
+
+
+def _signature(convert: str, fmt: str) -> tuple[dict, dict]:
+    from kvlab.kernels import decode as D
+
+    k_fmt, k_scale, v_fmt, v_scale, k_ty, v_ty = _FORMATS[fmt]
+    k_conv, v_conv = D._CONVERT_CODES[convert]
+    if k_conv == 1 and k_fmt == 1:
+        k_ty = "*u8"
+    if v_conv == 1 and v_fmt == 1:
+        v_ty = "*u8"
+    ptrs = {"q_ptr": "*fp16", "out_ptr": "*fp16", "lse_ptr": "*fp16", "k_ptr": k_ty, "v_ptr": v_ty,
+            "ks_ptr": "*fp32", "vs_ptr": "*fp32", "kown_ptr": "*fp16", "vown_ptr": "*fp16", "table_ptr": "*i32",
+            "ctx_ptr": "*i64", "sinks_ptr": "*fp16"}
+    floats = {"sm_scale", "softcap"}
+    import triton.language as tl
+
+    constexprs = dict(K_FMT=k_fmt, K_SCALE=k_scale, V_FMT=v_fmt, V_SCALE=v_scale, K_GROUP=1, V_GROUP=32,
+                      HEAD_DIM=128, BLOCK_SIZE=16, PAGES=8, QPP=4, QPP_PAD=16, GQA=4, HAS_OWN=False, SPLIT=False,
+                      DOT_DTYPE=tl.bfloat16 if convert == "bf16" else tl.float16, HAS_SOFTCAP=False,
+                      HAS_SINKS=False, K_CONVERT=k_conv, V_CONVERT=v_conv)
+    sig = {}
+    for p in D._paged_decode_kernel.params:
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+        elif p.name in ptrs:
+            sig[p.name] = ptrs[p.name]
+        else:
+            sig[p.name] = "fp32" if p.name in floats else "i32"
+    return sig, constexprs
+
+
+def count_instructions(ptx: str) -> dict[str, int]:
+    """How many of each :data:`PATTERNS` family a PTX listing holds (static counts, not executions)."""
+    body = "\n".join(line.split("//")[0] for line in ptx.splitlines())
+    return {name: len(re.findall(pat, body)) for name, pat in PATTERNS.items()}
+
+
+def _compile_here(convert: str, fmt: str, arch: int) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from kvlab.kernels import decode as D
+
+    sig, constexprs = _signature(convert, fmt)
+    # pointers 16-byte aligned and strides multiples of 16, as Triton assumes for the real launch
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(D._paged_decode_kernel.params)
+             if not p.is_constexpr and sig[p.name] not in ("fp32",) and p.name not in ("iters_per_split", "window")}
+    src = triton.compiler.ASTSource(fn=D._paged_decode_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32))
+    ptx = compiled.asm["ptx"]
+    return {"convert": convert, "format": fmt, "arch": f"sm_{arch}", "ptx_lines": len(ptx.splitlines()),
+            "cubin_bytes": len(compiled.asm["cubin"]), "counts": count_instructions(ptx)}
+
+
+def compile_variants(converts=CONVERSIONS, formats=("int8",), arch: int = 90, timeout: float = 600) -> list[dict]:
+    """Compile the decode kernel for ``sm_{arch}`` once per (variant, format) and count its PTX
+    instructions; runs in a child process with the interpreter off (Linux, triton installed; no GPU
+    needed). ``dot8`` is skipped for fp16 pools (it needs int8 K). Returns one dict per compile."""
+    for c in converts:
+        check_convert(c)
+    for f in formats:
+        if f not in _FORMATS:
+            raise ValueError(f"formats must be among {tuple(_FORMATS)}, got {f!r}")
+    jobs = [(c, f) for f in formats for c in converts if not (c == "dot8" and f == "fp16")]
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    arg = json.dumps({"jobs": jobs, "arch": arch})
+    proc = subprocess.run([sys.executable, "-m", "kvlab.kernels.ptx", arg], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode:
+        raise RuntimeError(f"compiling the decode kernel for sm_{arch} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def main(argv=None) -> None:
+    args = json.loads((argv or sys.argv[1:])[0])
+    print(json.dumps([_compile_here(c, f, args["arch"]) for c, f in args["jobs"]]))
+
+
+if __name__ == "__main__":
+    main()
