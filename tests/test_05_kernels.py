@@ -639,3 +639,33 @@ def test_kernels_import_as_kvlab_kernels_beside_transformers():
     assert importlib.util.find_spec("kernels") is None or "kvlab" not in importlib.util.find_spec("kernels").origin
     assert K.paged_decode.__module__ == "kvlab.kernels.decode"
     assert math.isfinite(K.traffic.GPU_BANDWIDTH["H100"])
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="replays the GPU benchmark's logic under the interpreter")
+def test_gpu_timing_logic_runs_every_variant_and_keeps_the_fastest(monkeypatch):
+    """time_case on a CPU with do_bench replaced by a clock that makes magic the fastest: every variant
+    runs once per launch option (interpreted), the table and the JSON name the winner."""
+    import triton.testing
+    from kvlab.bench import kernels as kb
+
+    calls = []
+
+    def fake_bench(fn):
+        fn()  # the kernel really runs (interpreted): a variant that cannot run fails here
+        calls.append(1)
+        return 0.5 if len(calls) % 7 == 3 else 1.0  # ms
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
+    monkeypatch.setattr(kb, "CONVERSIONS", ("cast", "magic", "dot8"))
+    row = kb.time_case("smollm2-135m", 1, 32, "cpu", converts=("cast", "magic", "dot8"))
+    assert set(row["variants"]) == {"fp16", "int8", "k8v4"}
+    assert set(row["variants"]["int8"]) == {"cast", "magic", "dot8"}
+    for fmt in ("int8", "k8v4"):
+        best = row["best_convert"][fmt]
+        assert row["us"][fmt] == min(row["variants"][fmt].values()) == row["variants"][fmt][best]
+        assert f"{fmt} {best}" in row["model_us"]
+    assert row["speedup_vs_fp16"]["fp16"] == 1.0 and "sdpa_fp16_contiguous" in row["GBps"]
+    result = kb.run(["smollm2-135m"], (1,), (64,), progress=lambda m: None, converts=("magic",))
+    result.update(copy_GBps=1000.0, measured=[row])
+    text = kb.format_table(result)
+    assert "conversion variants, us" in text and "magic" in text and "every int8 value through each conversion" in text

@@ -224,7 +224,10 @@ def test_bench_kernels_on_the_cpu_prints_the_projection(capsys):
     assert main(["bench", "kernels", "--batches", "1", "8", "--contexts", "1024", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["mode"] == "interpreter" and "measured" not in res  # no GPU here: no timings pretended
-    assert all(c["ok"] for c in res["checks"]) and len(res["checks"]) == 9
+    # 3 cases x (fp16 + int8 and k8v4 by the variants the interpreter runs: cast, magic, dot8)
+    assert all(c["ok"] for c in res["checks"]) and len(res["checks"]) == 21
+    assert {c["convert"] for c in res["checks"]} == {"cast", "magic", "dot8"}
+    assert res["conversions_exact"] == {"cast": True, "magic": True, "int4 magic": True}
     assert res["projection"]["label"].startswith("PROJECTION")
     rows = res["projection"]["rows"]
     assert {(r["shape"], r["batch"]) for r in rows} == {(s, b) for s in ("smollm2-135m", "llama-3-8b") for b in (1, 8)}
@@ -233,13 +236,14 @@ def test_bench_kernels_on_the_cpu_prints_the_projection(capsys):
         assert set(b) == {"fp16", "int8", "k8v4"} and b["k8v4"] < b["int8"] < 0.52 * b["fp16"]
         assert r["bytes_per_step_int8_unfused"] > b["fp16"]
         assert r["projection_ms"]["H200"]["fp16"] < r["projection_ms"]["A100"]["fp16"]
+        assert r["model_us"]["int8 cast"]["bound_us"] >= r["model_us"]["int8 magic"]["bound_us"]
 
 
 @pytest.mark.triton  # the correctness sweep runs the kernels; without triton: tests/test_platform.py
 def test_bench_kernels_table_and_bad_input(capsys):
     assert main(["bench", "kernels", "--shapes", "smollm2-135m", "--batches", "4", "--contexts", "256"]) == 0
     out = capsys.readouterr().out
-    assert "correctness: 9/9" in out and "PROJECTION" in out and "smollm2-135m" in out
+    assert "correctness: 21/21" in out and "PROJECTION" in out and "smollm2-135m" in out
     with pytest.raises(SystemExit):
         main(["bench", "kernels", "--batches", "0"])
     assert "--batches" in capsys.readouterr().err

@@ -21,7 +21,8 @@ import torch
 from kvlab import kernels  # kernels.decode imports triton (Linux only) on first use, not here
 from kvlab.attention import paged_attention
 from kvlab.kernels.pool import FLOAT, INT4, INT8, STATIC, PER_SLOT, Operand
-from kvlab.kernels.traffic import FORMATS, GPU_BANDWIDTH, SHAPES, decode_traffic, project, step_bytes
+from kvlab.kernels.convert import CONVERSIONS, NOT_INTERPRETABLE, check_convert
+from kvlab.kernels.traffic import FORMATS, GPU_BANDWIDTH, SHAPES, decode_ops, decode_traffic, ops_time, project, step_bytes
 from kvlab.quant.core import Int4Tensor, dequantize_int4
 from kvlab.validate import cdiv
 
@@ -87,24 +88,31 @@ CHECK_CASES = [  # (h_q, h_kv, d, batch, context, num_splits)
 ]
 
 
-def check_sweep(device) -> list[dict]:
-    """Kernel vs the float reference over the dequantized pool, for each format and case."""
+def check_sweep(device, converts=CONVERSIONS) -> list[dict]:
+    """Kernel vs the float reference over the dequantized pool, for each format, case and conversion
+    variant that runs here (under the interpreter: not prmt or bf16). dot8 (q quantized per row) gets
+    a bound 10x the float one: its error is q's rounding, about 0.4 % of a score."""
     rows = []
+    runnable = [c for c in converts if kernels.triton_mode() == "compiled" or c not in NOT_INTERPRETABLE]
     for h_q, h_kv, d, batch, context, splits in CHECK_CASES:
         n_blocks = batch * cdiv(context, BLOCK_SIZE) + 2
         table, ctx = _tables(batch, context, n_blocks, device, seed=d)
         q = torch.randn(batch, h_q, d, device=device, dtype=torch.float16)
         for fmt in ("fp16", "int8", "k8v4"):
             k_op, v_op = random_operands(fmt, n_blocks, h_kv, d, device, seed=h_q)
-            out = kernels.decode.paged_decode(q, k_op, v_op, table, ctx, d ** -0.5, num_splits=splits,
-                               out=torch.full_like(q, float("nan")))
             kf, vf = dequantize(k_op, torch.float32), dequantize(v_op, torch.float32)
             ref = paged_attention(q.float(), kf, vf, table.tolist(), ctx.tolist(), [1] * batch, d ** -0.5)
-            err = (out.float() - ref).abs().max().item()
-            # fp16 matmul operands (q, P, V) carry ~5e-4 relative rounding: the bound scales with |V|
-            tol = 2e-3 * max(1.0, vf.abs().max().item())
-            rows.append({"h_q": h_q, "h_kv": h_kv, "head_dim": d, "batch": batch, "context": context,
-                         "splits": splits, "format": fmt, "max_abs_err": err, "tolerance": tol, "ok": err < tol})
+            for convert in (["cast"] if fmt == "fp16" else runnable):
+                if convert == "dot8" and k_op.fmt != INT8:
+                    continue
+                out = kernels.decode.paged_decode(q, k_op, v_op, table, ctx, d ** -0.5, num_splits=splits,
+                                                  out=torch.full_like(q, float("nan")), convert=convert)
+                err = (out.float() - ref).abs().max().item()
+                # fp16 matmul operands (q, P, V) carry ~5e-4 relative rounding: the bound scales with |V|
+                tol = 2e-3 * max(1.0, vf.abs().max().item()) * (10 if convert == "dot8" else 1)
+                rows.append({"h_q": h_q, "h_kv": h_kv, "head_dim": d, "batch": batch, "context": context,
+                             "splits": splits, "format": fmt, "convert": convert, "max_abs_err": err,
+                             "tolerance": tol, "ok": err < tol})
     return rows
 
 
@@ -120,9 +128,16 @@ def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
-def time_case(shape: str, batch: int, context: int, device) -> dict:
+#: launch options tried for every format and variant on a GPU (None: Triton's defaults); the best is kept
+STAGES = (None, 3)
+
+
+def time_case(shape: str, batch: int, context: int, device, converts=CONVERSIONS) -> dict:
     """One (shape, batch, context) point on the GPU: microseconds and GB/s per format, the unfused
-    INT8 path and torch SDPA, all from ``triton.testing.do_bench`` medians."""
+    INT8 path and torch SDPA, all from ``triton.testing.do_bench`` medians. "int8" and "k8v4" are the
+    fastest of their conversion variants (``variants`` holds each, ``best_convert`` says which won),
+    every entry the best over :data:`STAGES`; ``model_us`` is the operations model's bound per
+    format and variant (:func:`kvlab.kernels.traffic.ops_time`), beside the measurement."""
     from triton.testing import do_bench  # triton: Linux only, and only a GPU run times anything
 
     decode = kernels.decode
@@ -135,19 +150,35 @@ def time_case(shape: str, batch: int, context: int, device) -> dict:
     row = {"shape": shape, "batch": batch, "context": context, "us": {}, "GBps": {}, "bytes_per_layer": {}}
     splits = decode.default_splits(batch * h_kv, table.shape[1], decode.default_pages(BLOCK_SIZE))
     row["splits"] = splits
+    row["variants"], row["best_convert"], row["stages"], row["model_us"] = {}, {}, {}, {}
     for fmt in ("fp16", "int8", "k8v4"):
         k_op, v_op = random_operands(fmt, n_blocks, h_kv, d, device)
-        ms = do_bench(lambda: decode.paged_decode(q, k_op, v_op, table, ctx, scale, num_splits=splits))
         nbytes = decode_traffic(ctx.tolist(), h_q, h_kv, d, *FORMATS[fmt], num_splits=splits)["total"]
-        row["us"][fmt], row["bytes_per_layer"][fmt] = ms * 1e3, nbytes
-        row["GBps"][fmt] = nbytes / (ms * 1e-3) / 1e9
+        timed = {}
+        for convert in (["cast"] if fmt == "fp16" else converts):
+            if convert == "dot8" and k_op.fmt != INT8:
+                continue
+            best = None
+            for st in STAGES:
+                us = do_bench(lambda: decode.paged_decode(q, k_op, v_op, table, ctx, scale, num_splits=splits,
+                                                          convert=convert, num_stages=st)) * 1e3
+                if best is None or us < best[0]:
+                    best = (us, st)
+            timed[convert] = best
+            ops = decode_ops(ctx.tolist(), h_q, h_kv, d, *FORMATS[fmt], convert=convert)
+            row["model_us"][f"{fmt} {convert}"] = ops_time(ops, nbytes, "H200")["bound_us"]
+        win = min(timed, key=lambda c: timed[c][0])
+        row["variants"][fmt] = {c: t[0] for c, t in timed.items()}
+        row["best_convert"][fmt], row["stages"][fmt] = win, timed[win][1]
+        row["us"][fmt], row["bytes_per_layer"][fmt] = timed[win][0], nbytes
+        row["GBps"][fmt] = nbytes / (timed[win][0] * 1e-6) / 1e9
         if fmt == "int8":  # the unfused path: a dequantized FP16 copy of the pool, then the FP16 kernel
             def unfused():
                 k16, v16 = dequantize(k_op), dequantize(v_op)
                 return decode.paged_decode(q, Operand(k16, FLOAT), Operand(v16, FLOAT), table, ctx, scale,
                                            num_splits=splits)
 
-            row["us"]["int8_unfused"] = do_bench(unfused) * 1e3
+            row["us"]["int8_unfused"] = do_bench(unfused) * 1e3  # Triton's default launch
             row["unfused_path"] = UNFUSED_PATH
         del k_op, v_op
     # outside baseline: torch SDPA over a contiguous FP16 cache (B, H_kv, ctx, D), GQA without repeating K/V
@@ -156,6 +187,7 @@ def time_case(shape: str, batch: int, context: int, device) -> dict:
     q4 = q[:, :, None, :]
     sdpa = torch.nn.functional.scaled_dot_product_attention
     row["us"]["sdpa_fp16_contiguous"] = do_bench(lambda: sdpa(q4, kc, vc, scale=scale, enable_gqa=True)) * 1e3
+    row["GBps"]["sdpa_fp16_contiguous"] = row["bytes_per_layer"]["fp16"] / (row["us"]["sdpa_fp16_contiguous"] * 1e-6) / 1e9
     del kc, vc
     row["speedup_vs_fp16"] = {f: row["us"]["fp16"] / row["us"][f] for f in row["us"]}
     return row
@@ -163,9 +195,14 @@ def time_case(shape: str, batch: int, context: int, device) -> dict:
 
 # ---- the command -----------------------------------------------------------------------------------------
 
-def run(shapes=None, batches=BATCHES, contexts=CONTEXTS, gpu: str = "H100", progress=print) -> dict:
-    """What ``kvlab bench kernels`` prints (as JSON): the sweep, the projection and, on a GPU, timings."""
+def run(shapes=None, batches=BATCHES, contexts=CONTEXTS, gpu: str = "H100", progress=print,
+        converts=CONVERSIONS) -> dict:
+    """What ``kvlab bench kernels`` prints (as JSON): the sweep, the projection with the operations
+    model, and, on a GPU, timings of every conversion variant in ``converts``."""
     shapes = list(shapes or SHAPES)
+    converts = [check_convert(c) for c in converts]
+    if "cast" not in converts:
+        converts.insert(0, "cast")  # the baseline every variant is read against
     t0 = time.perf_counter()
     on_gpu = kernels.available() and torch.cuda.is_available() and kernels.triton_mode() == "compiled"
     device = torch.device("cuda" if on_gpu else "cpu")
@@ -174,7 +211,8 @@ def run(shapes=None, batches=BATCHES, contexts=CONTEXTS, gpu: str = "H100", prog
               "device": torch.cuda.get_device_name() if on_gpu else "cpu"}
     if kernels.available():
         progress(f"correctness sweep ({'compiled' if on_gpu else 'interpreter'}) ...")
-        result["checks"] = check_sweep(device)
+        result["checks"] = check_sweep(device, converts)
+        result["conversions_exact"] = kernels.decode.convert_all_values(device)  # all 256 int8 values
     else:  # macOS, Windows: the projection below needs no kernel
         result["checks"], result["skipped"] = [], f"correctness sweep skipped: {kernels.WHY_NO_TRITON}"
     rows = []
@@ -186,7 +224,8 @@ def run(shapes=None, batches=BATCHES, contexts=CONTEXTS, gpu: str = "H100", prog
                        "bytes_per_step": {f: step_bytes(f, b, c, layers, h_q, h_kv, d) for f in ("fp16", "int8", "k8v4")},
                        "bytes_per_step_int8_unfused": step_bytes("int8", b, c, layers, h_q, h_kv, d, fused=False),
                        "projection_ms": {g: {f: v["projected_ms"] for f, v in project(shape, b, c, g).items()}
-                                         for g in GPU_BANDWIDTH}}
+                                         for g in GPU_BANDWIDTH},
+                       "model_us": _model_row(shape, b, c)}
                 rows.append(row)
     result["projection"] = {"label": "PROJECTION: bytes per whole-model decode step (attention only) / peak HBM "
                                      "bandwidth; a lower bound on the step time, not a measurement",
@@ -199,11 +238,24 @@ def run(shapes=None, batches=BATCHES, contexts=CONTEXTS, gpu: str = "H100", prog
             for b in batches:
                 for c in contexts:
                     progress(f"{shape} batch {b} context {c} ...")
-                    measured.append(time_case(shape, b, c, device))
+                    measured.append(time_case(shape, b, c, device, converts))
                     torch.cuda.empty_cache()
         result["measured"] = measured
     result["seconds"] = time.perf_counter() - t0
     return result
+
+
+def _model_row(shape: str, batch: int, context: int, gpu: str = "H200") -> dict:
+    """The operations model's bound (us, one layer) per format and conversion variant, and what limits it."""
+    layers, h_q, h_kv, d = SHAPES[shape]
+    ctx = [context] * batch
+    out = {}
+    for fmt in ("fp16", "int8", "k8v4"):
+        nbytes = decode_traffic(ctx, h_q, h_kv, d, *FORMATS[fmt])["total"]
+        for convert in (["cast"] if fmt == "fp16" else CONVERSIONS):
+            t = ops_time(decode_ops(ctx, h_q, h_kv, d, *FORMATS[fmt], convert=convert), nbytes, gpu)
+            out[f"{fmt} {convert}"] = {"bound_us": t["bound_us"], "limit": t["limit"], "us": t["us"]}
+    return out
 
 
 def format_table(result: dict) -> str:
@@ -212,10 +264,16 @@ def format_table(result: dict) -> str:
     bad = [c for c in result["checks"] if not c["ok"]]
     if result["checks"]:
         worst = max(c["max_abs_err"] for c in result["checks"])
-        lines.append(f"correctness: {len(result['checks']) - len(bad)}/{len(result['checks'])} cases within 2e-3 x "
-                     f"max|V| (fp16 operands; worst max |err| {worst:.1e})")
+        lines.append(f"correctness: {len(result['checks']) - len(bad)}/{len(result['checks'])} cases (formats x "
+                     f"conversion variants) within 2e-3 x max|V| (fp16 operands; dot8, whose q is int8: 10x that); "
+                     f"worst max |err| {worst:.1e}")
     else:
         lines.append(result.get("skipped", "correctness: no cases"))
+    if "conversions_exact" in result:
+        ex = result["conversions_exact"]
+        lines.append("every int8 value through each conversion: " + ", ".join(
+            f"{c} {'exact' if ok else 'WRONG'}" for c, ok in ex.items())
+            + ("" if "prmt" in ex else " (prmt: compiled GPUs only)"))
     if "measured" in result:
         lines.append(f"copy bandwidth (read + write): {result['copy_GBps']:.0f} GB/s")
         lines.append(f"{'shape':<13}{'batch':>6}{'ctx':>7}{'splits':>7} | {'fp16 us':>9}{'int8':>9}{'k8v4':>9}"
@@ -227,6 +285,14 @@ def format_table(result: dict) -> str:
                          f"{u['int8']:>9.1f}{u['k8v4']:>9.1f}{u['int8_unfused']:>9.1f}{u['sdpa_fp16_contiguous']:>9.1f} | "
                          f"{s['int8']:>7.2f}{s['k8v4']:>7.2f}{s['int8_unfused']:>7.2f} | {g['fp16']:>10.0f}"
                          f"{g['int8']:>7.0f}{g['k8v4']:>7.0f}")
+        if any("variants" in r for r in result["measured"]):
+            lines.append("conversion variants, us (fastest of Triton's default launch and num_stages=3; "
+                         "model = the operations model's bound at H200 peaks):")
+            for r in result["measured"]:
+                for fmt in ("int8", "k8v4"):
+                    var = r.get("variants", {}).get(fmt, {})
+                    lines.append(f"{r['shape']:<13}{r['batch']:>6}{r['context']:>7} {fmt:<5}| " + "".join(
+                        f"{c} {t:.1f} (model {r['model_us'][f'{fmt} {c}']:.0f})  " for c, t in var.items()))
     lines.append(result["projection"]["label"])
     lines.append(f"{'shape':<13}{'batch':>6}{'ctx':>7} | {'fp16 MB':>9}{'int8':>9}{'k8v4':>9}{'unfused':>9} | "
                  + "".join(f"{g + ' fp16/int8 ms':>20}" for g in GPU_BANDWIDTH))
@@ -235,6 +301,14 @@ def format_table(result: dict) -> str:
         lines.append(f"{r['shape']:<13}{r['batch']:>6}{r['context']:>7} | {b['fp16'] / 1e6:>9.1f}{b['int8'] / 1e6:>9.1f}"
                      f"{b['k8v4'] / 1e6:>9.1f}{r['bytes_per_step_int8_unfused'] / 1e6:>9.1f} | "
                      + "".join(f"{p['fp16']:>12.3f} /{p['int8']:>6.3f}" for p in r["projection_ms"].values()))
+    model_rows = [r for r in result["projection"]["rows"] if r["shape"] == "llama-3-8b" and "model_us" in r]
+    if model_rows:
+        lines.append("MODEL: operations by pipe at H200 peak rates (kvlab.kernels.traffic.ops_time): the bound in us "
+                     "per layer and what sets it, for the Llama-3-8B shape")
+    for r in model_rows:
+        m = r["model_us"]
+        lines.append(f"{'llama-3-8b':<13}{r['batch']:>6}{r['context']:>7} | " + "  ".join(
+            f"{name} {v['bound_us']:.1f} ({v['limit']})" for name, v in m.items()))
     lines.append(f"{result['seconds']:.1f} s")
     return "\n".join(lines)
 

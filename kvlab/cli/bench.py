@@ -72,7 +72,8 @@ def _kernels(args) -> int:
     if args.out:
         check_writable_target(args.out, "--out file")
     res = kbench.run(args.shapes, args.batches, args.contexts,
-                     progress=lambda m: print(m, file=sys.stderr) if not args.json else None)
+                     progress=lambda m: print(m, file=sys.stderr) if not args.json else None,
+                     converts=args.converts or kbench.CONVERSIONS)
     if args.out:
         write_atomic(args.out, json.dumps(res, indent=1), "--out file")
     emit(res, args.json, kbench.format_table(res).splitlines())

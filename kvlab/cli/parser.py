@@ -16,12 +16,13 @@ import argparse
 from kvlab.cache import CACHE_KINDS
 from kvlab.attention import BACKEND_NAMES
 from kvlab.formats import GRANULARITIES, KV_CACHE_DTYPES, engine_kv_cache_dtypes
+from kvlab.gpu_check import DEFAULT_DEADLINE_S, DEFAULT_JOBS, GOAL_S, STEP_NAMES
 from kvlab.sizing import dtypes
 
 #: the subcommand -> the module of kvlab.cli that holds its handler ``cmd_<name>`` (imported when it runs)
 COMMAND_MODULES = {"info": "info", "size": "info", "generate": "generate", "bench": "bench",
                    "calibrate": "quant", "ppl": "quant", "export-vllm": "export", "claims": "claims",
-                   "convert": "info"}
+                   "convert": "info", "gpu-check": "gpu_check"}
 
 DEFAULT_MODEL = "smollm2-135m"
 # KV formats (``kvlab ppl --kv-cache-dtype``; the engine's pool also takes "auto", its model's dtype), their
@@ -46,6 +47,30 @@ def positive_int(name: str):
         return value
 
     return parse
+
+
+def seconds(name: str):
+    """An argparse ``type`` for a time limit: a finite number >= 0; the error names the option."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number of seconds, got {text!r}") from None
+        if not 0 <= value < float("inf"):
+            raise argparse.ArgumentTypeError(f"{name} must be a number of seconds >= 0, got {text}")
+        return value
+
+    return parse
+
+
+def step_names(text: str) -> list[str]:
+    """An argparse ``type`` for ``--only``: comma-separated names of gpu-check's steps."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in names if s not in STEP_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"--only must name steps of {', '.join(STEP_NAMES)}, got "
+                                         f"{', '.join(unknown) or repr(text)}")
+    return names
 
 
 # ---- parent parsers: the options several subcommands share -------------------------------------------
@@ -157,6 +182,9 @@ def _bench_options() -> argparse.ArgumentParser:
     s.add_argument("--batches", type=positive_int("--batches"), nargs="+", default=[1, 8, 32], help="kernels")
     s.add_argument("--contexts", type=positive_int("--contexts"), nargs="+", default=[1024, 4096, 16384],
                    help="kernels")
+    s.add_argument("--converts", nargs="+", default=None,
+                   choices=["cast", "magic", "prmt", "bf16", "dot8"],
+                   help="kernels: conversion variants to check and time (default: all; cast always runs)")
     s.add_argument("--out", default=None, help="kernels: also write the JSON result to this file")
     return s
 
@@ -200,6 +228,24 @@ def _convert_options() -> argparse.ArgumentParser:
     return s
 
 
+def _gpu_check_options() -> argparse.ArgumentParser:
+    s = argparse.ArgumentParser(add_help=False)
+    s.add_argument("--out", required=True, metavar="DIR",
+                   help="folder for the executed notebooks, the benchmarks' JSON and summary.md")
+    s.add_argument("--dry-run", action="store_true",
+                   help="rehearse the same plan on a CPU: notebooks parsed and one rehearsal notebook executed, "
+                        "the benchmarks on their smallest settings")
+    s.add_argument("--jobs", type=positive_int("--jobs"), default=DEFAULT_JOBS, help="notebooks executed at once")
+    s.add_argument("--deadline-s", type=seconds("--deadline-s"), default=DEFAULT_DEADLINE_S,
+                   help=f"stop by then; steps with no time left are 'not run (deadline)' (default {GOAL_S:.0f}: "
+                        "the 8-minute goal)")
+    s.add_argument("--only", type=step_names, default=None, metavar="STEP,STEP",
+                   help=f"run only these steps ({', '.join(STEP_NAMES)}), e.g. to redo a failed one")
+    s.add_argument("--model", default=None,
+                   help="the engine benchmark's model (default smollm2-135m; the dry run: tiny)")
+    return s
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole ``kvlab`` command line; ``args.command`` names the subcommand that was chosen.
 
@@ -226,5 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("claims", help="every numeric claim of the three source articles, measured now, with a verdict",
         parents=[_claims_options(), out])
     add("convert", help="convert the bundled SmolLM2 GGUF to safetensors (once)", parents=[_convert_options(), out])
+    add("gpu-check", help="the whole lab on one CUDA GPU within 8 minutes: every notebook, the kernel and engine "
+                          "benchmarks, a summary (--dry-run rehearses it on a CPU)", parents=[_gpu_check_options(), out])
     assert set(sub.choices) == set(COMMAND_MODULES), "every subcommand needs a module in COMMAND_MODULES"
     return p
