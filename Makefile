@@ -38,7 +38,7 @@ ifneq ($(filter-out clean,$(GOALS)),)
   endif
 endif
 
-.PHONY: setup lab test peer clean
+.PHONY: setup lab test peer gpu-check clean
 
 setup: $(STAMP)
 
@@ -59,6 +59,14 @@ lab: setup
 
 test: setup
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS) tests notebooks --nbval-lax --nbval-current-env
+
+# One GPU check (kvlab/gpu_check.py): on a CUDA GPU, every notebook executed, `kvlab bench kernels` and the
+# engine benchmark on the triton and torch backends, within 8 minutes; the executed notebooks, the JSON
+# and summary.md go into $(OUT). On a CPU: `.venv/bin/kvlab gpu-check --out DIR --dry-run` (a test runs it).
+OUT ?= gpu-check-out
+
+gpu-check: setup
+	$(BIN)/kvlab gpu-check --out $(OUT)
 
 # vLLM's CPU build as a benchmark peer (kvlab bench engine --systems vllm, tests/test_peer_vllm.py):
 # its own environment, because it pins transformers<5.20. kvlab never imports it; kvlab talks to it

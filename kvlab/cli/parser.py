@@ -16,7 +16,7 @@ import argparse
 from kvlab.cache import CACHE_KINDS
 from kvlab.attention import BACKEND_NAMES
 from kvlab.formats import GRANULARITIES, KV_CACHE_DTYPES, engine_kv_cache_dtypes
-from kvlab.gpu_check import DEFAULT_DEADLINE_S, DEFAULT_JOBS, GOAL_S, STEP_NAMES
+from kvlab.gpu_check import DEFAULT_DEADLINE_S, DEFAULT_JOBS, GOAL_S, STEP_NAMES, check_only
 from kvlab.sizing import dtypes
 
 #: the subcommand -> the module of kvlab.cli that holds its handler ``cmd_<name>`` (imported when it runs)
@@ -65,12 +65,10 @@ def seconds(name: str):
 
 def step_names(text: str) -> list[str]:
     """An argparse ``type`` for ``--only``: comma-separated names of gpu-check's steps."""
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [s for s in names if s not in STEP_NAMES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"--only must name steps of {', '.join(STEP_NAMES)}, got "
-                                         f"{', '.join(unknown) or repr(text)}")
-    return names
+    try:
+        return list(check_only(text))
+    except ValueError as e:  # "only must name steps of ..." -> "--only must ..."
+        raise argparse.ArgumentTypeError(f"--{e}") from None
 
 
 # ---- parent parsers: the options several subcommands share -------------------------------------------
