@@ -20,7 +20,15 @@ import re
 import subprocess
 import sys
 
+from kvlab.kernels import require_triton
 from kvlab.kernels.convert import CONVERSIONS, check_convert
+
+require_triton("kvlab.kernels.ptx")  # where triton is missing (macOS, Windows): an ImportError that says why
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from kvlab.kernels import decode as D  # noqa: E402
 
 #: PTX opcodes counted, by what they mean for the conversion story
 PATTERNS = {
@@ -38,8 +46,6 @@ _FORMATS = {"fp16": (0, 0, 0, 0, "*fp16", "*fp16"), "int8": (1, 1, 1, 1, "*i8", 
 
 
 def _signature(convert: str, fmt: str) -> tuple[dict, dict]:
-    from kvlab.kernels import decode as D
-
     k_fmt, k_scale, v_fmt, v_scale, k_ty, v_ty = _FORMATS[fmt]
     k_conv, v_conv = D._CONVERT_CODES[convert]
     if k_conv == 1 and k_fmt == 1:
@@ -50,8 +56,6 @@ def _signature(convert: str, fmt: str) -> tuple[dict, dict]:
             "ks_ptr": "*fp32", "vs_ptr": "*fp32", "kown_ptr": "*fp16", "vown_ptr": "*fp16", "table_ptr": "*i32",
             "ctx_ptr": "*i64", "sinks_ptr": "*fp16"}
     floats = {"sm_scale", "softcap"}
-    import triton.language as tl
-
     constexprs = dict(K_FMT=k_fmt, K_SCALE=k_scale, V_FMT=v_fmt, V_SCALE=v_scale, K_GROUP=1, V_GROUP=32,
                       HEAD_DIM=128, BLOCK_SIZE=16, PAGES=8, QPP=4, QPP_PAD=16, GQA=4, HAS_OWN=False, SPLIT=False,
                       DOT_DTYPE=tl.bfloat16 if convert == "bf16" else tl.float16, HAS_SOFTCAP=False,
@@ -74,11 +78,6 @@ def count_instructions(ptx: str) -> dict[str, int]:
 
 
 def _compile_here(convert: str, fmt: str, arch: int) -> dict:
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    from kvlab.kernels import decode as D
-
     sig, constexprs = _signature(convert, fmt)
     # pointers 16-byte aligned and strides multiples of 16, as Triton assumes for the real launch
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(D._paged_decode_kernel.params)

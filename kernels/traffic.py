@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from kvlab.formats import kernel_names
+from kvlab.kernels.convert import check_convert
 from kvlab.kernels import require_triton, triton_mode
 from kvlab.kernels.pool import FLOAT, INT4, INT8, NO_SCALE, PER_SLOT, STATIC
 from kvlab.quant.formats import TensorFormat, named_config
@@ -238,8 +239,6 @@ def decode_ops(seq_lens, h_q: int, h_kv: int, d: int, k: Spec, v: Spec, *, conve
     and slot (the softmax; the rescaling exps per row are left out), the two matmuls, and for
     ``dot8`` the int32 -> fp32 conversion and the row-scale multiply of every score.
     """
-    from kvlab.kernels.convert import check_convert
-
     check_convert(convert)
     pages = pages or max(1, 128 // block_size)
     pages = max(pages, 16 // block_size)
