@@ -71,8 +71,6 @@ BUDGETS = {"environment": 20, "bench-kernels": 150, "bench-engine-triton": 60, "
 #: the model the engine benchmark serves: SmolLM2 on the GPU, the tiny random Llama in the dry run
 GPU_MODEL, DRY_RUN_MODEL = "smollm2-135m", "tiny"
 ENGINE_BACKENDS = ("triton", "torch")
-#: names a conversion-variant parameter of kvlab.bench.kernels.run may have (checked at run time)
-VARIANT_PARAMS = ("convert", "converts", "conversions", "variants")
 NO_GPU = "no CUDA GPU here: run with --dry-run to rehearse the plan"
 NOTEBOOK_TOOLS = ("nbformat", "nbclient")
 
@@ -196,21 +194,20 @@ def _process_failure(rc: int | None, stderr: str, limit_s: float) -> dict | None
     return None
 
 
+#: the GPU sweep: both shapes, batch 1/8/32, a short and the longest context (the issue's 8 x 16K and
+#: 32 x 16K among them); every conversion variant x 2 launch options per point must fit the step's budget
+GPU_SWEEP = {"batches": [1, 8, 32], "contexts": [1024, 16384]}
+
+
 def kernel_bench_kwargs(dry_run: bool, function: Callable | None = None) -> dict:
-    """The keyword arguments the kernel step hands ``kvlab.bench.kernels.run``: its defaults on the GPU
-    (the whole sweep), its smallest settings in the dry run; and every conversion variant
-    (:data:`kvlab.kernels.convert.CONVERSIONS`) where the function has a parameter for them
-    (:data:`VARIANT_PARAMS`) that takes several (a default that is a list, a tuple or None).
-    ``function``: whose signature is read (default ``kvlab.bench.kernels.run``)."""
+    """The keyword arguments the kernel step hands ``kvlab.bench.kernels.run``: :data:`GPU_SWEEP` on the
+    GPU, its smallest settings in the dry run, and every conversion variant
+    (:data:`kvlab.kernels.convert.CONVERSIONS`) either way. ``function``: whose signature is read
+    (default ``kvlab.bench.kernels.run``); only the parameters it has are passed."""
     params = inspect.signature(function or kbench.run).parameters
-    kwargs = {"shapes": ["smollm2-135m"], "batches": [1], "contexts": [16]} if dry_run else {}
-    kwargs = {k: v for k, v in kwargs.items() if k in params}
-    name = next((p for p in VARIANT_PARAMS if p in params), None)
-    if name is not None:
-        default = params[name].default
-        if default is inspect.Parameter.empty or default is None or isinstance(default, (list, tuple)):
-            kwargs[name] = list(CONVERSIONS)
-    return kwargs
+    kwargs = {"shapes": ["smollm2-135m"], "batches": [1], "contexts": [16]} if dry_run else dict(GPU_SWEEP)
+    kwargs["converts"] = list(CONVERSIONS)
+    return {k: v for k, v in kwargs.items() if k in params}
 
 
 def _kernel_step(out: Path, dry_run: bool) -> tuple[str, Callable[[float], dict]]:

@@ -82,20 +82,19 @@ def test_the_gpu_plan_is_the_dry_runs_plan_at_full_size(tmp_path):
     dry, gpu = gc.plan(tmp_path, dry_run=True), gc.plan(tmp_path, dry_run=False)
     assert [(s.name, s.budget_s, s.output) for s in dry] == [(s.name, s.budget_s, s.output) for s in gpu]
     assert sum(s.budget_s for s in gpu) <= gc.GOAL_S - 5  # room for start-up inside the 8 minutes
-    assert gc.kernel_bench_kwargs(dry_run=False) == {"converts": list(CONVERSIONS)}  # the whole sweep
+    assert gc.kernel_bench_kwargs(dry_run=False) == {**gc.GPU_SWEEP, "converts": list(CONVERSIONS)}
+    assert 16384 in gc.GPU_SWEEP["contexts"] and {8, 32} <= set(gc.GPU_SWEEP["batches"])  # the points
     argv = gc.engine_argv("triton", dry_run=False, model=gc.GPU_MODEL)
     assert argv[argv.index("--num-requests") + 1] == "32" and argv[argv.index("--systems") + 1] == "kvlab_continuous"
     assert "--scale" not in argv and argv[argv.index("--model") + 1] == "smollm2-135m"
     assert "(must be 'compiled')" in gpu[0].what
 
 
-def test_variants_pass_only_where_the_benchmark_takes_several():
+def test_only_the_parameters_the_benchmark_has_are_passed():
     def several(shapes=None, batches=(1,), contexts=(16,), converts=("cast",)): ...
-    def one(shapes=None, batches=(1,), contexts=(16,), convert="cast"): ...
     def none(shapes=None, batches=(1,), contexts=(16,)): ...
 
     assert gc.kernel_bench_kwargs(True, several)["converts"] == list(CONVERSIONS)
-    assert "convert" not in gc.kernel_bench_kwargs(True, one)
     assert gc.kernel_bench_kwargs(True, none) == {"shapes": ["smollm2-135m"], "batches": [1], "contexts": [16]}
     assert gc.kernel_bench_kwargs(True)["converts"] == list(CONVERSIONS)  # the real one has converts=
 
