@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvlab import claims
+import kvlab.claims.rules  # noqa: F401  (claims.rules.recording)
 from kvlab.cli import main
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
@@ -111,9 +112,37 @@ def test_cli_claims_json(capsys):
     assert main(["claims", "--json", "--only", "kv-7b,static-30,unfused"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["id"] for r in out["claims"]] == ["kv-7b", "unfused", "static-30"]  # in table order
-    assert out["counts"]["claims"] == 3 and {"measured", "verdict", "why", "notebook", "section"} <= set(out["claims"][0])
+    assert out["counts"]["claims"] == 3 and {"measured", "verdict", "why", "rule", "tolerance", "notebook",
+                                             "section"} <= set(out["claims"][0])
 
 
 def test_cli_claims_bad_id(capsys):
     assert main(["claims", "--only", "nope"]) == 2
     assert "unknown claim id" in capsys.readouterr().err
+
+
+def test_every_row_carries_the_rule_and_tolerance_it_was_judged_by():
+    rows = claims.run(ids=NO_MODEL)
+    for r in rows:
+        assert r["rule"] != "none" and r["tolerance"], r["id"]  # no verdict typed in
+    by_id = {r["id"]: r for r in rows}
+    assert by_id["kv-7b"]["rule"] == "ratio x5" and by_id["kv-7b"]["tolerance"] == "within ±15% of the claimed figure"
+    assert by_id["util-30-80"]["rule"] == "in_range x2" and "[0.3, 0.4]" in by_id["util-30-80"]["tolerance"]
+    assert by_id["24-to-16gb"]["rule"] == "margin"
+    assert claims.format_table(rows).count("\n      rule ") == len(rows)
+    with claims.rules.recording() as calls:
+        claims.ratio(2.0, 2.1, tol=0.1)
+        claims.in_range(1, 2, 3)
+    assert claims.rules.summarize(calls) == ("ratio, in_range", "within ±10% of the claimed figure; in [1, 2]")
+    assert claims.rules.summarize([])[0] == "none"
+
+
+def test_no_notebook_cites_a_path_outside_the_project():
+    """A learner's clone must carry what it cites: the source articles are not in the project, so the
+    notebooks quote them and point to `kvlab claims`, never to a folder beside the repository."""
+    outside = re.compile(r"shared/seeds|\.\./|(?<![\w.])/(work|home|root|tmp)/")
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")) + sorted((NOTEBOOKS.parent / "docs").glob("*.md")):
+        text = path.read_text() if path.suffix == ".md" else "".join(
+            "".join(c["source"]) for c in json.loads(path.read_text())["cells"])
+        hits = sorted({m.group(0) for m in outside.finditer(text)})
+        assert not hits, f"{path.name} cites {hits}"

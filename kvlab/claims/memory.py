@@ -34,7 +34,7 @@ def c_7b_table(lab):
 def c_7b_weights(lab):
     w = sizing.weight_bytes("llama-2-7b")
     kv = _kv7b(32768)
-    v = ratio(14e9, w) if kv > w else "wrong"
+    v = ratio(14e9, w) if truth(kv > w) == HOLDS else "wrong"  # both halves: 14 GB, and outgrown at 32K
     return f"weights {w / 1e9:.1f} GB, KV at 32K {kv / 1e9:.1f} GB", v, "6.74 B parameters x 2 bytes"
 
 

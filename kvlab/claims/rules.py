@@ -18,14 +18,41 @@ confirmation nor a correction, the lab's measurement cannot decide it.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 HOLDS = "holds"
 UNSETTLED = "not settled"
+
+_calls: list[dict] | None = None  # while recording(): every rule called, with the tolerance it applied
+
+
+@contextmanager
+def recording():
+    """Record which rules a measuring function applies, and with what tolerance or range: the table
+    puts them in every row (fields ``rule`` and ``tolerance``), so a reader sees what a verdict was
+    held to, pass or fail. Yields the list of ``{"rule", "tolerance"}`` calls."""
+    global _calls
+    outer, _calls = _calls, []
+    try:
+        yield _calls
+    finally:
+        _calls = outer
+
+
+def _note(rule: str, tolerance: str) -> None:
+    if _calls is not None:
+        _calls.append({"rule": rule, "tolerance": tolerance})
+
+
+def _g(x: float) -> str:
+    return f"{x:.3g}"
 
 
 def ratio(claimed: float, measured: float, tol: float = 0.15) -> str:
     """``holds`` when claimed and measured agree within ``tol`` (relative), else ``off by N×``."""
     if claimed <= 0 or measured <= 0:
         raise ValueError(f"ratio needs positive numbers, got claimed={claimed!r}, measured={measured!r}")
+    _note("ratio", f"within ±{tol:.0%} of the claimed figure" if tol else "equal to the claimed figure")
     r = max(claimed, measured) / min(claimed, measured)
     return HOLDS if r <= 1 + tol else f"off by {r:.1f}×" + (f" (±{tol:.0%} allowed)" if tol else "")
 
@@ -35,6 +62,7 @@ def in_range(lo: float, hi: float, measured: float, tol: float = 0.0) -> str:
     end; a measurement <= 0 against a positive range is ``wrong``."""
     if not 0 < lo <= hi:
         raise ValueError(f"need 0 < lo <= hi, got lo={lo!r}, hi={hi!r}")
+    _note("in_range", f"in [{_g(lo)}, {_g(hi)}]" + (f" ±{tol:.0%}" if tol else ""))
     if lo * (1 - tol) <= measured <= hi * (1 + tol):
         return HOLDS
     if measured <= 0:
@@ -45,6 +73,7 @@ def in_range(lo: float, hi: float, measured: float, tol: float = 0.0) -> str:
 
 def truth(ok: bool) -> str:
     """A statement (an ordering, "fits", "is faster"): ``holds`` when it is true, else ``wrong``."""
+    _note("truth", "true or false (no tolerance)")
     return HOLDS if ok else "wrong"
 
 
@@ -56,6 +85,7 @@ def cost_range(lo: float, hi: float, measured: float, interval: tuple[float, flo
     if not 0 < lo <= hi:
         raise ValueError(f"need 0 < lo <= hi, got lo={lo!r}, hi={hi!r}")
     a, b = sorted(interval)
+    _note("cost_range", f"the measured interval must meet [{_g(lo)}, {_g(hi)}]")
     if b >= lo and a <= hi:
         return HOLDS
     if a > hi:
@@ -66,6 +96,7 @@ def cost_range(lo: float, hi: float, measured: float, interval: tuple[float, flo
 def shown(possible: bool, reached: bool) -> str:
     """A claimed gain: ``wrong`` if the bytes rule it out, ``holds`` if our measurement reaches it,
     ``not settled`` if it is possible but our run did not show it."""
+    _note("shown", "allowed by the bytes, and reached by the lab's run")
     if not possible:
         return "wrong"
     return HOLDS if reached else f"{UNSETTLED} (possible, not reproduced)"
@@ -74,11 +105,28 @@ def shown(possible: bool, reached: bool) -> str:
 def margin(value: float, limit: float, slack: float = 0.10) -> str:
     """Claim "value exceeds limit": ``holds`` above it, ``wrong`` more than ``slack`` below it,
     ``not settled`` within the slack (borderline: the answer depends on what else must fit)."""
+    _note("margin", f"above the limit; within {slack:.0%} below it: borderline")
     if value > limit:
         return HOLDS
     if value < limit * (1 - slack):
         return "wrong"
     return f"{UNSETTLED} (borderline: within {slack:.0%} of the limit)"
+
+
+def summarize(calls: list[dict]) -> tuple[str, str]:
+    """(rule, tolerance) of one row from the rules its measurement applied: each distinct rule once
+    (x N when applied N times), their tolerances joined; ("none", ...) when no rule was applied."""
+    if not calls:
+        return "none", "no rule was applied: the verdict was not computed"
+    names, tols = [], []
+    for c in calls:
+        if c["rule"] not in names:
+            names.append(c["rule"])
+        if c["tolerance"] not in tols:
+            tols.append(c["tolerance"])
+    rule = ", ".join(f"{n} x{sum(c['rule'] == n for c in calls)}" if sum(c["rule"] == n for c in calls) > 1 else n
+                     for n in names)
+    return rule, "; ".join(tols)
 
 
 def corrected(verdict: str) -> bool:

@@ -11,7 +11,7 @@ import textwrap
 
 from kvlab.claims.catalog import CLAIMS
 from kvlab.claims.lab import Lab
-from kvlab.claims.rules import HOLDS, UNSETTLED
+from kvlab.claims.rules import HOLDS, UNSETTLED, recording, summarize
 
 
 def run(lab: Lab | None = None, ids=None, progress=None) -> list[dict]:
@@ -28,9 +28,11 @@ def run(lab: Lab | None = None, ids=None, progress=None) -> list[dict]:
             continue
         if progress is not None:
             progress(c.id)
-        measured, verdict, why = c.measure(lab)
+        with recording() as calls:
+            measured, verdict, why = c.measure(lab)
+        rule, tolerance = summarize(calls)
         rows.append(dict(id=c.id, article=c.article, where=c.where, claim=c.text, measured=measured, verdict=verdict,
-                         why=why, notebook=c.notebook, section=c.section))
+                         why=why, rule=rule, tolerance=tolerance, notebook=c.notebook, section=c.section))
     return rows
 
 
@@ -50,6 +52,7 @@ def format_table(rows: list[dict], width: int = 64) -> str:
         mark = "✓" if r["verdict"] == HOLDS else "?" if r["verdict"].startswith(UNSETTLED) else "✗"
         out.append(f"{i:>2}. {mark} [{r['article']} {r['where']}] {r['claim']}")
         for label, text in (("measured", r["measured"]), ("verdict", f"{r['verdict']} — {r['why']}"),
+                            ("rule", f"{r['rule']}: {r['tolerance']}"),
                             ("see", f"notebook {r['notebook']}, “{r['section']}”")):
             out.append(textwrap.fill(text, width + 14, initial_indent=f"      {label:<9}",
                                      subsequent_indent=" " * 15))
