@@ -174,6 +174,7 @@ def test_admission_rule(capsys):
     assert not check.admission_rule(no_alone_exception)
     out = capsys.readouterr().out
     assert "[fail] admission_rule(num_running=0, max_num_seqs=4, budget_left=5, blocks_needed=10" in out
+    assert "the watermark does not apply" in out
 
     def blocks_before_seats(r, m, b, n, f, w):  # right reasons, wrong order
         if b <= 0:
@@ -184,6 +185,17 @@ def test_admission_rule(capsys):
 
     assert not check.admission_rule(blocks_before_seats)
     assert "expected 'seq limit'" in capsys.readouterr().out
+
+    def alone_admits_anything(r, m, b, n, f, w):  # "when alone, admit whatever it needs"
+        if b <= 0:
+            return "token budget"
+        if r >= m:
+            return "seq limit"
+        return None if r == 0 else "no blocks" if n > f - w else None
+
+    assert not check.admission_rule(alone_admits_anything)
+    out = capsys.readouterr().out
+    assert "blocks_needed=12, blocks_free=10" in out and "only the watermark is waived" in out
 
 
 @pytest.mark.triton
@@ -200,11 +212,35 @@ def test_online_softmax_update(capsys):
     def todo(m, l, acc, s, v, v_scale):
         raise NotImplementedError("write the update")
 
+    @triton.jit
+    def no_max(m, l, acc, s, v, v_scale):  # exp of the raw scores: overflows at scores near 100
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s)
+        pv = p * v_scale[None, :]
+        return m_new, l + tl.sum(p, axis=1), acc + tl.sum(pv[:, :, None] * v[None, :, :], axis=1)
+
+    @triton.jit
+    def scale_in_l(m, l, acc, s, v, v_scale):  # sums the scaled P into l
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        pv = tl.exp(s - m_new[:, None]) * v_scale[None, :]
+        return m_new, l * alpha + tl.sum(pv, axis=1), acc * alpha[:, None] + tl.sum(pv[:, :, None] * v[None, :, :], axis=1)
+
+    def not_jitted(m, l, acc, s, v, v_scale):  # right maths, but a plain Python function
+        return online_softmax_update.fn(m, l, acc, s, v, v_scale)
+
     assert check.online_softmax_update(online_softmax_update)
     assert not check.online_softmax_update(no_rescale)
     assert not check.online_softmax_update(todo)
     out = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in out] == ["[ok]", "[fail]", "[todo]"]
+    assert "shrink by alpha" in out[1] and "tensor(16, 32)" not in out[2]  # the mistake named; no answer revealed
+    assert not check.online_softmax_update(no_max)
+    assert "subtract the running max" in capsys.readouterr().out
+    assert not check.online_softmax_update(scale_in_l)
+    assert "l sums the unscaled" in capsys.readouterr().out
+    assert not check.online_softmax_update(not_jitted)
+    assert "@triton.jit" in capsys.readouterr().out
 
 
 # ---- progress across notebooks ---------------------------------------------------------------------

@@ -26,7 +26,8 @@ def _first_difference(got, expected) -> str:
     pairs = list(zip(got, expected)) if isinstance(expected, tuple) and isinstance(got, tuple) else [(got, expected)]
     for i, (a, b) in enumerate(pairs):
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape:
-            diff = (a.float() - b.float()).abs() > 1e-6 * (1 + b.float().abs())
+            af, bf = a.float(), b.float()
+            diff = ((af - bf).abs() > 1e-6 * (1 + bf.abs())) | (af.isnan() != bf.isnan())  # NaN differs too
             if diff.any():
                 idx = tuple(int(j) for j in diff.nonzero()[0])
                 where = f"item {i}, " if len(pairs) > 1 else ""

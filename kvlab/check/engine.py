@@ -23,7 +23,8 @@ def admission_rule(fn: Callable[[int, int, int, int, int, int], "str | None"]) -
     names = ("num_running", "max_num_seqs", "budget_left", "blocks_needed", "blocks_free", "watermark_blocks")
     cases = [(0, 4, 16, 3, 10, 1), (4, 4, 16, 1, 10, 1), (2, 4, 0, 1, 10, 1), (2, 4, 5, 9, 10, 1),
              (2, 4, 5, 10, 10, 1), (0, 4, 5, 10, 10, 1), (3, 4, -1, 1, 1, 0), (1, 1, 8, 0, 0, 0), (1, 8, 8, 2, 2, 0),
-             (4, 4, 0, 20, 10, 1), (4, 4, 5, 20, 10, 1), (3, 4, 0, 20, 10, 1)]  # the last three: several reasons hold
+             (4, 4, 0, 20, 10, 1), (4, 4, 5, 20, 10, 1), (3, 4, 0, 20, 10, 1),  # these three: several reasons hold
+             (0, 4, 16, 12, 10, 1)]  # alone, and more than the free blocks: only the watermark is waived
     for args in cases:
         call = ", ".join(f"{n}={v}" for n, v in zip(names, args))
         try:
@@ -34,8 +35,18 @@ def admission_rule(fn: Callable[[int, int, int, int, int, int], "str | None"]) -
         except Exception as e:  # noqa: BLE001 - the learner's bug, shown rather than raised
             print(f"[fail] admission_rule({call}) raised {type(e).__name__}: {e}")
             return False
-        if got != ref_admission_rule(*args):
-            print(f"[fail] admission_rule({call}): yours {got!r}, expected {ref_admission_rule(*args)!r}")
+        want = ref_admission_rule(*args)
+        if got != want:
+            r, _, _, n, f, w = args
+            hint = ""
+            if r == 0 and want == "no blocks" and got is None:
+                hint = (" - alone, only the watermark is waived: a request needing more blocks than are free still "
+                        "waits (admitting it would break the pool)")
+            elif r == 0 and want is None and got == "no blocks" and n <= f:
+                hint = " - with nothing running there is nobody to preempt, so the watermark does not apply"
+            elif got not in ("token budget", "seq limit", "no blocks", None):
+                hint = " - return one of 'token budget', 'seq limit', 'no blocks', or None to admit"
+            print(f"[fail] admission_rule({call}): yours {got!r}, expected {want!r}{hint}")
             return False
     workload = [(9, 3), (30, 6, 1), (5, 12), (14, 2, 3), (3, 9, 3), (22, 4, 6), (6, 6, 6), (11, 5, 9)]
     kw = dict(num_blocks=11, block_size=4, max_num_seqs=3, max_num_batched_tokens=12, watermark=0.1)  # every kind of event
