@@ -1,6 +1,7 @@
 """The exercise checkers pass kvlab's own answers, fail wrong ones, and show the target for stubs."""
 
 import pytest
+import torch
 
 from kvlab import check, kernels, sizing
 
@@ -328,3 +329,28 @@ def test_tokens_stored_names_the_mistakes(capsys):
         assert not check.tokens_stored(fn)
         out = capsys.readouterr().out
         assert out.startswith("[fail]") and why in out, out
+
+
+def test_checkers_name_the_mistakes_the_notebooks_warn_about(capsys):
+    """Notebooks 01-03: the mistake the text itself warns about gets its worded hint."""
+    from kvlab.quant.core import int8_roundtrip
+
+    cases = [
+        (check.token_forwards, lambda p, n, c: p + n if c else sum(p + i for i in range(n + 1)), "never fed back"),
+        (check.slot_mapping, lambda t, bs, s, e: [t[i // bs] + i % bs for i in range(s, e)], "x block_size"),
+        (check.quantize_per_head, lambda x: (int8_roundtrip(x)[0].float(), int8_roundtrip(x)[1]), "must be torch.int8"),
+        (check.quantize_static, lambda x, sc: int8_roundtrip(x)[0], "scale computed from x"),
+        (check.pack_int4, lambda q: q[..., 1::2] | (q[..., 0::2] << 4), "nibbles are swapped"),
+        (check.pack_int4, lambda q: (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.int8), "torch.uint8"),
+    ]
+    for checker, wrong, words in cases:
+        assert not checker(wrong)
+        assert words in capsys.readouterr().out, words
+
+    def guard_at_zero_only(x):  # the text says < 1e-6, not == 0
+        a = x.abs().amax(dim=(0, 2), keepdim=True)
+        s = torch.where(a == 0, torch.ones_like(a), a / 127)
+        return torch.round(x / s).clamp(-127, 127).to(torch.int8), s
+
+    assert not check.quantize_per_head(guard_at_zero_only)
+    assert "below 1e-6" in capsys.readouterr().out

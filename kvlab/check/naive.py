@@ -21,7 +21,20 @@ def token_forwards(fn: Callable[[int, int, bool], int]) -> bool:
     """
     cases = [((p, n, c), ref_token_forwards(p, n, c)) for p, n in ((1, 1), (4, 3), (16, 16), (128, 16), (512, 64))
              for c in (False, True)]
-    return _run("token_forwards", fn, cases)
+
+    def hint(args, got, expected):
+        p, n, cached = args
+        if got == expected + (1 if cached else p + n):
+            return "the last token is sampled, never fed back: there is no step after it"
+        if cached and got == n:
+            return "the prompt itself goes through the model once (prefill) before the first new token"
+        if cached and got == p + n - 1 + (n - 1):
+            return "with a cache each step feeds ONE token, not the whole sequence so far"
+        if not cached and got == p * n:
+            return "without a cache step i re-runs the prompt AND the i tokens generated so far"
+        return None
+
+    return _run("token_forwards", fn, cases, hint=hint)
 
 
 def static_utilization(fn: Callable[[Sequence[int], int, int], float]) -> bool:

@@ -21,7 +21,21 @@ def slot_mapping(fn: Callable[[Sequence[int], int, int, int], list]) -> bool:
         for i, n in enumerate(lengths):
             for start, end in ((0, n), (n - 1, n), (n // 2, n)):
                 cases.append(((bm.block_table(i), bs, start, end), bm.slot_mapping(i, start, end)))
-    return _run("slot_mapping", fn, cases, same=lambda a, b: list(a) == b)
+    def hint(args, got, expected):
+        table, bs, start, end = args
+        try:
+            got = list(got)
+        except TypeError:
+            return "return a list of slot numbers, one per token"
+        if got == [table[i // bs] + i % bs for i in range(start, end)]:
+            return "a block id counts blocks, a slot counts tokens: block id x block_size + offset"
+        if got == [table[i // bs] * bs + i % bs for i in range(0, end - start)]:
+            return "the tokens are start..end-1, not 0..end-start-1"
+        if got == [i for i in range(start, end)]:
+            return "the block table says where each block lives: slots are not the token positions"
+        return None
+
+    return _run("slot_mapping", fn, cases, same=lambda a, b: list(a) == b, hint=hint)
 
 
 def blocks_after_fork(fn: Callable[[int, int, int, int], int]) -> bool:

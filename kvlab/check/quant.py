@@ -19,8 +19,26 @@ def quantize_per_head(fn: Callable) -> bool:
     halves = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 127.0, -127.0, 3.0]).view(1, 1, 8)  # scale exactly 1
     zero_head = torch.randn(3, 2, 8, generator=g)
     zero_head[:, 1] = 0
-    cases = [((x,), int8_roundtrip(x, "per-head")) for x in xs + [halves, zero_head]]
-    return _run("quantize_per_head", fn, cases, same=_tensor_same)
+    tiny_head = torch.randn(3, 2, 8, generator=g)
+    tiny_head[:, 0] *= 1e-8  # absmax below 1e-6: the guard applies, not only at exactly zero
+    cases = [((x,), int8_roundtrip(x, "per-head")) for x in xs + [halves, zero_head, tiny_head]]
+
+    def hint(args, got, expected):
+        if not isinstance(got, tuple) or len(got) != 2 or not all(isinstance(t, torch.Tensor) for t in got):
+            return "return the pair (q, scale)"
+        q, scale = got
+        if q.dtype != torch.int8:
+            return f"q must be torch.int8 (round, clamp, then .to(torch.int8)), got {q.dtype}"
+        if scale.shape != expected[1].shape:
+            return f"one scale per head, shaped {tuple(expected[1].shape)} to broadcast over (T, H, D)"
+        x = args[0]
+        if (x.abs().amax(dim=(0, 2)) < 1e-6).any() and not torch.equal(scale, expected[1]):
+            return "the zero guard: scale 1.0 where a head's absmax is below 1e-6, not only where it is 0"
+        if torch.equal(q, torch.trunc(x / expected[1]).clamp(-127, 127).to(torch.int8)):
+            return "truncation: round half to even (torch.round) before the cast"
+        return None
+
+    return _run("quantize_per_head", fn, cases, same=_tensor_same, hint=hint)
 
 
 def quantize_static(fn: Callable) -> bool:
@@ -40,6 +58,11 @@ def quantize_static(fn: Callable) -> bool:
             return None
         if got.dtype != torch.int8:
             return f"q must be torch.int8, got {got.dtype}"
+        x, sc = args
+        own = int8_roundtrip(x, "per-head")[0]
+        if torch.equal(got, own) and not torch.equal(own, expected):
+            return ("that is a scale computed from x (dynamic): here the scale is the calibrated one passed in, "
+                    "so values beyond its range must be dealt with")
         outside = (args[0].float() / args[1]).abs() > 128.5  # beyond anything a clamp could give
         if ((got[outside].int() - expected[outside].int()).abs() > 1).any():
             return "values beyond the calibrated range wrapped around: int8 does not saturate, clamp before .to(torch.int8)"
@@ -56,4 +79,15 @@ def pack_int4(fn: Callable) -> bool:
     cases = [((q,), ref_pack_int4(q)) for q in (torch.tensor([[1, 2]], dtype=torch.uint8),
                                        torch.tensor([[15, 0, 0, 15]], dtype=torch.uint8),
                                        torch.randint(0, 16, (3, 4, 8), generator=g, dtype=torch.uint8))]
-    return _run("pack_int4", fn, cases, same=_tensor_same)
+
+    def hint(args, got, expected):
+        (q,) = args
+        if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+            return f"half the last dimension: two values per byte, shape {tuple(expected.shape)}"
+        if got.dtype != torch.uint8:
+            return f"bytes are torch.uint8 (an int8 would turn values >= 128 negative), got {got.dtype}"
+        if torch.equal(got, q[..., 1::2] | (q[..., 0::2] << 4)):
+            return "the nibbles are swapped: the even index goes in the LOW nibble, the odd one in the high"
+        return None
+
+    return _run("pack_int4", fn, cases, same=_tensor_same, hint=hint)
