@@ -15,7 +15,8 @@ from kvlab.cli import main
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 NO_MODEL = ["kv-7b", "weights-7b", "kv-1mb", "a100-half", "kv-70b", "decode-1ms", "int8-half", "int4-quarter",
             "24-to-16gb", "b32-16k-fits", "22ms-step", "16ms-step", "12-7ms", "int8-39pct", "unfused", "static-30", "static-50", "paged-90",
-            "frag-5-10", "util-30-80", "zero-guard"]
+            "frag-5-10", "util-30-80", "zero-guard"] + [c.id for c in claims.CLAIMS
+                                                            if c.measure.__module__ == "kvlab.claims.arithmetic"]
 
 
 def _headings(notebook: str) -> set[str]:
@@ -146,3 +147,49 @@ def test_no_notebook_cites_a_path_outside_the_project():
             "".join(c["source"]) for c in json.loads(path.read_text())["cells"])
         hits = sorted({m.group(0) for m in outside.finditer(text)})
         assert not hits, f"{path.name} cites {hits}"
+
+
+# every arithmetic/reasoning rule, with a planted measurement that must flip its verdict (a rule that
+# cannot fail is not a check): claim id -> keyword arguments of its measuring function
+PLANTED = {
+    "decode-memory-bound": dict(batch=512, context=1),  # 512 tokens share each weight read: compute-bound
+    "prefill-compute-bound": dict(prompt=16),
+    "l2-threshold": dict(weights=2**20),
+    "zero-fragmentation": dict(lengths=[16, 32, 64]),
+    "per-block-scales-50": dict(head_dim=1),
+    "deferred-quant": dict(hbm_saving=0.5),
+    "low-concurrency": dict(batch=32),
+    "no-cache-realtime": dict(context=100),
+    "kv-linear-batch": dict(batches=(1, 2), sizes=[1, 3]),
+    "70b-one-card": dict(hbm=200 * 2**30),
+    "swa-caps-memory": dict(window=2**20),
+    "spec-ttft": dict(with_draft=1.0),
+    "mla-smaller": dict(mla=10**9),
+    "8k-16k-need-quant": dict(card=16 * 2**30),
+    "int8-bigger-batch": dict(int8=9),
+    "layer-16kb": dict(per_layer=64 * 2**10),
+    "bandwidth-linear": dict(batches=(1, 2), steps=[dict(kv=1, weights=5), dict(kv=3, weights=5)]),
+    "test-model-shape": dict(d=5120),
+    "latency-throughput": dict(ms=(22.0, 10.0)),
+    "saved-is-transfer": dict(claimed_ms=10.0),
+    "gate-1pct": dict(rise=0.015),
+    "unfused-fp16-copy": dict(temp_bytes=2),
+    "pool-halves": dict(sized_by="tokens"),
+    "gain-above-4k": dict(batch=1),
+    "k8v4-lower": dict(k8v4=10**12),
+    "finer-scales-cost": dict(extra=0.0),
+}
+
+
+def test_every_arithmetic_rule_flips_on_a_planted_measurement():
+    arith = [c for c in claims.CLAIMS if c.measure.__module__ == "kvlab.claims.arithmetic"]
+    assert {c.id for c in arith} == set(PLANTED)
+    for c in arith:
+        _, verdict, _ = c.measure(None)
+        _, planted, _ = c.measure(None, **PLANTED[c.id])
+        assert planted != verdict, (c.id, verdict, planted)
+        assert c.quote and c.article in ("000", "003", "004"), c.id
+
+
+def test_the_table_has_sixty_rows_or_more():
+    assert len(claims.CLAIMS) >= 60

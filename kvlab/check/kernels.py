@@ -73,8 +73,7 @@ def _softmax_hint(args, got, expected):
 
 def _is_jitted(fn) -> bool:
     import triton  # only reached with triton installed (the caller's kernel run needs it anyway)
-
-    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.interpreter import InterpretedFunction  # the same: triton is Linux-only
 
     return isinstance(fn, (triton.runtime.JITFunction, InterpretedFunction))
 

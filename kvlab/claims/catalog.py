@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from kvlab.claims import arithmetic as A
 from kvlab.claims.memory import (c_7b_1mb, c_7b_table, c_7b_weights, c_12_7ms, c_16ms, c_22ms, c_24_to_16, c_39pct,
                                  c_70b, c_a100_half, c_decode_1ms, c_fits, c_int4_quarter, c_int8_half, c_unfused)
 from kvlab.claims.quality import (c_first_last, c_granularity, c_k_over_v, c_negligible, c_p999, c_ppl_000, c_ppl_004,
@@ -30,6 +31,7 @@ class Claim:
     notebook: str  # the notebook whose section measures it at full size
     section: str  # that section's heading, without the leading #'s
     measure: Callable  # (Lab) -> (measured: str, verdict: str, why: str)
+    quote: str = ""  # a few words of the article, verbatim (Chinese), to find the sentence
 
 
 CLAIMS: tuple[Claim, ...] = (
@@ -101,4 +103,57 @@ CLAIMS: tuple[Claim, ...] = (
           "03_int8_quantization", "5. K vs V, layers, and mixed precision", c_first_last),
     Claim("saturation", "004", "§6.1", "saturated static scales turn long contexts into garbage; widening fixes it",
           "03_int8_quantization", "4. Saturation: when static scales go wrong", c_saturation),
+    # settled by arithmetic on sizes, or by reasoning (kvlab/claims/arithmetic.py)
+    Claim("decode-memory-bound", "000", "§1", "decode is limited by memory bandwidth, not by compute (7B, batch 1, 4K context)",
+          "00_memory_wall", "4. A decode step reads everything", A.c_decode_memory_bound, quote="往往不是算力不够而是显存带宽扛不住"),
+    Claim("prefill-compute-bound", "000", "§1", "prefill processes the prompt in parallel and is compute-bound",
+          "00_memory_wall", "4. A decode step reads everything", A.c_prefill_compute_bound, quote="预填充Prefill阶段并行处理输入 prompt计算密集"),
+    Claim("l2-threshold", "000", "§1", "once the KV cache exceeds the L2 cache, every step goes to HBM",
+          "00_memory_wall", "4. A decode step reads everything", A.c_l2_threshold, quote="KV Cache 一旦超过 L2 缓存容量"),
+    Claim("zero-fragmentation", "000", "§2.1", "paged blocks: zero fragmentation, blocks of different requests interleave",
+          "02_paged_blocks", "7. The block-size trade-off", A.c_zero_fragmentation, quote="零碎片不同请求的 Block 可以交错存放"),
+    Claim("per-block-scales-50", "000", "§3 code", "INT8 with per-block, per-head scales cuts the cache memory by 50 %",
+          "03_int8_quantization", "1. The bytes, exactly", A.c_per_block_scales, quote="动态量化为INT8减少50%显存占用"),
+    Claim("deferred-quant", "000", "§3 code", "deferred quantization (only when a block is swapped out of HBM) saves the 50 %",
+          "03_int8_quantization", "1. The bytes, exactly", A.c_deferred_quant, quote="延迟量化仅在Block换出HBM时执行量化"),
+    Claim("low-concurrency", "000", "§4.4", "with ample memory and low concurrency, KV quantization is not worth it",
+          "00_memory_wall", "4. A decode step reads everything", A.c_low_concurrency, quote="显存充裕且并发度低的场景"),
+    Claim("no-cache-realtime", "003", "§1", "without a KV cache, long conversations can hardly respond in real time",
+          "01_naive_cache", "2. Recompute vs cache, measured", A.c_no_cache_realtime, quote="没有 KV Cache，长对话场景几乎不可能做到实时响应"),
+    Claim("kv-linear-batch", "003", "§2", "under high concurrency the KV memory multiplies (linear in the batch)",
+          "00_memory_wall", "3. Checking the source articles", A.c_kv_linear_batch, quote="在高并发场景下，这一数字会成倍放大"),
+    Claim("70b-one-card", "003", "§4", "vllm serve Llama-2-70B with --gpu-memory-utilization 0.9 and no tensor parallelism",
+          "00_memory_wall", "2. Real models", A.c_70b_needs_tp, quote="--model meta-llama/Llama-2-70b-chat-hf"),
+    Claim("swa-caps-memory", "003", "§5", "for long documents, INT8 plus sliding-window attention caps the peak memory",
+          "00_memory_wall", "3. Checking the source articles", A.c_sliding_window_cap, quote="搭配 INT8 量化 + Sliding Window Attention"),
+    Claim("spec-ttft", "003", "§5", "speculative decoding with a small draft model lowers the time to first token",
+          "04_continuous_batching", "5. Chunked prefill: time to first token and jitter", A.c_speculative_ttft, quote="降低首 token 延迟"),
+    Claim("mla-smaller", "003", "§5", "MLA (DeepSeek) shrinks the cache fundamentally by compressing the KV dimension",
+          "00_memory_wall", "Task 2 — what does MLA store?", A.c_mla_smaller, quote="通过压缩 KV 的维度从根本上减少了缓存体积"),
+    Claim("8k-16k-need-quant", "004", "§1", "8K, 16K and longer contexts basically cannot run without quantization (7B)",
+          "00_memory_wall", "2. Real models", A.c_long_context_fits, quote="8K、16K 以上的长上下文场景没有量化之前基本跑不动"),
+    Claim("int8-bigger-batch", "004", "§1", "with INT8 the same memory holds longer contexts and bigger batches",
+          "00_memory_wall", "2. Real models", A.c_int8_doubles_batch, quote="在相同显存下装下更长的上下文、更大的 batch"),
+    Claim("layer-16kb", "004", "§2.1", "per token and layer, K and V take 2 x d x 2 bytes in FP16: about 16 KB (7B)",
+          "00_memory_wall", "1. What one token costs", A.c_layer_16kb, quote="K 和 V 两份 × d × 2 字节"),
+    Claim("bandwidth-linear", "004", "§2.2", "with several concurrent requests the bandwidth pressure grows linearly",
+          "00_memory_wall", "4. A decode step reads everything", A.c_bandwidth_linear, quote="如果并发放多个请求带宽压力线性增长"),
+    Claim("test-model-shape", "004", "§5.1", "the test model: 7B parameters, 32 layers, 32 heads, head_dim 128",
+          "00_memory_wall", "3. Checking the source articles", A.c_test_model_consistent, quote="7B 参数规模32 层32 头head_dim 128"),
+    Claim("latency-throughput", "004", "§5.3", "~22 ms/token -> ~1,450 tok/s and ~16 ms -> ~2,020 tok/s (batch 32)",
+          "00_memory_wall", "4. A decode step reads everything", A.c_latency_throughput, quote="约 22ms/token约 1450"),
+    Claim("saved-is-transfer", "004", "§5.3", "the time saved (22 -> 16 ms) is basically the saved transfer time (12 -> 7 ms)",
+          "00_memory_wall", "4. A decode step reads everything", A.c_saved_reads_sum, quote="这个时间基本就是省下来的传输时间"),
+    Claim("gate-1pct", "004", "§5.4", "gate INT8 on the business eval set at a 1 % threshold",
+          "03_int8_quantization", "7. The articles' quality claims", A.c_gate_1pct, quote="业务评测集按 1% 阈值卡"),
+    Claim("unfused-fp16-copy", "004", "§6.2", "the unfused read (.float(), then x scale) builds a full FP16 temporary",
+          "05_fused_triton_kernel", "4. The bytes story, and what a GPU measured", A.c_unfused_temp_fp32, quote="先float()再乘 scale"),
+    Claim("pool-halves", "004", "§6.3", "with an INT8 KV cache the (vLLM) pool's memory halves too",
+          "04_continuous_batching", "6. INT8 blocks: twice the requests in the same bytes", A.c_pool_bytes_fixed, quote="改 KV Cache 为 int8 后这个池子的占用也减半"),
+    Claim("gain-above-4k", "004", "§7", "above 4K context and more than a handful of concurrent requests the gain is plain to see",
+          "00_memory_wall", "4. A decode step reads everything", A.c_gain_above_4k, quote="上下文长度超过 4K、并发请求数超过个位数"),
+    Claim("k8v4-lower", "004", "§7", "K8V4 (V in INT4, where validation allows) lowers the bandwidth further",
+          "03_int8_quantization", "6. INT4 and rotation", A.c_k8v4_lower, quote="V 在验证集允许的前提下尝试 INT4"),
+    Claim("finer-scales-cost", "004", "§7", "finer scales (per token) cost only a more detailed implementation",
+          "03_int8_quantization", "1. The bytes, exactly", A.c_finer_scales_cost, quote="代价是实现要更细"),
 )

@@ -32,7 +32,8 @@ def run(lab: Lab | None = None, ids=None, progress=None) -> list[dict]:
             measured, verdict, why = c.measure(lab)
         rule, tolerance = summarize(calls)
         rows.append(dict(id=c.id, article=c.article, where=c.where, claim=c.text, measured=measured, verdict=verdict,
-                         why=why, rule=rule, tolerance=tolerance, notebook=c.notebook, section=c.section))
+                         why=why, rule=rule, tolerance=tolerance, notebook=c.notebook, section=c.section,
+                         quote=c.quote))
     return rows
 
 
@@ -50,7 +51,8 @@ def format_table(rows: list[dict], width: int = 64) -> str:
     out = []
     for i, r in enumerate(rows, 1):
         mark = "✓" if r["verdict"] == HOLDS else "?" if r["verdict"].startswith(UNSETTLED) else "✗"
-        out.append(f"{i:>2}. {mark} [{r['article']} {r['where']}] {r['claim']}")
+        quote = f" 「{r['quote']}」" if r.get("quote") else ""
+        out.append(f"{i:>2}. {mark} [{r['article']} {r['where']}{quote}] {r['claim']}")
         for label, text in (("measured", r["measured"]), ("verdict", f"{r['verdict']} — {r['why']}"),
                             ("rule", f"{r['rule']}: {r['tolerance']}"),
                             ("see", f"notebook {r['notebook']}, “{r['section']}”")):

@@ -1,0 +1,252 @@
+"""Claims that arithmetic on sizes settles, and claims that reasoning settles (notebook 06).
+
+The articles state many things that need no model run: what fits where, what a policy can save at
+most, whether a formula or a command is consistent with itself. Each ``c_...`` function computes
+its measurement from :mod:`kvlab.sizing` (the same presets the notebooks use) and judges it by one
+of the rules; its keyword arguments are the quantities it measures, so a test can plant other
+values and see the verdict flip (``tests/test_06_claims.py``). Each returns ``(measured, verdict, why)``.
+"""
+
+from __future__ import annotations
+
+from kvlab import sizing
+from kvlab.claims.rules import margin, ratio, truth
+from kvlab.sizing import fmt_bytes
+
+GiB, MiB, KiB = 2**30, 2**20, 2**10
+A100 = dict(hbm=80 * GiB, bw=2.039e12, tflops=312e12, l2=40 * 2**20)  # A100 80GB SXM: HBM, B/s, dense fp16 FLOP/s, L2
+H200_HBM = 141e9  # bytes (141 GB)
+_7B = "llama-2-7b"
+
+
+def _kv(model=_7B, tokens=1, batch=1, dtype="fp16", **kw) -> int:
+    return sizing.kv_size(model, dtype, tokens=tokens, batch=batch, **kw).total_bytes
+
+
+def _params(model=_7B) -> float:
+    return sizing.kv_config(model).num_params
+
+
+def _max_speedup(context: int, batch: int, model=_7B) -> float:
+    """The most an INT8 cache can speed a decode step whose time is its bytes: FP16 bytes / INT8 bytes."""
+    return (sizing.decode_step_bytes(model, context, batch)["total"]
+            / sizing.decode_step_bytes(model, context, batch, kv_cache_dtype="int8")["total"])
+
+
+# ---- where the time goes ---------------------------------------------------------------------------
+
+def c_decode_memory_bound(lab, batch: int = 1, context: int = 4096):
+    """FLOPs per byte of a decode step against the A100's ridge point (peak FLOP/s / peak B/s)."""
+    step = sizing.decode_step_bytes(_7B, context, batch)["total"]
+    intensity = 2 * _params() * batch / step
+    ridge = A100["tflops"] / A100["bw"]
+    return (f"batch {batch} x {context}: {intensity:.1f} FLOP per byte read; the A100 needs {ridge:.0f} to be "
+            "compute-bound", truth(intensity < ridge),
+            "2 FLOPs per parameter per token over weights + KV read once per step; decode stays memory-bound "
+            "until the batch shares each weight read among ~150 tokens (and attention over the KV never does)")
+
+
+def c_prefill_compute_bound(lab, prompt: int = 512):
+    intensity = 2 * _params() * prompt / sizing.weight_bytes(_7B)
+    ridge = A100["tflops"] / A100["bw"]
+    return (f"a {prompt}-token prefill: {intensity:.0f} FLOP per weight byte (A100 ridge {ridge:.0f})",
+            truth(intensity > ridge), "all prompt tokens share one read of every weight")
+
+
+def c_l2_threshold(lab, weights: int | None = None, l2: int = A100["l2"]):
+    weights = sizing.weight_bytes(_7B) if weights is None else weights
+    tokens = l2 / sizing.kv_bytes_per_token(_7B, "fp16")
+    return (f"the A100's {l2 / 2**20:.0f} MiB L2 holds {tokens:.0f} tokens of 7B KV; the weights are "
+            f"{weights / l2:.0f}x the L2", truth(weights < l2),
+            "every decode step reads HBM whatever the cache's size: the weights alone overflow the L2, so "
+            "there is no KV threshold to cross")
+
+
+def c_no_cache_realtime(lab, context: int = 4096, interactive_tok_s: float = 10.0):
+    flops = 2 * _params() * context  # every step re-runs the whole context
+    tok_s = A100["tflops"] / flops
+    return (f"without a cache one step at {context} tokens is {flops / 1e12:.0f} TFLOP: at most {tok_s:.1f} tok/s "
+            f"on an A100 at peak", truth(tok_s < interactive_tok_s),
+            f"rule: real time = at least {interactive_tok_s:g} tok/s (a reader's pace); the peak is never reached")
+
+
+def c_low_concurrency(lab, batch: int = 1, context: int = 4096):
+    best = _max_speedup(context, batch)
+    return (f"7B, batch {batch} x {context}: the KV is {1 - sizing.weight_bytes(_7B) / sizing.decode_step_bytes(_7B, context, batch)['total']:.0%} "
+            f"of a step's bytes, so INT8 speeds it at most {best:.2f}x", truth(best < 1.1),
+            "the weights dominate a lone short request; what INT8 saves there is memory nobody needs")
+
+
+def c_gain_above_4k(lab, context: int = 4096, batch: int = 10):
+    big, alone = _max_speedup(context, batch), _max_speedup(context, 1)
+    return (f"7B at {context}: INT8 can speed a step up to {big:.2f}x at batch {batch}, {alone:.2f}x alone",
+            truth(big > 1.3 and alone < 1.1), "rule: 'plain to see' = at least 1.3x allowed by the bytes")
+
+
+def c_bandwidth_linear(lab, batches=(1, 2, 8, 32), context: int = 4096, steps=None):
+    steps = steps or [sizing.decode_step_bytes(_7B, context, b) for b in batches]
+    per = steps[0]["kv"] / batches[0]
+    ok = all(s["kv"] == b * per and s["weights"] == steps[0]["weights"] for s, b in zip(steps, batches))
+    return (f"KV read per step at {context}: " + ", ".join(f"b={b} {s['kv'] / GiB:.0f} GiB" for s, b in zip(steps, batches))
+            + f"; weights {steps[0]['weights'] / GiB:.1f} GiB at every batch", truth(ok),
+            "affine in the batch: the KV part is linear, the weights are read once whatever the batch")
+
+
+def c_kv_linear_batch(lab, batches=(1, 4, 16, 64), tokens: int = 2048, sizes=None):
+    sizes = sizes or [_kv(tokens=tokens, batch=b) for b in batches]
+    return (", ".join(f"batch {b}: {s / GiB:g} GiB" for b, s in zip(batches, sizes)),
+            truth(all(s == b * sizes[0] for b, s in zip(batches, sizes))),
+            "each sequence holds its own cache (without prefix sharing)")
+
+
+def c_saved_reads_sum(lab, step_ms: float = 22.0, reads_before: float = 12.0, reads_after: float = 7.0,
+                      claimed_ms: float = 16.0):
+    predicted = step_ms - (reads_before - reads_after)
+    return (f"{step_ms:g} ms - ({reads_before:g} - {reads_after:g}) ms of reads = {predicted:g} ms, against the "
+            f"claimed {claimed_ms:g} ms", ratio(claimed_ms, predicted),
+            "the article's own numbers: 'basically the saved transfer time' is 17 ms against 16, within the table's "
+            "15 %; an exact halving of 12 ms would save 6 ms, not 5")
+
+
+# ---- what fits ----------------------------------------------------------------------------------------
+
+def c_long_context_fits(lab, context: int = 16384, card: int = 24 * GiB):
+    need = sizing.weight_bytes(_7B) + _kv(tokens=context)
+    return (f"7B FP16, one {context}-token request: {fmt_bytes(need)} of weights + KV; a 24 GB card has "
+            f"{fmt_bytes(card)}", truth(need > card),
+            "the claim is that 8K-16K cannot run without quantization; at batch 1 it fits a 24 GB card (and an "
+            "80 GB A100 holds ~110K FP16 tokens beside the weights): only large batches do not fit")
+
+
+def c_int8_doubles_batch(lab, context: int = 16384, hbm: int = A100["hbm"], int8: int | None = None):
+    free = hbm - sizing.weight_bytes(_7B)
+    fp16 = free // _kv(tokens=context)
+    int8 = free // _kv(tokens=context, dtype="int8") if int8 is None else int8
+    return (f"7B at {context} on an 80 GB A100: {fp16} requests fit with FP16 KV, {int8} with INT8",
+            truth(int8 >= 2 * fp16 - 1), "tokens that fit = free bytes / bytes per token; INT8 halves the latter")
+
+
+def c_70b_needs_tp(lab, weights: int | None = None, hbm: float = 80 * GiB, utilization: float = 0.9):
+    weights = sizing.weight_bytes("llama-2-70b") if weights is None else weights
+    budget = utilization * hbm
+    return (f"Llama-2-70B FP16 weights {weights / 1e9:.0f} GB; --gpu-memory-utilization {utilization} of one "
+            f"80 GB card is {budget / 1e9:.0f} GB (of an H200, {utilization * H200_HBM / 1e9:.0f} GB)",
+            margin(budget, weights),
+            "the command has no --tensor-parallel-size: the weights alone do not fit one card; it needs TP >= 2")
+
+
+def c_pool_bytes_fixed(lab, budget: int = 16 * GiB, block_tokens: int = 16, sized_by: str = "bytes"):
+    """vLLM sizes the pool by bytes (gpu_memory_utilization); ``sized_by="tokens"`` plants a pool sized
+    for a fixed number of tokens, where INT8 would halve the bytes."""
+    fp16 = budget // (block_tokens * sizing.kv_bytes_per_token(_7B, "fp16"))
+    int8 = budget // (block_tokens * sizing.kv_bytes_per_token(_7B, "int8")) if sized_by == "bytes" else fp16
+    bytes_fp16, bytes_int8 = fp16 * block_tokens * sizing.kv_bytes_per_token(_7B, "fp16"), \
+        int8 * block_tokens * sizing.kv_bytes_per_token(_7B, "int8")
+    return (f"a {fmt_bytes(budget)} pool: {fp16:,} FP16 blocks or {int8:,} INT8 blocks, {fmt_bytes(bytes_fp16)} vs "
+            f"{fmt_bytes(bytes_int8)}", truth(bytes_int8 <= 0.55 * bytes_fp16),
+            "vLLM sizes the pool by gpu_memory_utilization: an INT8 cache doubles the blocks (the tokens held), "
+            "the pool's bytes stay the same")
+
+
+def c_sliding_window_cap(lab, window: int = 4096, context: int = 131072):
+    capped = _kv("mistral-7b", tokens=min(context, window), dtype="int8")
+    full = _kv("mistral-7b", tokens=context, dtype="int8")
+    return (f"Mistral-7B (window {window}), INT8: {fmt_bytes(capped)} per sequence at {context:,} tokens "
+            f"with the window, {fmt_bytes(full)} without", truth(capped < full),
+            "only for models trained with a window (Mistral); on others a window changes the model (and a paged "
+            "cache must also free the blocks that fall out of it, which kvlab's does not)")
+
+
+# ---- formats and scales ------------------------------------------------------------------------------
+
+def c_layer_16kb(lab, hidden: int = 4096, per_layer: float | None = None):
+    if per_layer is None:
+        per_layer = sizing.kv_bytes_per_token(_7B, "fp16") / sizing.kv_config(_7B).num_layers
+    return (f"7B: {fmt_bytes(per_layer)} per token per layer = 2 x {hidden} x 2 B", ratio(16 * KiB, per_layer),
+            "true for multi-head attention (KV width = hidden size); under GQA the width is KV heads x head_dim: "
+            "SmolLM2's 192, not its hidden 576")
+
+
+def c_per_block_scales(lab, head_dim: int = 64, block: int = 16):
+    data = block * head_dim  # int8 bytes of one block of one head
+    saving = 1 - (data + 4) / (2 * data)  # + one fp32 scale per (block, head)
+    return (f"one fp32 scale per block of {block} tokens and head (head_dim {head_dim}): saves {saving:.1%}",
+            ratio(0.5, saving, tol=0.02), "4 bytes of scale per 1 KiB of INT8 data")
+
+
+def c_finer_scales_cost(lab, model: str = "smollm2-135m", extra: float | None = None):
+    head = sizing.kv_size(model, "int8", tokens=4096, scales="per-head").total_bytes
+    tok = sizing.kv_size(model, "int8", tokens=4096, scales="per-token-head").total_bytes
+    extra = tok / head - 1 if extra is None else extra
+    return (f"SmolLM2, INT8 at 4K: per-token-head scales add {extra:.1%} to the cache (one fp32 per 64 values)",
+            truth(extra == 0), "finer scales cost memory (and bandwidth) as well as code")
+
+
+def c_k8v4_lower(lab, model: str = _7B, k8v4: float | None = None):
+    if k8v4 is None:  # K as INT8, V as INT4: half of each cache
+        k8v4 = sizing.kv_size(model, "int8", tokens=4096).total_bytes / 2 + sizing.kv_size(model, "int4", tokens=4096).total_bytes / 2
+    int8 = sizing.kv_size(model, "int8", tokens=4096).total_bytes
+    return (f"K8V4 {k8v4 / _kv(model, tokens=4096):.1%} of FP16, INT8 {int8 / _kv(model, tokens=4096):.1%}",
+            truth(k8v4 < int8), "INT4 values with fp32 scales per group of 32: 4 + 1 bits per value")
+
+
+def c_unfused_temp_fp32(lab, temp_bytes: int = 4):
+    moved = 1 + temp_bytes + temp_bytes  # read INT8, write the temporary, read it back
+    return (f"`.float()` makes a {temp_bytes}-byte temporary: {moved} B moved per value against FP16's 2",
+            truth(temp_bytes == 2), "the article calls it an FP16 copy; .float() is FP32, twice that again")
+
+
+def c_mla_smaller(lab, mla: int | None = None):
+    mla = sizing.kv_bytes_per_token("deepseek-v3", "fp16") if mla is None else mla
+    c = sizing.kv_config("deepseek-v3")
+    mha = sizing.kv_token_bytes(c.num_layers, c.num_heads, c.head_dim, 2)
+    gqa8 = sizing.kv_token_bytes(c.num_layers, 8, c.head_dim, 2)
+    return (f"DeepSeek-V3: {fmt_bytes(mla)}/token with MLA, {fmt_bytes(mha)} as MHA, {fmt_bytes(gqa8)} with 8 GQA heads",
+            truth(mla < gqa8 < mha), "one 512-wide latent + one 64-wide RoPE key per layer, shared by all heads and K/V")
+
+
+# ---- settled by reasoning ------------------------------------------------------------------------------
+
+def c_zero_fragmentation(lab, lengths=None, block: int = 16):
+    lengths = list(range(1, 2049)) if lengths is None else list(lengths)
+    waste = sum((-n) % block for n in lengths) / len(lengths)
+    return (f"blocks of {block}: {waste:.1f} empty slots per sequence on average (lengths 1-2048 equally likely)",
+            truth(waste == 0), "no external fragmentation, but the last block of each sequence is partly empty "
+            "(up to 15 slots): the article's own 5-10 % (frag-5-10) contradicts 'zero'")
+
+
+def c_deferred_quant(lab, hbm_saving: float = 0.0, claimed: float = 0.5):
+    return (f"quantized only when a block leaves HBM: the cache in HBM saves {hbm_saving:.0%} (claimed {claimed:.0%})",
+            truth(hbm_saving >= 0.9 * claimed),
+            "the blocks in HBM stay FP16, so neither memory nor decode bandwidth is saved there; only swapped-out "
+            "blocks shrink")
+
+
+def c_speculative_ttft(lab, prompt: int = 1024, draft_params: float = 68e6, with_draft: float | None = None):
+    target = 2 * _params() * prompt
+    if with_draft is None:
+        with_draft = target + 2 * draft_params * prompt  # the draft model must prefill the prompt too
+    return (f"TTFT is the target's prefill ({target / 1e12:.1f} TFLOP for {prompt} tokens); with a draft model "
+            f"{with_draft / 1e12:.2f} TFLOP", truth(with_draft < target),
+            "speculation speeds the tokens after the first (inter-token latency); the first still needs the "
+            "target's whole prefill, plus the draft's")
+
+
+def c_test_model_consistent(lab, layers: int = 32, heads: int = 32, head_dim: int = 128, d: int = 4096):
+    return (f"{heads} heads x {head_dim} = {heads * head_dim} = the d of §2.1 ({d}); {layers} layers as Llama-2-7B",
+            truth(heads * head_dim == d and layers == sizing.kv_config(_7B).num_layers),
+            "the benchmark model is shaped like Llama-2-7B")
+
+
+def c_latency_throughput(lab, batch: int = 32, ms=(22.0, 16.0), tok_s=(1450.0, 2020.0)):
+    implied = [batch * 1e3 / m for m in ms]
+    verdicts = [ratio(t, i) for t, i in zip(tok_s, implied)]
+    return (f"batch {batch}: {ms[0]:g} ms/token -> {implied[0]:,.0f} tok/s (claimed {tok_s[0]:,.0f}), {ms[1]:g} ms -> "
+            f"{implied[1]:,.0f} (claimed {tok_s[1]:,.0f})", next((v for v in verdicts if v != "holds"), "holds"),
+            "per-request latency x batch = throughput: the two tables agree (22 -> 16 ms is +37.5 %, the throughputs "
+            "+39 %: within rounding)")
+
+
+def c_gate_1pct(lab, rise: float = 0.09 / 9.61, gate: float = 0.01):
+    return (f"the article's own perplexity rise {rise:.2%} against its {gate:.0%} gate (000 §3.1's 0.5-1.5 % would "
+            "fail it in its upper half)", truth(rise < gate), "the gate passes the article's own INT8, barely")
