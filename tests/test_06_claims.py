@@ -84,10 +84,13 @@ def test_verdicts_are_computed_from_the_measurements_not_typed_in():
     assert by_id["p999"].measure(_lab(0.001, 0.002))[1] == "wrong"
     assert by_id["k-over-v"].measure(_lab(0.001, 0.002))[1] == "holds"
     assert by_id["k-over-v"].measure(_lab(0.001, 0.002, kl_k4v8=0.001, kl_k8v4=0.01))[1] == "wrong"
-    assert by_id["ppl-0.5-1.5"].measure(_lab(0.001, 0.002, delta=1.0))[1] == "holds"
-    assert by_id["ppl-0.5-1.5"].measure(_lab(0.001, 0.002, delta=0.1))[1].startswith("not settled")
-    assert by_id["ppl-0.5-1.5"].measure(_lab(0.001, 0.002, delta=3.0))[1] == "off by 2.0×"
-    assert by_id["ppl-0.1"].measure(_lab(0.001, 0.002, delta=2.0))[1] == "wrong"
+    # claims made for a 7B, measured on SmolLM2: not settled either way, saying what SmolLM2 showed (the rule)
+    assert by_id["ppl-0.5-1.5"].measure(_lab(0.001, 0.002, delta=1.0))[1] == "not settled (holds on SmolLM2)"
+    assert by_id["ppl-0.5-1.5"].measure(_lab(0.001, 0.002, delta=0.1))[1].startswith("not settled (below")
+    assert by_id["ppl-0.5-1.5"].measure(_lab(0.001, 0.002, delta=3.0))[1] == \
+        "not settled (does not hold (off by 2.0×) on SmolLM2)"
+    assert by_id["ppl-0.1"].measure(_lab(0.001, 0.002, delta=0.5))[1] == "not settled (holds on SmolLM2)"
+    assert by_id["ppl-0.1"].measure(_lab(0.001, 0.002, delta=2.0))[1] == "not settled (does not hold (wrong) on SmolLM2)"
     assert by_id["negligible"].measure(_lab(0.001, 0.002, top1=0.9))[1] == "wrong"
     assert by_id["first-last"].measure(_lab(0.001, 0.002))[1] == "holds"  # layers 0 and 5 rank 1 and 2 of 6
 
@@ -128,7 +131,7 @@ def test_every_row_carries_the_rule_and_tolerance_it_was_judged_by():
         assert r["rule"] != "none" and r["tolerance"], r["id"]  # no verdict typed in
     by_id = {r["id"]: r for r in rows}
     assert by_id["kv-7b"]["rule"] == "ratio x5" and by_id["kv-7b"]["tolerance"] == "within ±15% of the claimed figure"
-    assert by_id["util-30-80"]["rule"] == "in_range x2" and "[0.3, 0.4]" in by_id["util-30-80"]["tolerance"]
+    assert by_id["util-30-80"]["rule"] == "in_range x2, elsewhere" and "[0.3, 0.4]" in by_id["util-30-80"]["tolerance"]
     assert by_id["24-to-16gb"]["rule"] == "margin"
     assert claims.format_table(rows).count("\n      rule ") == len(rows)
     with claims.rules.recording() as calls:
@@ -189,6 +192,18 @@ def test_every_arithmetic_rule_flips_on_a_planted_measurement():
         _, planted, _ = c.measure(None, **PLANTED[c.id])
         assert planted != verdict, (c.id, verdict, planted)
         assert c.quote and c.article in ("000", "003", "004"), c.id
+
+
+def test_claims_about_another_model_or_workload_follow_the_one_rule():
+    from kvlab.claims.memory import c_int4_quarter
+
+    assert claims.rules.elsewhere("holds") == "not settled (holds on SmolLM2)"
+    assert claims.rules.elsewhere("wrong").startswith("not settled (does not hold")
+    assert claims.rules.elsewhere("not settled (x)") == "not settled (x)"
+    rows = {r["id"]: r for r in claims.run(ids=["util-30-80", "int4-quarter"])}
+    assert rows["util-30-80"]["verdict"].startswith("not settled") and "elsewhere" in rows["util-30-80"]["rule"]
+    assert rows["int4-quarter"]["verdict"] == "holds"  # the leanest common scale layout: 25.8 %
+    assert c_int4_quarter(None, scales="group-8", scale_dtype="fp32")[1].startswith("off by")  # planted: flips
 
 
 def test_the_table_has_sixty_rows_or_more():

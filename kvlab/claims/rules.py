@@ -14,6 +14,17 @@ Each rule turns a claimed figure and our measurement into one of ``holds``, ``of
 
 :func:`corrected` says whether a verdict corrects the article: ``not settled`` is neither a
 confirmation nor a correction, the lab's measurement cannot decide it.
+
+**One rule for claims about another model or another workload** (a 7B on an A100, a chat service's
+traffic, a GPU's utilization). Where arithmetic settles such a claim (bytes, FLOPs, what fits, a
+formula, the article's own numbers against each other) it is judged like any other and holds or
+fails. Where only a measurement could settle it, and the lab can measure only SmolLM2, its own
+workloads or a quantity next to the claimed one, the verdict is ``not settled`` and says what the
+lab saw: "(holds on SmolLM2)", "(does not hold on SmolLM2)", "(in range on this workload)"
+(:func:`elsewhere`). A claim about every model or workload ("negligible for most tasks", "keys
+matter more than values") is judged on SmolLM2 as one instance: a counterexample makes it wrong, an
+agreement lets it hold. A format claim that leaves its scales unstated is judged with the leanest
+scale layout in common use (one fp16 scale per 128 values).
 """
 
 from __future__ import annotations
@@ -111,6 +122,16 @@ def margin(value: float, limit: float, slack: float = 0.10) -> str:
     if value < limit * (1 - slack):
         return "wrong"
     return f"{UNSETTLED} (borderline: within {slack:.0%} of the limit)"
+
+
+def elsewhere(verdict: str, seen_on: str = "SmolLM2", claimed_for: str = "another model") -> str:
+    """A verdict measured on ``seen_on`` for a claim made for ``claimed_for``, where arithmetic cannot
+    carry it over: ``not settled``, saying what the lab saw (the rule above)."""
+    _note("elsewhere", f"measured on {seen_on}, claimed for {claimed_for}: not settled either way")
+    if verdict.startswith(UNSETTLED):
+        return verdict
+    seen = "holds" if verdict == HOLDS else f"does not hold ({verdict})"
+    return f"{UNSETTLED} ({seen} on {seen_on})"
 
 
 def summarize(calls: list[dict]) -> tuple[str, str]:
