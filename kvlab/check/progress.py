@@ -22,7 +22,7 @@ EXERCISES = {
     "slot_mapping": ("02_paged_blocks", "Task 1", "block table -> slots"),
     "blocks_after_fork": ("02_paged_blocks", "Task 2", "blocks held by forked samples (copy-on-write)"),
     "quantize_per_head": ("03_int8_quantization", "Task 1", "INT8 per-head quantizer"),
-    "quantize_static": ("03_int8_quantization", "Task 2", "INT8 with calibrated static scales: the clamp fires"),
+    "quantize_static": ("03_int8_quantization", "Task 2", "INT8 with calibrated static scales, beyond their range"),
     "pack_int4": ("03_int8_quantization", "Task 3", "two 4-bit values per byte"),
     "admission_rule": ("04_continuous_batching", "Task 1", "the scheduler's admission rule"),
     "online_softmax_update": ("05_fused_triton_kernel", "Task 1", "online softmax in a Triton kernel"),
