@@ -123,7 +123,7 @@ PURE = [
     pytest.param(lambda c: c.cal.scales("k", qmax=0), "qmax", id="Calibration.scales-qmax-0"),
     pytest.param(lambda c: c.cal.scales("k", qmax=NAN), "qmax", id="Calibration.scales-qmax-nan"),
     # kvlab.check: the learner passes something that is not a function
-    pytest.param(lambda c: check.kv_bytes_per_token(42), "pass your function itself", id="check-int"),
+    pytest.param(lambda c: check.kv_token_bytes(42), "pass your function itself", id="check-int"),
     pytest.param(lambda c: check.admission_rule("fn"), "pass your function itself", id="check-admission-str"),
     pytest.param(lambda c: check.slot_mapping(None), "pass your function itself", id="check-slot-mapping-None"),
     pytest.param(lambda c: check.online_softmax_update(None), "pass your function itself",

@@ -14,13 +14,13 @@ def stub(*args):
     raise NotImplementedError
 
 
-def test_kv_bytes_per_token(capsys):
-    assert check.kv_bytes_per_token(lambda L, H, D, b: 2 * L * H * D * b)
+def test_kv_token_bytes(capsys):
+    assert check.kv_token_bytes(lambda L, H, D, b: 2 * L * H * D * b)
     assert "[ok]" in capsys.readouterr().out
-    assert not check.kv_bytes_per_token(lambda L, H, D, b: L * H * D * b)  # forgot V
+    assert not check.kv_token_bytes(lambda L, H, D, b: L * H * D * b)  # forgot V
     out = capsys.readouterr().out
     assert "[fail]" in out and "yours 262144, expected 524288" in out
-    assert not check.kv_bytes_per_token(stub)
+    assert not check.kv_token_bytes(stub)
     assert "[todo]" in capsys.readouterr().out
 
 
@@ -49,11 +49,11 @@ def test_static_utilization_agrees_with_the_cache(tiny):
 
 def test_checker_rejects_non_callables():
     with pytest.raises(TypeError, match="pass your function"):
-        check.kv_bytes_per_token(sizing.PRESETS)
+        check.kv_token_bytes(sizing.PRESETS)
 
 
 def test_learner_exceptions_are_reported_not_raised(capsys):
-    assert not check.kv_bytes_per_token(lambda *a: 1 / 0)
+    assert not check.kv_token_bytes(lambda *a: 1 / 0)
     assert "ZeroDivisionError" in capsys.readouterr().out
 
 
@@ -251,28 +251,28 @@ def test_progress_records_the_learners_function_only(capsys):
     from kvlab import sizing
 
     check.progress(reset=True)
-    assert check.kv_bytes_per_token(sizing.kv_token_bytes)  # kvlab's own reference: not the learner's pass
-    assert check.kv_bytes_per_token(lambda *a: sizing.kv_token_bytes(*a))  # a wrapped reference: neither
-    assert check.progress()["kv_bytes_per_token"] is None
+    assert check.kv_token_bytes(sizing.kv_token_bytes)  # kvlab's own reference: not the learner's pass
+    assert check.kv_token_bytes(lambda *a: sizing.kv_token_bytes(*a))  # a wrapped reference: neither
+    assert check.progress()["kv_token_bytes"] is None
 
-    def kv_bytes_per_token(num_layers, num_kv_heads, head_dim, bytes_per_element):
+    def kv_token_bytes(num_layers, num_kv_heads, head_dim, bytes_per_element):
         return 2 * num_layers * num_kv_heads * head_dim * bytes_per_element
 
-    assert check.kv_bytes_per_token(kv_bytes_per_token)
+    assert check.kv_token_bytes(kv_token_bytes)
     done = check.progress()
-    assert done["kv_bytes_per_token"] is not None and sum(v is not None for v in done.values()) == 1
+    assert done["kv_token_bytes"] is not None and sum(v is not None for v in done.values()) == 1
     assert f"exercises passed: 1 of {len(check.EXERCISES)}" in capsys.readouterr().out
 
 
 def test_progress_ignores_failures_and_resets(capsys):
     check.progress(reset=True)
-    assert not check.kv_bytes_per_token(lambda *a: 0)
+    assert not check.kv_token_bytes(lambda *a: 0)
 
     def slot_mapping(block_table, block_size, start, end):
         return [block_table[t // block_size] * block_size + t % block_size for t in range(start, end)]
 
     assert check.slot_mapping(slot_mapping)
-    assert check.progress()["slot_mapping"] is not None and check.progress()["kv_bytes_per_token"] is None
+    assert check.progress()["slot_mapping"] is not None and check.progress()["kv_token_bytes"] is None
     assert all(v is None for v in check.progress(reset=True).values())
     assert not check.progress_file().exists()
 
@@ -311,7 +311,7 @@ def test_thinking_exercises_do_not_show_an_answer_while_unsolved(capsys):
         assert not checker(stub)
         out = capsys.readouterr().out
         assert out.startswith("[todo]") and "the answer is" not in out, out
-    assert not check.kv_bytes_per_token(stub)  # a warm-up still shows one case's answer
+    assert not check.kv_token_bytes(stub)  # a warm-up still shows one case's answer
     assert "the answer is" in capsys.readouterr().out
 
 

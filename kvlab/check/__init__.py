@@ -17,8 +17,8 @@ from kvlab.check.naive import static_utilization, token_forwards, tokens_stored
 from kvlab.check.paged import blocks_after_fork, slot_mapping
 from kvlab.check.progress import EXERCISES, progress, progress_file
 from kvlab.check.quant import pack_int4, quantize_per_head, quantize_static
-from kvlab.check.sizing import kv_bytes_per_token, mla_bytes_per_token
+from kvlab.check.sizing import kv_token_bytes, mla_bytes_per_token
 
-__all__ = ["kv_bytes_per_token", "mla_bytes_per_token", "token_forwards", "static_utilization", "tokens_stored",
+__all__ = ["kv_token_bytes", "mla_bytes_per_token", "token_forwards", "static_utilization", "tokens_stored",
            "slot_mapping", "blocks_after_fork", "quantize_per_head", "quantize_static", "pack_int4", "admission_rule",
            "online_softmax_update", "EXERCISES", "progress", "progress_file"]

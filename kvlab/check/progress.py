@@ -14,7 +14,7 @@ from kvlab.models import cache_dir
 
 # checker -> (notebook, task, what the exercise is about); the order of the workshop
 EXERCISES = {
-    "kv_bytes_per_token": ("00_memory_wall", "Task 1", "bytes one token adds to a model's KV cache"),
+    "kv_token_bytes": ("00_memory_wall", "Task 1", "bytes one token adds to a model's KV cache"),
     "mla_bytes_per_token": ("00_memory_wall", "Task 2", "what DeepSeek's MLA caches per token"),
     "token_forwards": ("01_naive_cache", "Task 1", "work with and without a cache"),
     "static_utilization": ("01_naive_cache", "Task 2", "what a static cache really uses"),

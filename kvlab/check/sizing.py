@@ -18,7 +18,7 @@ def _kv_bytes_cases():
     return cases
 
 
-def kv_bytes_per_token(fn: Callable[[int, int, int, int], int]) -> bool:
+def kv_token_bytes(fn: Callable[[int, int, int, int], int]) -> bool:
     """``fn(num_layers, num_kv_heads, head_dim, bytes_per_element) -> bytes one token adds``."""
     def hint(args, got, expected):
         if got == expected / 2:
@@ -27,7 +27,7 @@ def kv_bytes_per_token(fn: Callable[[int, int, int, int], int]) -> bool:
             return "the factor 2 is K and V, counted once"
         return None
 
-    return _run("kv_bytes_per_token", fn, _kv_bytes_cases(), hint=hint)
+    return _run("kv_token_bytes", fn, _kv_bytes_cases(), hint=hint)
 
 
 def mla_bytes_per_token(fn: Callable[[int, int, int, int, int], int]) -> bool:
