@@ -112,10 +112,11 @@ def c_saved_reads_sum(lab, step_ms: float = 22.0, reads_before: float = 12.0, re
 
 def c_long_context_fits(lab, context: int = 16384, card: int = 24 * GiB):
     need = sizing.weight_bytes(_7B) + _kv(tokens=context)
+    a100_tokens = (A100["hbm"] - sizing.weight_bytes(_7B)) // sizing.kv_bytes_per_token(_7B, "fp16")
     return (f"7B FP16, one {context}-token request: {fmt_bytes(need)} of weights + KV; a 24 GB card has "
             f"{fmt_bytes(card)}", truth(need > card),
-            "the claim is that 8K-16K cannot run without quantization; at batch 1 it fits a 24 GB card (and an "
-            "80 GB A100 holds ~110K FP16 tokens beside the weights): only large batches do not fit")
+            f"the claim is that 8K-16K cannot run without quantization; at batch 1 it fits a 24 GB card (and an "
+            f"80 GB A100 holds {a100_tokens / 1000:.0f}K FP16 tokens beside the weights): only large batches do not fit")
 
 
 def c_int8_doubles_batch(lab, context: int = 16384, hbm: int = A100["hbm"], int8: int | None = None):
