@@ -2,7 +2,7 @@
 
 On a GPU: a correctness sweep (kernel vs PyTorch reference, compiled), then batch x context for
 SmolLM2's attention shape and a Llama-3-8B-like one (32 query / 8 KV heads, head_dim 128), one
-layer at a time: ``triton.testing.do_bench`` medians for FP16, INT8 and K8V4 pools, INT8 with the
+layer at a time: ``triton.testing.do_bench`` means (its default) for FP16, INT8 and K8V4 pools, INT8 with the
 dequantization NOT fused (dequantize to an FP16 copy, then attend), and torch SDPA over a contiguous
 FP16 cache as the outside baseline; achieved GB/s against a device-to-device copy measured in the
 same run. On a CPU: the same correctness sweep under the interpreter on small shapes, and the
@@ -134,7 +134,7 @@ STAGES = (None, 3)
 
 def time_case(shape: str, batch: int, context: int, device, converts=CONVERSIONS) -> dict:
     """One (shape, batch, context) point on the GPU: microseconds and GB/s per format, the unfused
-    INT8 path and torch SDPA, all from ``triton.testing.do_bench`` medians. "int8" and "k8v4" are the
+    INT8 path and torch SDPA, all from ``triton.testing.do_bench`` means (its default). "int8" and "k8v4" are the
     fastest of their conversion variants (``variants`` holds each, ``best_convert`` says which won),
     every entry the best over :data:`STAGES`; ``model_us`` is the operations model's bound per
     format and variant (:func:`kvlab.kernels.traffic.ops_time`), beside the measurement."""
