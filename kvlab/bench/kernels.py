@@ -22,7 +22,8 @@ from kvlab import kernels  # kernels.decode imports triton (Linux only) on first
 from kvlab.attention import paged_attention
 from kvlab.kernels.pool import FLOAT, INT4, INT8, STATIC, PER_SLOT, Operand
 from kvlab.kernels.convert import CONVERSIONS, NOT_INTERPRETABLE, check_convert
-from kvlab.kernels.traffic import FORMATS, GPU_BANDWIDTH, SHAPES, decode_ops, decode_traffic, ops_time, project, step_bytes
+from kvlab.kernels.traffic import (FORMATS, GPU_BANDWIDTH, SHAPES, decode_ops, decode_traffic, ops_time, project,
+                                   step_bytes)
 from kvlab.quant.core import Int4Tensor, dequantize_int4
 from kvlab.validate import cdiv
 
