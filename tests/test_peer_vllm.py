@@ -32,6 +32,9 @@ PROMPTS = ["The capital of France is", "To be, or not to be,", "def fibonacci(n)
 
 @pytest.fixture(scope="module", params=STRATEGIES)
 def bridge(request, smollm2, tmp_path_factory):
+    why_not = vllm_peer.fp8_kv_unsupported()
+    if why_not:  # AVX2-only CI machines: vLLM's engine refuses an FP8 cache there, before any scale is read
+        pytest.skip(why_not)
     model, tok = smollm2
     return bridge_in_vllm(model, tok, tmp_path_factory.mktemp(f"vllm-{request.param}"), strategy=request.param,
                           prompts=PROMPTS, max_tokens=8)

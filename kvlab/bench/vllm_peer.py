@@ -47,6 +47,28 @@ def peer_python() -> Path | None:
     return None
 
 
+def fp8_kv_unsupported(cpuinfo: str | None = None) -> str | None:
+    """Why vLLM's CPU build cannot hold an FP8 KV cache on this machine, or None where it can. Its
+    engine refuses one ("FP8 KV cache on CPU requires x86 with AVX-512 or AMX") on CPUs without
+    AVX-512 or AMX, e.g. AVX2-only ones; read from /proc/cpuinfo (the peer runs on Linux only), or
+    from ``cpuinfo``, that file's text."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return "vLLM's CPU build runs on Linux only (no /proc/cpuinfo here)"
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[1].split())
+    if "avx512f" in flags or any(f.startswith("amx") for f in flags):
+        return None
+    best = "AVX2" if "avx2" in flags else "neither AVX-512 nor AVX2"
+    return (f"vLLM's CPU build keeps an FP8 KV cache only on x86 CPUs with AVX-512 or AMX; this CPU has {best}, "
+            "so the FP8 bridge is not run here; the export is still written (tests/test_06_export.py checks it "
+            "without vLLM)")
+
+
 class PeerError(RuntimeError):
     """The peer ran and failed: the message ends with the tail of its output."""
 
@@ -181,6 +203,6 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> list[int | 
     return out
 
 
-__all__ = ["VLLM_PIN", "HOW_TO_GET", "peer_python", "PeerError", "run_worker", "serve_job", "PeerSession",
+__all__ = ["VLLM_PIN", "HOW_TO_GET", "peer_python", "fp8_kv_unsupported", "PeerError", "run_worker", "serve_job", "PeerSession",
            "read_scales", "recorded",
            "agreement", "VLLM_BLOCK_SIZE"]
