@@ -10,11 +10,13 @@ values and see the verdict flip (``tests/test_06_claims.py``). Each returns ``(m
 from __future__ import annotations
 
 from kvlab import sizing
+from kvlab.claims.memory import A100_BW, A100_BYTES, GiB, KiB
 from kvlab.claims.rules import margin, ratio, truth
+from kvlab.kernels.traffic import GPU_CORES
 from kvlab.sizing import fmt_bytes
 
-GiB, MiB, KiB = 2**30, 2**20, 2**10
-A100 = dict(hbm=80 * GiB, bw=2.039e12, tflops=312e12, l2=40 * 2**20)  # A100 80GB SXM: HBM, B/s, dense fp16 FLOP/s, L2
+A100_FLOPS = GPU_CORES["A100"][2]  # dense fp16 tensor-core FLOP/s
+A100_L2 = 40 * 2**20  # bytes of L2 (datasheet)
 H200_HBM = 141e9  # bytes (141 GB)
 _7B = "llama-2-7b"
 
@@ -39,7 +41,7 @@ def c_decode_memory_bound(lab, batch: int = 1, context: int = 4096):
     """FLOPs per byte of a decode step against the A100's ridge point (peak FLOP/s / peak B/s)."""
     step = sizing.decode_step_bytes(_7B, context, batch)["total"]
     intensity = 2 * _params() * batch / step
-    ridge = A100["tflops"] / A100["bw"]
+    ridge = A100_FLOPS / A100_BW
     return (f"batch {batch} x {context}: {intensity:.1f} FLOP per byte read; the A100 needs {ridge:.0f} to be "
             "compute-bound", truth(intensity < ridge),
             "2 FLOPs per parameter per token over weights + KV read once per step; decode stays memory-bound "
@@ -48,12 +50,12 @@ def c_decode_memory_bound(lab, batch: int = 1, context: int = 4096):
 
 def c_prefill_compute_bound(lab, prompt: int = 512):
     intensity = 2 * _params() * prompt / sizing.weight_bytes(_7B)
-    ridge = A100["tflops"] / A100["bw"]
+    ridge = A100_FLOPS / A100_BW
     return (f"a {prompt}-token prefill: {intensity:.0f} FLOP per weight byte (A100 ridge {ridge:.0f})",
             truth(intensity > ridge), "all prompt tokens share one read of every weight")
 
 
-def c_l2_threshold(lab, weights: int | None = None, l2: int = A100["l2"]):
+def c_l2_threshold(lab, weights: int | None = None, l2: int = A100_L2):
     weights = sizing.weight_bytes(_7B) if weights is None else weights
     tokens = l2 / sizing.kv_bytes_per_token(_7B, "fp16")
     return (f"the A100's {l2 / 2**20:.0f} MiB L2 holds {tokens:.0f} tokens of 7B KV; the weights are "
@@ -64,7 +66,7 @@ def c_l2_threshold(lab, weights: int | None = None, l2: int = A100["l2"]):
 
 def c_no_cache_realtime(lab, context: int = 4096, interactive_tok_s: float = 10.0):
     flops = 2 * _params() * context  # every step re-runs the whole context
-    tok_s = A100["tflops"] / flops
+    tok_s = A100_FLOPS / flops
     return (f"without a cache one step at {context} tokens is {flops / 1e12:.0f} TFLOP: at most {tok_s:.1f} tok/s "
             f"on an A100 at peak", truth(tok_s < interactive_tok_s),
             f"rule: real time = at least {interactive_tok_s:g} tok/s (a reader's pace); the peak is never reached")
@@ -72,7 +74,8 @@ def c_no_cache_realtime(lab, context: int = 4096, interactive_tok_s: float = 10.
 
 def c_low_concurrency(lab, batch: int = 1, context: int = 4096):
     best = _max_speedup(context, batch)
-    return (f"7B, batch {batch} x {context}: the KV is {1 - sizing.weight_bytes(_7B) / sizing.decode_step_bytes(_7B, context, batch)['total']:.0%} "
+    step = sizing.decode_step_bytes(_7B, context, batch)
+    return (f"7B, batch {batch} x {context}: the KV is {step['kv'] / step['total']:.0%} "
             f"of a step's bytes, so INT8 speeds it at most {best:.2f}x", truth(best < 1.1),
             "the weights dominate a lone short request; what INT8 saves there is memory nobody needs")
 
@@ -112,14 +115,14 @@ def c_saved_reads_sum(lab, step_ms: float = 22.0, reads_before: float = 12.0, re
 
 def c_long_context_fits(lab, context: int = 16384, card: int = 24 * GiB):
     need = sizing.weight_bytes(_7B) + _kv(tokens=context)
-    a100_tokens = (A100["hbm"] - sizing.weight_bytes(_7B)) // sizing.kv_bytes_per_token(_7B, "fp16")
+    a100_tokens = (A100_BYTES - sizing.weight_bytes(_7B)) // sizing.kv_bytes_per_token(_7B, "fp16")
     return (f"7B FP16, one {context}-token request: {fmt_bytes(need)} of weights + KV; a 24 GB card has "
             f"{fmt_bytes(card)}", truth(need > card),
             f"the claim is that 8K-16K cannot run without quantization; at batch 1 it fits a 24 GB card (and an "
             f"80 GB A100 holds {a100_tokens / 1000:.0f}K FP16 tokens beside the weights): only large batches do not fit")
 
 
-def c_int8_doubles_batch(lab, context: int = 16384, hbm: int = A100["hbm"], int8: int | None = None):
+def c_int8_doubles_batch(lab, context: int = 16384, hbm: int = A100_BYTES, int8: int | None = None):
     free = hbm - sizing.weight_bytes(_7B)
     fp16 = free // _kv(tokens=context)
     int8 = free // _kv(tokens=context, dtype="int8") if int8 is None else int8
@@ -139,10 +142,10 @@ def c_70b_needs_tp(lab, weights: int | None = None, hbm: float = 80 * GiB, utili
 def c_pool_bytes_fixed(lab, budget: int = 16 * GiB, block_tokens: int = 16, sized_by: str = "bytes"):
     """vLLM sizes the pool by bytes (gpu_memory_utilization); ``sized_by="tokens"`` plants a pool sized
     for a fixed number of tokens, where INT8 would halve the bytes."""
-    fp16 = budget // (block_tokens * sizing.kv_bytes_per_token(_7B, "fp16"))
-    int8 = budget // (block_tokens * sizing.kv_bytes_per_token(_7B, "int8")) if sized_by == "bytes" else fp16
-    bytes_fp16, bytes_int8 = fp16 * block_tokens * sizing.kv_bytes_per_token(_7B, "fp16"), \
-        int8 * block_tokens * sizing.kv_bytes_per_token(_7B, "int8")
+    per_block = {d: block_tokens * sizing.kv_bytes_per_token(_7B, d) for d in ("fp16", "int8")}
+    fp16 = budget // per_block["fp16"]
+    int8 = budget // per_block["int8"] if sized_by == "bytes" else fp16
+    bytes_fp16, bytes_int8 = fp16 * per_block["fp16"], int8 * per_block["int8"]
     return (f"a {fmt_bytes(budget)} pool: {fp16:,} FP16 blocks or {int8:,} INT8 blocks, {fmt_bytes(bytes_fp16)} vs "
             f"{fmt_bytes(bytes_int8)}", truth(bytes_int8 <= 0.55 * bytes_fp16),
             "vLLM sizes the pool by gpu_memory_utilization: an INT8 cache doubles the blocks (the tokens held), "

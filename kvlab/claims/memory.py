@@ -34,7 +34,8 @@ def c_7b_table(lab):
 def c_7b_weights(lab):
     w = sizing.weight_bytes("llama-2-7b")
     kv = _kv7b(32768)
-    v = ratio(14e9, w) if truth(kv > w) == HOLDS else "wrong"  # both halves: 14 GB, and outgrown at 32K
+    v = truth(kv > w)  # both halves: outgrown at 32K, and 14 GB
+    v = ratio(14e9, w) if v == HOLDS else v
     return f"weights {w / 1e9:.1f} GB, KV at 32K {kv / 1e9:.1f} GB", v, "6.74 B parameters x 2 bytes"
 
 

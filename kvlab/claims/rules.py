@@ -29,6 +29,7 @@ scale layout in common use (one fp16 scale per 128 values).
 
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import contextmanager
 
 HOLDS = "holds"
@@ -139,15 +140,9 @@ def summarize(calls: list[dict]) -> tuple[str, str]:
     (x N when applied N times), their tolerances joined; ("none", ...) when no rule was applied."""
     if not calls:
         return "none", "no rule was applied: the verdict was not computed"
-    names, tols = [], []
-    for c in calls:
-        if c["rule"] not in names:
-            names.append(c["rule"])
-        if c["tolerance"] not in tols:
-            tols.append(c["tolerance"])
-    rule = ", ".join(f"{n} x{sum(c['rule'] == n for c in calls)}" if sum(c["rule"] == n for c in calls) > 1 else n
-                     for n in names)
-    return rule, "; ".join(tols)
+    times = Counter(c["rule"] for c in calls)  # in first-use order
+    rule = ", ".join(f"{n} x{k}" if k > 1 else n for n, k in times.items())
+    return rule, "; ".join(dict.fromkeys(c["tolerance"] for c in calls))
 
 
 def corrected(verdict: str) -> bool:
