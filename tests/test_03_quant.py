@@ -343,3 +343,14 @@ def test_channel_spread_sees_outlier_channels():
     assert core.channel_spread(x) == pytest.approx(1.0)
     x[:, :, 3] = 10.0  # one outlier channel in every head
     assert core.channel_spread(x) == pytest.approx(10.0)
+
+
+def test_shrunk_calibration_divides_every_statistic_and_refuses_bad_factors():
+    cal = _calibration_with(127.0, 63.5)
+    small = cal.shrunk(4)
+    assert float(small.scales("k")[0].flatten()[0]) == 0.25 and float(small.scales("v")[0].flatten()[0]) == 0.125
+    assert float(cal.scales("k")[0].flatten()[0]) == 1.0  # the original is untouched
+    assert small.meta["note"] == "statistics / 4"
+    for bad in (0, -2, float("inf"), True, "4"):
+        with pytest.raises(ValueError, match="factor must be"):
+            cal.shrunk(bad)

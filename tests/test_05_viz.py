@@ -24,7 +24,10 @@ def test_figure_draws_the_byte_model():
     assert bars.y[1] < 0.52 * bars.y[0] and bars.y[3] > bars.y[0]  # fused int8 halves, the copy doubles
     line = fig.data[1]  # fp16 projected step time across contexts
     assert line.y[list(bv.CONTEXTS).index(16384)] == pytest.approx(project("llama-3-8b", 32, 16384, "H100")["fp16"]["projected_ms"])
-    assert all(len(t.x) == 0 for t in fig.data[5:])  # no measurements given, none drawn
+    assert all(len(t.x) == 0 for t in fig.data[5:9])  # no measurements given, none drawn
+    key = fig.data[9]  # one uncoloured legend entry for the diamonds: their colour is their format's
+    assert key.showlegend is not False and "colour = format" in key.name and key.marker.color == "white"
+    assert all(t.showlegend is False for t in fig.data[5:9])
 
 
 def test_figure_shows_recorded_gpu_points():
@@ -35,7 +38,9 @@ def test_figure_shows_recorded_gpu_points():
     assert [round(x) for x in measured_fp16.x] == [round(c * 1.07 ** -1.5) for c in (1024, 4096, 16384)]
     row = next(r for r in rec["measured"] if r["shape"] == "llama-3-8b" and r["batch"] == 32 and r["context"] == 4096)
     assert measured_fp16.y[1] == pytest.approx(row["us"]["fp16"] * 32 / 1e3)
-    assert "measured on NVIDIA H200" in fig.layout.title.text
+    assert "measured on NVIDIA H200" in fig.layout.title.text and "none at batch" not in fig.layout.title.text
+    fig = bv.bandwidth_figure("llama-3-8b", batch=128, context=4096, gpu="H200", bench=rec)
+    assert all(len(t.x) == 0 for t in fig.data[5:9]) and "(none at batch 128)" in fig.layout.title.text
 
 
 def test_widget_controls_redraw():

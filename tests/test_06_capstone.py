@@ -172,3 +172,16 @@ def test_dashboard_on_a_float_pool_says_nothing_clips(tiny):
     d = box.dashboard
     assert d.clipped[-1] is None and any("nothing clips" in a.text for a in d.chart.layout.annotations)
     assert torch.is_tensor(torch.tensor(d.kv_read)) and max(d.kv_read) > 0
+
+
+def test_comparison_figure_marks_the_modelled_read():
+    """The static cache's KV read is computed from its slab, not counted: its bar is hatched and says so."""
+    from kvlab.viz.dashboard import comparison_figure
+
+    rows = {n: dict(held_at_limit=4.0 + i, output_tok_s=10.0, kv_read_per_token=2048.0 * (i + 1))
+            for i, n in enumerate(("static FP16", "paged FP16", "paged INT8"))}
+    fig = comparison_figure(rows, "t")
+    held, _, kv = fig.data
+    assert list(held.x) == ["static FP16", "paged FP16", "paged INT8"] and list(held.y) == [4.0, 5.0, 6.0]
+    assert list(kv.marker.pattern.shape) == ["/", "", ""] and kv.text[0] == "2 (modelled)"
+    assert list(held.marker.pattern.shape) == ["", "", ""]  # counted numbers are plain bars

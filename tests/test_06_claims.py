@@ -6,6 +6,8 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch
+
 import pytest
 
 from kvlab import claims
@@ -208,3 +210,108 @@ def test_claims_about_another_model_or_workload_follow_the_one_rule():
 
 def test_the_table_has_sixty_rows_or_more():
     assert len(claims.CLAIMS) >= 60
+
+
+def _quality_lab(**over):
+    """A stand-in Lab whose measurements are planted: each field a claim reads, set by hand."""
+    cfg = lambda kl=0.001, top1=0.995, delta=0.2: dict(kl=kl, ppl=10.0, delta_ppl_pct=delta, top1=top1,
+                                                         k_clip_rate=0.001, delta_ppl_ci95=(delta - 0.05, delta + 0.05))
+    base = dict(
+        quality={"ppl_fp": 10.0, "scored": 383, "configs": {"int8": cfg(), "int8 p99.9": cfg(kl=0.002),
+                                                            "k4v8": cfg(kl=0.02), "k8v4": cfg(kl=0.003)}},
+        saturation={"configs": {"static": cfg(kl=0.003, top1=0.97), "corrected": cfg(kl=0.0015)}},
+        sharegpt={p: {"token_states": v} for p, v in (("max", 0.2), ("pow2", 0.4), ("oracle", 0.7), ("paged", 0.95))},
+        step_ms={("short", 1): 10.0, ("short", 16): 12.0, ("1k", 1): 10.0, ("1k", 16): 30.0},
+        speedups=[{"prompt_tokens": 32, "speedup": 2.0}, {"prompt_tokens": 256, "speedup": 6.0}],
+        sensitivity=[0.9, 0.1, 0.2, 0.3, 0.05, 0.8])
+    base.update(over)
+    return SimpleNamespace(**base)
+
+
+def _kv(kind: str):
+    """Planted K/V tensors (layers of (T, H, D)): "tails" has long-tailed key heads with outlier channels,
+    "plain" is Gaussian, "flat" has the same value everywhere (no granularity can beat another), "grid" values that
+    already sit on the INT8 grid (truncation costs nothing), "heads-grid" each head on its own grid (a per-head
+    scale is exact, a per-channel or per-tensor one is not)."""
+    g = torch.Generator().manual_seed(0)
+    if kind == "grid":
+        k = torch.randint(-126, 127, (64, 2, 16), generator=g).float()
+        k[0, :, 0] = 127.0  # every head's abs-max is 127: scale 1, every value an integer
+        return [k] * 6, [k] * 6
+    if kind == "heads-grid":  # head h on a grid of step 2^-h, its abs-max in channel 0 only: per-head is exact
+        k = torch.randint(-100, 101, (64, 2, 16), generator=g).float()
+        k[0, :, 0] = 127.0
+        k[:, 1] *= 0.5
+        return [k] * 6, [k] * 6
+    if kind == "flat":
+        k = torch.full((64, 2, 16), 0.5)
+        return [k] * 6, [k] * 6
+    k = torch.randn(256, 2, 16, generator=g)
+    if kind == "plain":
+        return [k] * 6, [k] * 6
+    k[:, :, 3] *= 3  # an outlier channel
+    k[5, 0, 7] = 100.0  # one value 100 standard deviations out: a long tail
+    v = torch.randn(256, 2, 16, generator=g)
+    return [k] * 6, [v] * 6
+
+
+# claim id -> (stand-in A, stand-in B): planted measurements on which the verdict must differ (a stand-in Lab,
+# or keyword arguments planting the measurement itself)
+PLANTED_LABS = {
+    "static-30": (_quality_lab(), _quality_lab(sharegpt={"max": {"token_states": 0.5}})),
+    "static-50": (_quality_lab(), _quality_lab(sharegpt={p: {"token_states": 0.6} for p in ("max", "pow2", "oracle")})),
+    "paged-90": (_quality_lab(), _quality_lab(sharegpt={"paged": {"token_states": 0.8}})),
+    "10-30ms": (_quality_lab(), _quality_lab(step_ms={("short", 1): 10.0, ("short", 16): 12.0, ("1k", 1): 10.0,
+                                                      ("1k", 16): 11.0})),
+    "cache-5-20x": (_quality_lab(), _quality_lab(speedups=[{"prompt_tokens": 256, "speedup": 2.5}])),
+    "round-even": (_quality_lab(kv=_kv("plain")), _quality_lab(kv=_kv("grid"))),
+    "granularity": (_quality_lab(kv=_kv("tails")), _quality_lab(kv=_kv("heads-grid"))),
+    "3-bits": (_quality_lab(kv=_kv("tails")), _quality_lab(kv=_kv("flat"))),
+    "p999": (_lab(0.002, 0.001), _lab(0.001, 0.002)),
+    "ppl-0.1": (_lab(0.001, 0.002, delta=0.5), _lab(0.001, 0.002, delta=2.0)),
+    "ppl-0.5-1.5": (_lab(0.001, 0.002, delta=1.0), _lab(0.001, 0.002, delta=3.0)),
+    "negligible": (_lab(0.001, 0.002, top1=0.995), _lab(0.001, 0.002, top1=0.9)),
+    "k-over-v": (_lab(0.001, 0.002), _lab(0.001, 0.002, kl_k4v8=0.001, kl_k8v4=0.01)),
+    "first-last": (_lab(0.001, 0.002), _quality_lab(sensitivity=[0.1, 0.9, 0.8, 0.7, 0.6, 0.05])),
+    "saturation": (_quality_lab(), _quality_lab(saturation={"configs": {
+        "static": dict(kl=2.0, top1=0.3, k_clip_rate=0.2), "corrected": dict(kl=0.0015, top1=0.99)}})),
+    "prefix-40-60": (dict(measured=(0.47, 27, 58.0)), dict(measured=(0.2, 27, 58.0))),  # (saving, shared, mean)
+}
+# claim id -> keyword arguments planting a measurement in a claim that needs no model
+PLANTED_ARGS = {
+    "kv-7b": dict(per=2**20), "weights-7b": dict(w=30 * 10**9), "kv-1mb": dict(per=2**20),
+    "a100-half": dict(request=4 * 2**30), "kv-70b": dict(per=1600 * 10**3), "decode-1ms": dict(bandwidth=1e12),
+    "int8-half": dict(scales="per-token-head"), "int4-quarter": dict(scales="group-8", scale_dtype="fp32"),
+    "24-to-16gb": dict(context=8192), "b32-16k-fits": dict(hbm=2**40), "22ms-step": dict(bandwidth=14e12),
+    "16ms-step": dict(bandwidth=14e12), "12-7ms": dict(bandwidth=23e12), "int8-39pct": dict(context=4096, batch=1),
+    "unfused": dict(unfused=1), "frag-5-10": dict(lengths=(60, 140)), "util-30-80": dict(busy={"static": 0.35,
+                                                                                                 "continuous": 0.85}),
+    "zero-guard": dict(threshold=0.0),
+}
+
+
+def test_every_measured_rule_flips_on_a_planted_measurement():
+    """The other half of the table (the arithmetic rows are above): every row's rule, given a planted
+    measurement, gives another verdict. Model-free rows: the real measurement against a planted one;
+    rows that need SmolLM2: two planted stand-ins, so no model runs here."""
+    by_id = {c.id: c for c in claims.CLAIMS}
+    measured = {c.id for c in claims.CLAIMS if c.measure.__module__ != "kvlab.claims.arithmetic"}
+    assert set(PLANTED_LABS) | set(PLANTED_ARGS) == measured
+    assert not set(PLANTED_LABS) & set(PLANTED_ARGS)
+    for cid, kw in PLANTED_ARGS.items():
+        real, planted = by_id[cid].measure(None)[1], by_id[cid].measure(None, **kw)[1]
+        assert real != planted, (cid, real, planted)
+    run = lambda cid, x: by_id[cid].measure(None, **x) if isinstance(x, dict) else by_id[cid].measure(x)
+    for cid, (a, b) in PLANTED_LABS.items():
+        va, vb = run(cid, a)[1], run(cid, b)[1]
+        assert va != vb, (cid, va, vb)
+
+
+def test_int8_39pct_is_judged_where_the_benchmark_could_run():
+    """The bound comes from a setting that fits (8 x 16K on 80 GB), and the rule can fail both ways."""
+    from kvlab.claims.memory import c_39pct
+
+    measured, verdict, _ = c_39pct(None)
+    assert "8 x 16K" in measured and verdict.startswith("not settled")  # allowed, not reached by our kernels
+    assert c_39pct(None, context=4096, batch=1)[1] == "wrong"  # the weights dominate: 1.39x is impossible
+    assert c_39pct(None, attention_speedup=2.0)[1] == "holds"

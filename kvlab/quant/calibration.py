@@ -67,6 +67,14 @@ class Calibration:
             out.append(scale_from_absmax(t.reshape(shape), qmax))
         return out
 
+    def shrunk(self, factor: float) -> "Calibration":
+        """The same statistics divided by ``factor`` (> 1): static scales that many times too small, as if
+        the traffic had drifted ``factor`` times past what calibration saw (notebook 03, section 4)."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
+            raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
+        stats = {t: {g: {s: v / factor for s, v in ss.items()} for g, ss in gs.items()} for t, gs in self.stats.items()}
+        return Calibration(stats, dict(self.meta, note=f"statistics / {factor:g}"))
+
     @property
     def shape(self) -> tuple[int, int, int]:
         """``(layers, KV heads, head_dim)`` of the model it was taken on."""

@@ -45,8 +45,11 @@ def _memory_wall_marks(model: str, context: int, batch: int, kv_cache_dtype: str
     if cross <= top:
         shapes.append(dict(type="line", xref="x", yref="paper", x0=cross, x1=cross, y0=0, y1=1,
                            line=dict(color=COLORS["kv"], width=2, dash="dot")))
-        notes.append(dict(x=math.log10(cross), y=0.85, xref="x", yref="paper", showarrow=False, xanchor="left",
-                          text=f" KV > weights from {cross:,}", font=dict(color=COLORS["kv"], size=11)))
+        # on a white box, and on the side away from the context line, so neither line runs through the label
+        left = cross > min(context, top)
+        notes.append(dict(x=math.log10(cross), y=0.55, xref="x", yref="paper", showarrow=False,
+                          xanchor="right" if left else "left", bgcolor="rgba(255,255,255,0.9)",
+                          text=f" KV > weights from {cross:,} ", font=dict(color=COLORS["kv"], size=11)))
         where = f"red dotted line: KV > weights from {cross:,} tokens"
     else:
         where = f"KV would outweigh the weights only beyond {cross:,} tokens, past this model's {top:,}-token context"
@@ -60,8 +63,10 @@ def _memory_wall_title(model, batch, kv_cache_dtype, weight_dtype, where: str = 
 
 
 def _context_ticks(xs: list[int]) -> dict:
+    """Ticks at the plotted contexts, and a range that ends at the model's maximum context (plotly pads a
+    log axis past the last point otherwise: an octave of contexts the model cannot take)."""
     labels = [f"{c // 1024}K" if c >= 1024 and c % 1024 == 0 else f"{c:,}" for c in xs]
-    return dict(tickvals=xs, ticktext=labels)
+    return dict(tickvals=xs, ticktext=labels, range=[math.log10(xs[0]), math.log10(xs[-1])])
 
 
 def memory_wall_figure(model: str = "llama-2-7b", batch: int = 1, kv_cache_dtype: str = "fp16",
@@ -76,7 +81,7 @@ def memory_wall_figure(model: str = "llama-2-7b", batch: int = 1, kv_cache_dtype
             go.Scatter(x=xs, y=w, name="weights", stackgroup="one", line_color=COLORS["weights"]),
             go.Scatter(x=xs, y=kv, name="KV cache (all sequences)", stackgroup="one", line_color=COLORS["kv"]),
             go.Scatter(x=[m["point"][0]], y=[m["point"][1]], name="this context: total", mode="markers",
-                       marker=dict(color="black", size=10)),
+                       marker=dict(color="black", size=10), cliponaxis=False),
         ],
         layout=dict(
             title=_memory_wall_title(model, batch, kv_cache_dtype, weight_dtype, m["where"]),
@@ -125,7 +130,8 @@ def memory_wall_widget(model: str = "llama-2-7b"):
         out.value = (
             f"<b>{sizing.fmt_bytes(step['total'])}</b> per step at {w_ctx.value:,} tokens "
             f"(KV {step['kv'] / step['total']:.0%}) &rarr; at least <b>{ms:.2f} ms</b> per step at "
-            f"{w_bw.value:.2f} TB/s, so at most {w_batch.value / ms * 1e3:,.0f} tokens/s. " + where
+            f"{w_bw.value:.2f} TB/s, so at most {w_batch.value / ms * 1e3:,.0f} tokens/s for the whole batch "
+            f"({1e3 / ms:,.0f} per sequence). " + where
         )
 
     def model_changed(_=None):
@@ -153,7 +159,7 @@ def static_cache_figure(named_stats: dict[str, dict]):
     for key, label, color in parts:
         share = [100 * s[key] / s["slots_reserved"] for s in named_stats.values()]
         fig.add_bar(x=names, y=share, name=label, marker_color=color,
-                    text=[f"{v:.1f}%" if v >= 3 else "" for v in share], textposition="inside")
+                    text=[f"{v:.1f}%" if v >= 6 else "" for v in share], textposition="inside")  # smaller: no room
     fig.update_layout(barmode="stack", yaxis=dict(title="% of reserved slots", range=[0, 100]), height=400,
                       xaxis_title="reservation policy (same four requests)",
                       title="Static pre-allocation: where the reserved KV memory goes")
@@ -164,11 +170,12 @@ def speedup_figure(rows: list[dict]):
     """Recompute vs cache: seconds for each and the speed-up, per prompt length."""
     x = [r["prompt_tokens"] for r in rows]
     fig = go.Figure()
-    fig.add_bar(x=x, y=[r["no_cache_s"] for r in rows], name="no cache (recompute)", marker_color=COLORS["kv"])
-    fig.add_bar(x=x, y=[r["cache_s"] for r in rows], name="KV cache", marker_color=COLORS["tokens"],
-                text=[f"{r['speedup']:.1f}x" for r in rows], textposition="outside")
+    # the speed-up above the taller bar of each pair, where nothing else is drawn
+    fig.add_bar(x=x, y=[r["no_cache_s"] for r in rows], name="no cache (recompute)", marker_color=COLORS["kv"],
+                text=[f"cache {r['speedup']:.1f}x faster" for r in rows], textposition="outside", cliponaxis=False)
+    fig.add_bar(x=x, y=[r["cache_s"] for r in rows], name="KV cache", marker_color=COLORS["tokens"])
     fig.update_layout(barmode="group", xaxis=dict(title="prompt tokens", type="category"),
                       yaxis_title=f"seconds for {rows[0]['new_tokens']} new tokens", height=400,
                       title=f"Recompute vs KV cache: {rows[0]['new_tokens']} new tokens after prompts of each length",
-                      legend=dict(x=0.02, y=0.98))
+                      yaxis_range=[0, 1.15 * max(r["no_cache_s"] for r in rows)], legend=dict(x=0.02, y=0.98))
     return fig

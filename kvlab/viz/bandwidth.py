@@ -55,10 +55,14 @@ def bandwidth_figure(shape: str = "llama-3-8b", batch: int = 32, context: int = 
         fig.add_scatter(x=CONTEXTS, y=[0] * len(CONTEXTS), mode="lines", name=FORMAT_NAMES[f], legendgroup=f,
                         line=dict(color=FORMAT_COLORS[f], dash="dot" if f == "int8_unfused" else "solid"),
                         row=1, col=2)
-    for i, f in enumerate(fmts):
-        fig.add_scatter(x=[], y=[], mode="markers", name="measured (diamonds)", legendgroup="measured",
-                        showlegend=i == 0, row=1, col=2,
+    for f in fmts:
+        fig.add_scatter(x=[], y=[], mode="markers", name=f"{FORMAT_NAMES[f]} measured", legendgroup=f,
+                        showlegend=False, row=1, col=2,
                         marker=dict(color=FORMAT_COLORS[f], size=10, symbol="diamond", line=dict(width=1, color="black")))
+    # one legend entry for all diamonds, uncoloured: a diamond's colour is its format's, as the lines'
+    fig.add_scatter(x=[None], y=[None], mode="markers", name="measured on a GPU (colour = format)",
+                    legendgroup="measured", row=1, col=2,
+                    marker=dict(color="white", size=10, symbol="diamond", line=dict(width=1, color="black")))
     fig.add_vline(x=context, line=dict(color="black", width=1, dash="dash"), row=1, col=2)  # the chosen context
     fig.update_layout(height=440, legend=dict(orientation="h", y=-0.2, x=0.3), margin=dict(t=90, b=40))
     fig.update_yaxes(title_text="GB", row=1, col=1)
@@ -88,8 +92,12 @@ def update_bandwidth_figure(fig, shape: str, batch: int, context: int, gpu: str,
             fig.data[1 + n + i].x, fig.data[1 + n + i].y = [x * 1.07 ** (i - 1.5) for x in xs], ys
         fig.layout.shapes[0].x0 = fig.layout.shapes[0].x1 = context
         batches = sorted({r["batch"] for r in bench["measured"]}) if bench and "measured" in bench else []
-        device = (f" · diamonds: one layer's kernel time x layers, measured on {bench['device']} at batch "
-                  f"{', '.join(map(str, batches))}" if batches else "")
+        device = ""
+        if batches:
+            device = (f" · diamonds: one layer's kernel time x layers, measured on {bench['device']} at batch "
+                      f"{', '.join(map(str, batches))}")
+            if batch not in batches:
+                device += f" (none at batch {batch})"
         fig.layout.title = dict(text=f"{shape}, batch {batch}, {context:,} tokens per sequence<br><sup>lines: "
                                      f"bytes / {gpu} peak {bw / 1e12:.2f} TB/s (projection){device}</sup>",
                                 font=dict(size=14))

@@ -107,7 +107,7 @@ class Dashboard:
                                x=0, y=0)
         else:
             h = len(z[0]) // 2  # KV heads: K's first, then V's
-            fig.add_trace(go.Heatmap(z=z, colorscale="Reds", zmin=0, colorbar=dict(title="clipped", x=1.0)), 1, 3)
+            fig.add_trace(go.Heatmap(z=z, colorscale="Reds", zmin=0, colorbar=dict(title=dict(text="clipped", side="right"), x=1.01, thickness=12)), 1, 3)
             fig.update_xaxes(tickvals=list(range(2 * h)), ticktext=[f"K{i}" for i in range(h)] + [f"V{i}" for i in range(h)],
                              row=1, col=3)
             fig.add_vline(x=h - 0.5, line_color="#1b2631", line_width=2, row=1, col=3)
@@ -117,8 +117,9 @@ class Dashboard:
         fig.update_yaxes(title_text="MiB per step", rangemode="tozero", row=1, col=2)
         fig.update_xaxes(title_text="KV head (K, then V)", row=1, col=3)
         fig.update_yaxes(title_text="layer", row=1, col=3)
-        fig.update_layout(height=360, width=WIDTH, margin=dict(l=50, r=20, t=50, b=50),
-                          legend=dict(orientation="h", y=-0.25))
+        # room on the right for the colour bar and its title, and below for the legend under the axis titles
+        fig.update_layout(height=400, width=WIDTH, margin=dict(l=50, r=90, t=50, b=95),
+                          legend=dict(orientation="h", y=-0.3))
         return fig
 
     def draw(self, index: int) -> None:
@@ -168,3 +169,27 @@ def engine_dashboard(llm, columns: int = 32, title: str = ""):
     """Display this, then run the engine (``llm.step()`` / ``iter_steps`` / ``generate``): it follows
     every step; afterwards move the slider to replay. ``widget.dashboard`` holds the numbers."""
     return Dashboard(llm, columns, title).widget
+
+
+def comparison_figure(rows: dict[str, dict], title: str = "", modelled: tuple[str, ...] = ("static FP16",)):
+    """The configurations side by side (notebook 06): requests held at once, output tokens/s, KV KiB read
+    per generated token. Bars in ``modelled`` for the KV read are hatched and say so: the static cache's
+    read is computed from its slab (every row, whole length), not counted by the engine."""
+    from kvlab.capstone import CONFIGS
+
+    names = [n for n in CONFIGS if n in rows]
+    colors = ["#7f8c8d", "#2980b9", "#27ae60", "#16a085"][:len(names)]
+    fig = make_subplots(rows=1, cols=3, subplot_titles=("requests held at once (at the limit)", "output tokens / s",
+                                                        "KV KiB read per generated token"))
+    for col, key, scale, fmt in ((1, "held_at_limit", 1, "{:.1f}"), (2, "output_tok_s", 1, "{:.0f}"),
+                                 (3, "kv_read_per_token", 2**-10, "{:,.0f}")):
+        hatched = [col == 3 and n in modelled for n in names]
+        fig.add_trace(go.Bar(x=names, y=[rows[n][key] * scale for n in names], showlegend=False,
+                             marker=dict(color=colors, pattern=dict(shape=["/" if h else "" for h in hatched])),
+                             text=[fmt.format(rows[n][key] * scale) + (" (modelled)" if h else "")
+                                   for n, h in zip(names, hatched)], textposition="outside", cliponaxis=False), 1, col)
+    fig.update_yaxes(rangemode="tozero")
+    for col, label in ((1, "requests"), (2, "tokens / s"), (3, "KiB")):
+        fig.update_yaxes(title_text=label, row=1, col=col)
+    fig.update_layout(height=420, margin=dict(t=100), title=title)
+    return fig

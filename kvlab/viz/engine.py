@@ -337,9 +337,16 @@ def step_time_figure(step_stats):
     """Per step: schedule / packing / forward / sample time stacked (ms), and how many sequences ran."""
     steps = [s.step for s in step_stats]
     fig = go.Figure()
+    ms = {part: [getattr(s, part) * 1e3 for s in step_stats] for part in PART_COLORS}
+    total = sum(map(sum, ms.values())) or 1.0
+    small = [p for p in ms if sum(ms[p]) < 0.03 * total]  # too thin to see: one bar, named with its share
     for part, color in PART_COLORS.items():
-        fig.add_bar(x=steps, y=[getattr(s, part) * 1e3 for s in step_stats], name=part.removesuffix("_s"),
-                    marker_color=color)
+        if part not in small:
+            fig.add_bar(x=steps, y=ms[part], name=f"{part.removesuffix('_s')} ({sum(ms[part]) / total:.0%})",
+                        marker_color=color)
+    if small:
+        fig.add_bar(x=steps, y=[sum(v) for v in zip(*(ms[p] for p in small))], marker_color="#bdc3c7",
+                    name=" + ".join(p.removesuffix("_s") for p in small) + f" ({sum(sum(ms[p]) for p in small) / total:.1%})")
     fig.add_scatter(x=steps, y=[s.scheduled for s in step_stats], yaxis="y2", name="sequences in the batch",
                     mode="lines+markers", line=dict(color=SHARED, width=1.5), marker_size=4,
                     customdata=[[s.prefill_tokens, s.decode_tokens] for s in step_stats],

@@ -153,7 +153,8 @@ def fragmentation_figure(results: list[dict], title: str = ""):
                               ("reservation", "reserved for later tokens", COLORS["padding"]),
                               ("internal_fragmentation", "internal fragmentation", COLORS["kv"])):
         fig.add_bar(x=names, y=[100 * r[key] for r in results], name=label, marker_color=color,
-                    text=[f"{100 * r[key]:.1f}%" for r in results], textposition="inside")
+                    text=[f"{100 * r[key]:.1f}%" if r[key] >= 0.06 else "" for r in results],  # no room below 6 %
+                    textposition="inside")
     fig.update_layout(barmode="stack", height=420, title=(title + ": " if title else "") + "where reserved KV slots go",
                       xaxis_title="allocation policy (block size)",
                       yaxis=dict(title="% of reserved KV slots (mean over decode steps)", range=[0, 100]),
@@ -170,9 +171,10 @@ def block_size_figure(rows: list[dict], title: str = "The block-size trade-off")
     fig = go.Figure()
     fig.add_bar(x=x, y=waste, name="slots wasted at completion (%, left axis)", marker_color=COLORS["kv"],
                 text=[f"{w:.1f}%" for w in waste], textposition="outside", cliponaxis=False)
+    # the line's values on hover only: where the rising bars meet the falling line their labels would collide
     fig.add_scatter(x=x, y=entries, name="block-table entries per sequence (right axis, log)",
-                    yaxis="y2", mode="lines+markers+text", line_color=COLORS["weights"],
-                    text=[f"{e:.1f}" for e in entries], textposition="top right")
+                    yaxis="y2", mode="lines+markers", line_color=COLORS["weights"],
+                    hovertemplate="block size %{x}: %{y:.1f} entries per sequence<extra></extra>")
     ticks = [t for t in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000) if t <= 2 * max(entries)]
     fig.update_layout(height=420, title=title, xaxis_title="block size (tokens per block)",
                       yaxis=dict(title="% of slots empty at completion",

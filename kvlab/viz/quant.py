@@ -104,8 +104,12 @@ def granularity_explorer(keys, values, calibration=None,
         with fig.batch_update():
             fig.data[0].y = [r[0] for r in rows]
             fig.data[1].y = clips
-            # the clip axis starts at 0 and ends just above the largest rate (0.1 % when nothing clips)
-            fig.layout.yaxis2.range = [0, max(max(clips) * 1.15, 0.001)]
+            # the clip axis starts at 0 and ends just above the largest rate; when nothing clips it has one
+            # tick that says so (not a scale of rates that did not happen)
+            if max(clips) > 0:
+                fig.layout.yaxis2.update(range=[0, max(clips) * 1.15], tickvals=None, ticktext=None)
+            else:
+                fig.layout.yaxis2.update(range=[0, 1], tickvals=[0], ticktext=["0: nothing clips"])
             source = (stat.value if gran.value in ("per-tensor", "per-head", "per-channel")
                       else "each token on write (per-token scales ignore 'scales from')")
             fig.layout.title = (f"INT8 {which.value}, {gran.value} scales from {source}<br><sup>"
