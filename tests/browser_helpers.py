@@ -532,3 +532,31 @@ def count_outputs(page) -> dict:
             "figures": sum(len(o["plots"]) for o in outs),
             "slider widgets": sum(bool(o["sliders"]) for o in outs),
             "widgets with controls": sum(bool(o["controls"]) for o in outs)}
+
+
+def save_executed(page, lab: "JupyterLab", name: str, dest: Path, timeout: float = 30) -> bool:
+    """Save the notebook as the browser ran it (outputs and widget state) and copy it to ``dest``: the
+    executed notebook beside its screenshots, for a reader who was not there. True when it was saved."""
+    src = lab.root / name
+    before = src.stat().st_mtime_ns
+    page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if src.stat().st_mtime_ns != before:
+            time.sleep(0.5)  # let the write finish
+            shutil.copyfile(src, dest)
+            return True
+        time.sleep(0.25)
+    return False
+
+
+def dismiss_toasts(page) -> int:
+    """Close JupyterLab's notification toasts (the news question, "a kernel started", update checks) so
+    no screenshot has one over its right edge; the settings above keep most away, this catches the rest.
+    Returns how many were closed."""
+    return page.evaluate("""() => {
+      let n = 0;
+      document.querySelectorAll('.jp-Notification-Toast-Close').forEach(b => { b.click(); n++; });
+      document.querySelectorAll('.Toastify__toast-container').forEach(c => c.remove());
+      return n;
+    }""")

@@ -3,8 +3,8 @@
 nbval proves the cells run; only a browser shows whether the widgets do. For each notebook this
 opens JupyterLab on a temporary copy of notebooks/, runs all cells, and fails on: a cell that
 raises, a widget left "Loading widget..." or showing an error, a plotly figure without data, a
-slider that moves nothing. One screenshot per widget / figure output goes to
-test-artifacts/browser/<notebook>/ (or $KVLAB_ARTIFACTS/browser/...).
+slider that moves nothing. One screenshot per widget / figure output, and the notebook as it ran
+(outputs and widget state saved), go to test-artifacts/browser/<notebook>/ (or $KVLAB_ARTIFACTS/browser/...).
 
 Needs a Chromium or Chrome (``apt-get install chromium``; macOS: Google Chrome in /Applications;
 anywhere: ``KVLAB_CHROMIUM=/path/to/chrome``); without one these tests are skipped with one line
@@ -104,8 +104,11 @@ def _run_and_check(lab, browser, name: str, shots: Path, say, **check) -> tuple[
         opened = time.monotonic() - t0
         ran = bh.run_all(page, name, RUN_TIMEOUT)
         t1 = time.monotonic()
+        bh.dismiss_toasts(page)  # before the screenshots
         problems = bh.find_problems(page, shots, log=say, **check)
         counts = bh.count_outputs(page)
+        if not bh.save_executed(page, lab, name, shots / name):
+            say(f"  ({name}: JupyterLab did not save the executed notebook; screenshots only)")
         checked = time.monotonic() - t1
     finally:
         page.close()

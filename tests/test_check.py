@@ -122,6 +122,10 @@ def test_blocks_after_fork_agrees_with_the_block_manager(capsys):
     extra_copy = lambda p, bs, n, steps: right(p, bs, n, steps) + (1 if steps and p % bs else 0)  # noqa: E731
     assert not check.blocks_after_fork(extra_copy)
     assert "n - 1 copies" in capsys.readouterr().out
+    fresh_blocks = lambda p, bs, n, steps: -(-p // bs) + n * -(-steps // bs)  # noqa: E731  (copies nothing)
+    assert not check.blocks_after_fork(fresh_blocks)
+    out = capsys.readouterr().out
+    assert "partial last block first" in out and "n - 1 copies" not in out
     copies_without_writes = lambda p, bs, n, steps: right(p, bs, n, max(steps, 1))  # noqa: E731
     assert not check.blocks_after_fork(copies_without_writes)
     assert "nobody writes" in capsys.readouterr().out
@@ -140,6 +144,8 @@ def test_quantize_static_catches_a_missing_or_asymmetric_clamp(capsys):
         "-128 appears": lambda x, s: torch.clamp(torch.round(x / s), -128, 127).to(torch.int8),
         None: lambda x, s: torch.clamp(torch.trunc(x / s), -127, 127).to(torch.int8),  # truncation
         "torch.int8": lambda x, s: torch.clamp(torch.round(x / s), -127, 127),  # still float
+        "a widened scale": lambda x, s: core.quantize_int8(x, torch.maximum(s, x.abs().amax(dim=(0, 2), keepdim=True)
+                                                                          / 127)),  # not "wrapped around"
     }
     for why, fn in mistakes.items():
         assert not check.quantize_static(fn)

@@ -17,6 +17,7 @@ from kvlab.data import CALIBRATION_PLAY, EVAL_PLAY, chat_prompts, text_tokens
 from kvlab.eval import auto_config, evaluate, kv_bytes_per_token, layer_sensitivity
 from kvlab.generate import greedy_generate
 from kvlab.quant.formats import KVQuantConfig, TensorFormat, named_config
+from kvlab.validate import is_int
 
 
 def memory_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
@@ -63,27 +64,38 @@ def token_forwards(prompt_len: int, new_tokens: int, cached: bool) -> int:
     return sum(prompt_len + i for i in range(new_tokens))
 
 
-def recompute_vs_cache(model, tokenizer, prompt_lens=(16, 128, 512), new_tokens: int = 16) -> list[dict]:
+def recompute_vs_cache(model, tokenizer, prompt_lens=(16, 128, 512), new_tokens: int = 16,
+                       repeats: int = 3) -> list[dict]:
     """Generate ``new_tokens`` greedily after prompts of several lengths, without and with a cache.
 
-    Returns one row per prompt length: seconds for each, the speed-up, and whether the tokens agree
-    (they must: the cache is an optimisation, not an approximation).
+    Each pair runs ``repeats`` times, the two back to back, so a drifting machine moves both alike.
+    Returns one row per prompt length: the median seconds of each, the speed-up (the median of the
+    runs' ratios, with every run's in ``speedups``, their spread in ``speedup_min``/``speedup_max``),
+    and whether the tokens agree (they must: the cache is an optimisation, not an approximation).
     """
+    if not is_int(repeats) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
     rows = []
     for n in prompt_lens:
         prompt = _prompt(tokenizer, n)
-        t0 = time.perf_counter()
-        cached = greedy_generate(model, [prompt], new_tokens, cache="dynamic")
-        t_cache = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        recomputed = greedy_generate(model, [prompt], new_tokens, cache="none")
-        t_none = time.perf_counter() - t0
+        t_cache, t_none, same = [], [], True
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            cached = greedy_generate(model, [prompt], new_tokens, cache="dynamic")
+            t_cache.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            recomputed = greedy_generate(model, [prompt], new_tokens, cache="none")
+            t_none.append(time.perf_counter() - t0)
+            same = same and cached.token_ids == recomputed.token_ids
+        ratios = [a / b for a, b in zip(t_none, t_cache)]
         rows.append({
-            "prompt_tokens": n, "new_tokens": new_tokens,
-            "no_cache_s": t_none, "cache_s": t_cache, "speedup": t_none / t_cache,
+            "prompt_tokens": n, "new_tokens": new_tokens, "repeats": repeats,
+            "no_cache_s": statistics.median(t_none), "cache_s": statistics.median(t_cache),
+            "speedup": statistics.median(ratios), "speedups": ratios,
+            "speedup_min": min(ratios), "speedup_max": max(ratios),
             "token_forwards_no_cache": token_forwards(n, new_tokens, False),
             "token_forwards_cache": token_forwards(n, new_tokens, True),
-            "same_tokens": cached.token_ids == recomputed.token_ids,
+            "same_tokens": same,
         })
     return rows
 

@@ -45,6 +45,15 @@ def blocks_after_fork(fn: Callable[[int, int, int, int], int]) -> bool:
               (100, 16, 1, 30), (10, 4, 3, 0)]
     cases = [(a, fork_blocks(*a)) for a in shapes]
 
+    def follows(formula) -> bool:  # the learner's function agrees with a mistaken formula on every shape
+        try:
+            return all(fn(*a) == formula(*a) for a in shapes)
+        except Exception:  # noqa: BLE001  (the learner's error is reported by _run, not here)
+            return False
+
+    fresh = lambda p, bs, n, steps: cdiv(p, bs) + n * cdiv(steps, bs) if steps else cdiv(p, bs)  # noqa: E731
+    n_copies = lambda p, bs, n, steps: fork_blocks(p, bs, n, steps) + (1 if steps and p % bs else 0)  # noqa: E731
+
     def hint(args, got, expected):
         p, bs, n, steps = args
         if got == n * cdiv(p + steps, bs):
@@ -53,7 +62,11 @@ def blocks_after_fork(fn: Callable[[int, int, int, int], int]) -> bool:
             return "the prompt's partial last block: a sample's first write copies it (copy-on-write)"
         if steps == 0 and got > expected:
             return "nobody writes, so nothing is copied: every block is still shared"
-        if steps and p % bs and got == expected + 1:
+        # these two agree on most shapes: the whole function tells them apart
+        if steps and p % bs and got == fresh(*args) and follows(fresh):
+            return ("a sample's new tokens fill the prompt's partial last block first (its own copy of it), "
+                    "then new blocks: they do not start in a fresh block")
+        if steps and p % bs and got == expected + 1 and follows(n_copies):
             return "n - 1 copies, not n: the last sample to write finds the block no longer shared and keeps it"
         return None
 

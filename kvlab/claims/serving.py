@@ -95,7 +95,9 @@ def c_10_30ms(lab):
 def c_5_20x(lab):
     rows = lab.speedups
     longest = max(rows, key=lambda r: r["prompt_tokens"])
-    return (", ".join(f"{r['speedup']:.1f}x at {r['prompt_tokens']} tokens" for r in rows),
+    spread = lambda r: f" ({r['speedup_min']:.1f}-{r['speedup_max']:.1f}x)" if "speedup_min" in r else ""  # noqa: E731
+    return (", ".join(f"{r['speedup']:.1f}x{spread(r)} at {r['prompt_tokens']} tokens" for r in rows)
+            + " (medians of 3 runs, their range in brackets)",
             in_range(5, 20, longest["speedup"]),
             f"judged at the longest prompt ({longest['prompt_tokens']} tokens, 16 new ones); the gain grows with both "
             "lengths (quadratic work becomes linear), so short prompts fall below the range and a range without "
