@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from kvlab.capstone import quantized
+from kvlab.capstone import CONFIGS, quantized
 from kvlab.viz import COLORS
 from kvlab.viz.engine import EngineRecorder, _frame_html
 from kvlab.viz.paged import _grid, block_table_figure
@@ -175,7 +175,6 @@ def comparison_figure(rows: dict[str, dict], title: str = "", modelled: tuple[st
     """The configurations side by side (notebook 06): requests held at once, output tokens/s, KV KiB read
     per generated token. Bars in ``modelled`` for the KV read are hatched and say so: the static cache's
     read is computed from its slab (every row, whole length), not counted by the engine."""
-    from kvlab.capstone import CONFIGS
 
     names = [n for n in CONFIGS if n in rows]
     colors = ["#7f8c8d", "#2980b9", "#27ae60", "#16a085"][:len(names)]
