@@ -73,3 +73,8 @@ def test_block_table_widget_reads_a_trace():
     assert "fork" in w.children[1].value
     frame = trace.frames[1]
     assert [b["ref"] for b in frame["blocks"][:2]] == [2, 2] and frame["blocks"][2]["state"] == "free"
+    opened = pviz.block_table_widget(trace, start=1)  # opens at a chosen frame, the slider there too
+    assert opened.children[0].children[1].value == 1 and "fork" in opened.children[1].value
+    for bad in (2, -1, True, 0.5):
+        with pytest.raises(ValueError, match="start must be a frame index in 0..1"):
+            pviz.block_table_widget(trace, start=bad)

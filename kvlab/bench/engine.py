@@ -298,9 +298,9 @@ def bench_engine(model, tokenizer, wl: Workload, max_num_seqs: int = 32, systems
     elif any(name in PEER_SYSTEMS for name in systems) and model_folder(model) is None:
         skipped = {name: "the vllm systems need a model loaded from a folder on disk (e.g. smollm2-135m)"
                    for name in systems if name in PEER_SYSTEMS}
-    systems = tuple(name for name in systems if name not in skipped)
+    asked, systems = systems, tuple(name for name in systems if name not in skipped)
     if not systems:
-        raise ValueError(f"nothing to run: {'; '.join(sorted(set(skipped.values())))}")
+        raise ValueError(f"systems {tuple(asked)!r}: nothing to run: {'; '.join(sorted(set(skipped.values())))}")
     check_block_size(engine_kw.get("block_size", 16))  # before the progress bar and the warm-up
     if engine_kw.get("attn_backend", "torch") not in BACKEND_NAMES:
         raise ValueError(f"attn_backend must be one of {BACKEND_NAMES}, got {engine_kw['attn_backend']!r}")

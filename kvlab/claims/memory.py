@@ -42,7 +42,7 @@ def c_7b_weights(lab, w: int | None = None):
 def c_7b_1mb(lab, per: int | None = None):
     per = per or sizing.kv_bytes_per_token("llama-2-7b", "fp16")
     return (f"{fmt_bytes(per)}/token, {fmt_bytes(4096 * per)} at 4,096", ratio(2**20, per),
-            "the same model as seed 004's 512 KiB: 000 double counts")
+            "the same model as article 004's 512 KiB: 000 double counts")
 
 
 def c_a100_half(lab, request: int | None = None):

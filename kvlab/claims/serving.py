@@ -88,7 +88,7 @@ def c_10_30ms(lab):
     return (f"batch 1 -> 16 at 1,000-token contexts: {ms['1k', 1]:.0f} -> {ms['1k', 16]:.0f} ms ({r['1k']:.1f}x); "
             f"at short contexts {r['short']:.1f}x (this machine)",
             elsewhere(ratio(3.0, r["1k"], tol=0.35), "SmolLM2 on this CPU", "a GPU serving a larger model"),
-            "the seed's cause, more KV read per step, shows once batch x context makes the cache about as big as "
+            "the article's cause, more KV read per step, shows once batch x context makes the cache about as big as "
             "the weights (1k tokens here); with short contexts the step grows far less, as the weights dominate")
 
 

@@ -6,7 +6,7 @@ A granularity says which axes share one scale:
 | granularity      | scale shape | one scale per                        |
 |------------------|-------------|--------------------------------------|
 | per-tensor       | (1, 1, 1)   | the whole tensor                     |
-| per-head         | (1, H, 1)   | KV head (the seeds' "TurboQuant")    |
+| per-head         | (1, H, 1)   | KV head (the articles' "TurboQuant")    |
 | per-channel      | (1, H, D)   | channel of a head                    |
 | per-token        | (T, 1, 1)   | token                                |
 | per-token-head   | (T, H, 1)   | token and head                       |

@@ -99,9 +99,9 @@ def memory_wall_widget(model: str = "llama-2-7b"):
     bandwidth. The context slider stops at the chosen model's maximum context."""
     import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
 
-    fig = memory_wall_figure(model, batch=8, widget=True)
+    fig = memory_wall_figure(model, batch=8, widget=True, context=2048)
     w_model = W.Dropdown(options=sorted(sizing.PRESETS), value=model, description="model")
-    w_ctx = W.SelectionSlider(options=_contexts(model), value=min(4096, _contexts(model)[-1]), description="context")
+    w_ctx = W.SelectionSlider(options=_contexts(model), value=min(2048, _contexts(model)[-1]), description="context")
     w_batch = W.IntSlider(value=8, min=1, max=64, description="batch")  # 8: the crossover is on the plot
     one_format = sorted((f for n, (k, v) in KV_CACHE_DTYPES.items() if k == v for f in [ELEMENT_FORMATS[k]]),
                         key=lambda f: (-f.bits, f.name))  # fp32, fp16, fp8, int8, int4: widest first
@@ -152,9 +152,12 @@ def memory_wall_widget(model: str = "llama-2-7b"):
 
 def static_cache_figure(named_stats: dict[str, dict]):
     """Stacked bars of where a static cache's reserved slots went (one bar per configuration)."""
-    names = list(named_stats)
     parts = [("tokens_stored", "tokens", COLORS["tokens"]), ("padding_slots", "padding", COLORS["padding"]),
              ("empty_slots", "empty (reserved, never written)", COLORS["empty"])]
+    # every share in the bar's label too: thin segments have no room for their number
+    names = [f"{n}<br><sup>{sizing.fmt_bytes(s['bytes_reserved'])} reserved: "
+             + ", ".join(f"{label.split(' ')[0]} {100 * s[key] / s['slots_reserved']:.1f}%" for key, label, _ in parts)
+             + "</sup>" for n, s in named_stats.items()]
     fig = go.Figure()
     for key, label, color in parts:
         share = [100 * s[key] / s["slots_reserved"] for s in named_stats.values()]

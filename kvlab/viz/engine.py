@@ -322,8 +322,9 @@ def request_timeline(llm, seq_ids=None):
                              marker_line=dict(color="#ffffff", width=0.5), hovertext=bar["text"] or None,
                              hoverinfo="text"))
     labels = list(rows.values())
-    fig.update_layout(barmode="overlay", height=140 + 22 * len(labels), margin=dict(l=10, r=10, t=50, b=40),
-                      title="Requests over engine steps", bargap=0.25,
+    # the title at the top, the legend between it and the plot: neither sits on the other
+    fig.update_layout(barmode="overlay", height=170 + 22 * len(labels), margin=dict(l=10, r=10, t=85, b=40),
+                      title=dict(text="Requests over engine steps", y=0.98, yanchor="top"), bargap=0.25,
                       xaxis=dict(title="engine step", zeroline=False),
                       yaxis=dict(categoryorder="array", categoryarray=labels, autorange="reversed", type="category"),
                       legend=dict(orientation="h", y=1.02, x=0, yanchor="bottom", traceorder="normal"))
@@ -352,9 +353,11 @@ def step_time_figure(step_stats):
                     customdata=[[s.prefill_tokens, s.decode_tokens] for s in step_stats],
                     hovertemplate="step %{x}: %{y} sequences, %{customdata[0]} prefill + %{customdata[1]} decode "
                                   "tokens<extra></extra>")
-    fig.update_layout(barmode="stack", height=400, title="Where each step's time goes, against batch size",
+    most = max((s.scheduled for s in step_stats), default=1)
+    fig.update_layout(barmode="stack", height=400, title=dict(text="Where each step's time goes, against batch size",
+                                                              y=0.97, yanchor="top"),
                       xaxis_title="engine step", yaxis=dict(title="ms per step"),
-                      yaxis2=dict(title="sequences in the batch", overlaying="y", side="right", rangemode="tozero",
-                                  showgrid=False, tickformat="d"),
-                      legend=dict(orientation="h", y=1.02, yanchor="bottom", x=0), bargap=0.1)
+                      yaxis2=dict(title="sequences in the batch", overlaying="y", side="right", showgrid=False,
+                                  dtick=1 if most <= 16 else None, range=[0, most + 1], tickformat="d"),
+                      legend=dict(orientation="h", y=1.02, yanchor="bottom", x=0), bargap=0.1, margin=dict(t=110))
     return fig

@@ -122,14 +122,17 @@ def block_table_figure(frame: dict, columns: int = 8, widget: bool = False):
     return fig
 
 
-def block_table_widget(trace: Trace, columns: int = 8):
-    """Step (or play) through a trace: the block grid and the per-sequence tables update together."""
+def block_table_widget(trace: Trace, columns: int = 8, start: int = 0):
+    """Step (or play) through a trace: the block grid and the per-sequence tables update together.
+    It opens at frame ``start`` (a frame worth seeing before anyone moves the slider)."""
     import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
 
-    fig = block_table_figure(trace.frames[0], columns, widget=True)
-    info = W.HTML(_tables_html(trace.frames[0]))
-    play = W.Play(min=0, max=len(trace.frames) - 1, interval=1200, description="play")
-    step = W.IntSlider(min=0, max=len(trace.frames) - 1, description="step")
+    if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < len(trace.frames):
+        raise ValueError(f"start must be a frame index in 0..{len(trace.frames) - 1}, got {start!r}")
+    fig = block_table_figure(trace.frames[start], columns, widget=True)
+    info = W.HTML(_tables_html(trace.frames[start]))
+    play = W.Play(min=0, max=len(trace.frames) - 1, interval=1200, description="play", value=start)
+    step = W.IntSlider(min=0, max=len(trace.frames) - 1, description="step", value=start)
     W.jslink((play, "value"), (step, "value"))
 
     def show(change):
