@@ -54,7 +54,7 @@ def c_rounding(lab, keys: torch.Tensor | None = None):
     """Both halves of the sentence: truncation biases (every value moves towards zero by half a step on
     average), and half-to-even against half-away-from-zero, which differ only on exact ties."""
     k = lab.kv[0][5] if keys is None else keys
-    scale = core.scale_from_absmax(k.abs().amax(dim=(0, 2), keepdim=True))
+    scale = core.scale_from_absmax(core.absmax(k, "per-head"))
     bias = {h: _rounding_bias(k, scale, h) for h in ("half-even", "half-away", "truncate")}
     y = k / scale
     ties = float(((y - torch.floor(y)) == 0.5).float().mean())

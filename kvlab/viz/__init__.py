@@ -45,10 +45,9 @@ def _memory_wall_marks(model: str, context: int, batch: int, kv_cache_dtype: str
     if cross <= top:
         shapes.append(dict(type="line", xref="x", yref="paper", x0=cross, x1=cross, y0=0, y1=1,
                            line=dict(color=COLORS["kv"], width=2, dash="dot")))
-        # on a white box, so a line passing under it does not run through the text
-        # on the side with room: left of the line in the axis' right half (the label would run off the plot)
-        xs = _contexts(model)
-        right_half = math.log(cross / xs[0]) > 0.5 * math.log(xs[-1] / xs[0])
+        # on a white box (a line passing under it does not run through the text), on the side with room:
+        # left of the line in the axis' right half, where the label would run off the plot
+        right_half = math.log(cross / CONTEXTS[0]) > 0.5 * math.log(top / CONTEXTS[0])
         notes.append(dict(x=math.log10(cross), y=0.55, xref="x", yref="paper", showarrow=False,
                           xanchor="right" if right_half else "left", bgcolor="rgba(255,255,255,0.9)",
                           text=f" KV > weights from {cross:,} ", font=dict(color=COLORS["kv"], size=11)))
