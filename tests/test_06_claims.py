@@ -221,6 +221,7 @@ def _quality_lab(**over):
                                                             "k4v8": cfg(kl=0.02), "k8v4": cfg(kl=0.003)}},
         saturation={"configs": {"static": cfg(kl=0.003, top1=0.97), "corrected": cfg(kl=0.0015)}},
         sharegpt={p: {"token_states": v} for p, v in (("max", 0.2), ("pow2", 0.4), ("oracle", 0.7), ("paged", 0.95))},
+        seed_shares={w: {"max": [0.2, 0.25, 0.31], "paged": [0.95] * 3} for w in ("sharegpt", "alpaca")},
         step_ms={("short", 1): 10.0, ("short", 16): 12.0, ("1k", 1): 10.0, ("1k", 16): 30.0},
         speedups=[{"prompt_tokens": 32, "speedup": 2.0}, {"prompt_tokens": 256, "speedup": 6.0}],
         sensitivity=[0.9, 0.1, 0.2, 0.3, 0.05, 0.8])
@@ -258,9 +259,9 @@ def _kv(kind: str):
 # claim id -> (stand-in A, stand-in B): planted measurements on which the verdict must differ (a stand-in Lab,
 # or keyword arguments planting the measurement itself)
 PLANTED_LABS = {
-    "static-30": (_quality_lab(), _quality_lab(sharegpt={"max": {"token_states": 0.5}})),
+    "static-30": (_quality_lab(), _quality_lab(seed_shares={w: {"max": [0.2, 0.31, 0.32]} for w in ("sharegpt", "alpaca")})),
     "static-50": (_quality_lab(), _quality_lab(sharegpt={p: {"token_states": 0.6} for p in ("max", "pow2", "oracle")})),
-    "paged-90": (_quality_lab(), _quality_lab(sharegpt={"paged": {"token_states": 0.8}})),
+    "paged-90": (_quality_lab(), _quality_lab(seed_shares={w: {"paged": [0.95, 0.85, 0.8]} for w in ("sharegpt", "alpaca")})),
     "10-30ms": (_quality_lab(), _quality_lab(step_ms={("short", 1): 10.0, ("short", 16): 12.0, ("1k", 1): 10.0,
                                                       ("1k", 16): 11.0})),
     "cache-5-20x": (_quality_lab(), _quality_lab(speedups=[{"prompt_tokens": 256, "speedup": 2.5}])),

@@ -381,6 +381,11 @@ class BlockManager:
             **{k: v for k, v in self.counters.items() if k not in ("prefix_queries", "prefix_hits")},
         }
 
+    def eviction_order(self) -> list[int]:
+        """Cached blocks (freed, hash kept) in the order they would be evicted: least recently freed
+        first. :meth:`free` adds a sequence's blocks tail first, so its end leaves before its prefix."""
+        return list(self.cached_ids)
+
     def blocks_outside_window(self) -> int:
         """Held blocks no layer reads anymore: every token in them is before the window of the newest
         token of every sequence holding them (kvlab keeps them; vLLM would free them). 0 without

@@ -21,6 +21,10 @@ def slot_mapping(fn: Callable[[Sequence[int], int, int, int], list]) -> bool:
         for i, n in enumerate(lengths):
             for start, end in ((0, n), (n - 1, n), (n // 2, n)):
                 cases.append(((bm.block_table(i), bs, start, end), bm.slot_mapping(i, start, end)))
+    # tables whose blocks are scattered and out of order, as after requests have come and gone
+    for table, bs, n in (([7, 2, 9, 0], 4, 14), ([5, 3], 16, 20), ([11, 4, 6], 8, 24)):
+        for start, end in ((0, n), (n - 1, n), (n // 2, n)):
+            cases.append(((table, bs, start, end), BlockManager.slot_mapping_of(table, bs, start, end)))
     def hint(args, got, expected):
         table, bs, start, end = args
         try:
@@ -31,6 +35,9 @@ def slot_mapping(fn: Callable[[Sequence[int], int, int, int], list]) -> bool:
             return "a block id counts blocks, a slot counts tokens: block id x block_size + offset"
         if got == [table[i // bs] * bs + i % bs for i in range(0, end - start)]:
             return "the tokens are start..end-1, not 0..end-start-1"
+        if got == [table[0] * bs + i for i in range(start, end)]:
+            return ("the blocks need not follow one another: look up token t's own block, "
+                    "block_table[t // block_size], for every token")
         if got == [i for i in range(start, end)]:
             return "the block table says where each block lives: slots are not the token positions"
         return None

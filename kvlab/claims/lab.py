@@ -61,6 +61,12 @@ class Lab:
         return {p: simulate.simulate(reqs, p, block_size=16) for p in simulate.POLICIES}
 
     @cached_property
+    def seed_shares(self) -> dict:
+        """Token-state shares per policy over random seeds 0-4, ShareGPT-like and Alpaca-like batches
+        (notebook 02's verdicts near a threshold are read over these; no model)."""
+        return {name: simulate.over_seeds(name) for name in ("sharegpt", "alpaca")}
+
+    @cached_property
     def calibration(self):
         # notebook 03's calibration (1,024 tokens in chunks of 512) and its 384 held-out tokens: where the
         # table re-measures 03 (KL, perplexity, K vs V), it measures the same thing and gets the same number

@@ -17,9 +17,12 @@ from kvlab.engine.dry_run import dry_run
 
 
 def c_static_30(lab):
-    r = lab.sharegpt
-    return (f"reserve 2,048: {r['max']['token_states']:.1%} of slots hold tokens (ShareGPT-like)",
-            truth(r["max"]["token_states"] < 0.30), "every request reserves the serving limit")
+    shares = [v for w in lab.seed_shares.values() for v in w["max"]]
+    below = sum(v < 0.30 for v in shares)
+    ranges = "; ".join(f"{name} {min(w['max']):.1%}-{max(w['max']):.1%}" for name, w in lab.seed_shares.items())
+    return (f"reserve 2,048: below 30 % in {below} of {len(shares)} batches of 64 ({ranges}; random seeds 0-4)",
+            truth(below > len(shares) / 2), "'often' read as: in most batches; every request reserves the serving "
+            "limit, so short answers (Alpaca-like) use far less than 30 %")
 
 
 def c_static_50(lab):
@@ -30,9 +33,11 @@ def c_static_50(lab):
 
 
 def c_paged_90(lab):
-    r = lab.sharegpt
-    return (f"paged blocks of 16: {r['paged']['token_states']:.1%} hold tokens",
-            truth(r["paged"]["token_states"] >= 0.9), "only each sequence's last block has empty slots")
+    med = {name: sorted(w["paged"])[len(w["paged"]) // 2] for name, w in lab.seed_shares.items()}
+    ranges = "; ".join(f"{name} {min(w['paged']):.1%}-{max(w['paged']):.1%}" for name, w in lab.seed_shares.items())
+    return (f"paged blocks of 16: {ranges} of slots hold tokens (random seeds 0-4)",
+            truth(all(m >= 0.9 for m in med.values())), "judged on each workload's median batch; only each "
+            "sequence's last block has empty slots, a larger share of a short request")
 
 
 def c_frag_50(lab, lengths: tuple[int, int] = (25, 75)):
