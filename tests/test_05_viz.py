@@ -25,9 +25,10 @@ def test_figure_draws_the_byte_model():
     line = fig.data[1]  # fp16 projected step time across contexts
     assert line.y[list(bv.CONTEXTS).index(16384)] == pytest.approx(project("llama-3-8b", 32, 16384, "H100")["fp16"]["projected_ms"])
     assert all(len(t.x) == 0 for t in fig.data[5:9])  # no measurements given, none drawn
-    key = fig.data[9]  # one uncoloured legend entry for the diamonds: their colour is their format's
-    assert key.showlegend is not False and "colour = format" in key.name and key.marker.color == "white"
-    assert all(t.showlegend is False for t in fig.data[5:9])
+    assert len(fig.data) == 9  # bars, 4 lines, 4 measured series
+    symbols = [t.marker.symbol for t in fig.data[5:9]]  # each format's measured points: its own colour and shape
+    assert len(set(symbols)) == 4 and [t.marker.color for t in fig.data[5:9]] == [t.line.color for t in fig.data[1:5]]
+    assert all(t.showlegend is not False and t.name.endswith("measured") for t in fig.data[5:9])
 
 
 def test_figure_shows_recorded_gpu_points():

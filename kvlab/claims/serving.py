@@ -62,7 +62,7 @@ def c_prefix(lab, measured: tuple[float, int, float] | None = None):
     saving, shared, mean = measured or _prefix_saving(lab)
     return (f"{saving:.0%} of prompt blocks saved ({shared}-token system prompt, prompts {mean:.0f} tokens)",
             elsewhere(in_range(0.40, 0.60, saving), "this chat workload", "any workload with a shared prompt"),
-            "it is the shared share of the prompt blocks: a 27-token system prompt in ~58-token prompts; 40-60 % "
+            f"it is the shared share of the prompt blocks: a {shared}-token system prompt in ~{mean:.0f}-token prompts; 40-60 % "
             "needs a system prompt about as long as the rest (and less once answers fill blocks too)")
 
 

@@ -16,6 +16,8 @@ from kvlab.viz.paged import PALETTE
 
 FORMAT_COLORS = {"fp16": COLORS["weights"], "int8": COLORS["tokens"], "k8v4": PALETTE[0],
                  "int8_unfused": COLORS["kv"]}
+# measured points of different formats can sit on top of each other: distinct shapes keep them apart
+FORMAT_SYMBOLS = {"fp16": "circle", "int8": "diamond", "k8v4": "square", "int8_unfused": "triangle-up"}
 FORMAT_NAMES = {"fp16": "FP16", "int8": "INT8", "k8v4": "K8V4", "int8_unfused": "INT8 via FP16 copy"}
 CONTEXTS = [2**k for k in range(8, 16)]  # 256 ... 32768 tokens per sequence
 
@@ -55,16 +57,12 @@ def bandwidth_figure(shape: str = "llama-3-8b", batch: int = 32, context: int = 
         fig.add_scatter(x=CONTEXTS, y=[0] * len(CONTEXTS), mode="lines", name=FORMAT_NAMES[f], legendgroup=f,
                         line=dict(color=FORMAT_COLORS[f], dash="dot" if f == "int8_unfused" else "solid"),
                         row=1, col=2)
-    for f in fmts:
+    for f in fmts:  # a measured point's colour is its format's, as the lines', and so is its shape
         fig.add_scatter(x=[], y=[], mode="markers", name=f"{FORMAT_NAMES[f]} measured", legendgroup=f,
-                        showlegend=False, row=1, col=2,
-                        marker=dict(color=FORMAT_COLORS[f], size=10, symbol="diamond", line=dict(width=1, color="black")))
-    # one legend entry for all diamonds, uncoloured: a diamond's colour is its format's, as the lines'
-    fig.add_scatter(x=[None], y=[None], mode="markers", name="measured on a GPU (colour = format)",
-                    legendgroup="measured", row=1, col=2,
-                    marker=dict(color="white", size=10, symbol="diamond", line=dict(width=1, color="black")))
+                        row=1, col=2, marker=dict(color=FORMAT_COLORS[f], size=11, symbol=FORMAT_SYMBOLS[f],
+                                                  line=dict(width=1, color="black")))
     fig.add_vline(x=context, line=dict(color="black", width=1, dash="dash"), row=1, col=2)  # the chosen context
-    fig.update_layout(height=440, legend=dict(orientation="h", y=-0.2, x=0.3), margin=dict(t=90, b=40))
+    fig.update_layout(height=470, legend=dict(orientation="h", y=-0.2, x=0.0), margin=dict(t=90, b=60))
     fig.update_yaxes(title_text="GB", row=1, col=1)
     fig.update_xaxes(tickangle=0, row=1, col=1)
     fig.update_xaxes(title_text="context (tokens per sequence)", type="log", tickvals=CONTEXTS,
@@ -87,14 +85,14 @@ def update_bandwidth_figure(fig, shape: str, batch: int, context: int, gpu: str,
         fig.data[0].text = [f"{at[f] / at['fp16']:.0%}" for f in fmts]
         for i, f in enumerate(fmts):
             fig.data[1 + i].y = [1e3 * _bytes(shape, f, batch, c) / bw for c in CONTEXTS]
-        for i, f in enumerate(fmts):  # diamonds nudged apart along x so the formats do not hide each other
+        for i, f in enumerate(fmts):  # measured points nudged apart along x so the formats do not hide each other
             xs, ys = measured_points(bench, shape, batch, f)
             fig.data[1 + n + i].x, fig.data[1 + n + i].y = [x * 1.07 ** (i - 1.5) for x in xs], ys
         fig.layout.shapes[0].x0 = fig.layout.shapes[0].x1 = context
         batches = sorted({r["batch"] for r in bench["measured"]}) if bench and "measured" in bench else []
         device = ""
         if batches:
-            device = (f" · diamonds: one layer's kernel time x layers, measured on {bench['device']} at batch "
+            device = (f" · markers: one layer's kernel time x layers, measured on {bench['device']} at batch "
                       f"{', '.join(map(str, batches))}")
             if batch not in batches:
                 device += f" (none at batch {batch})"
