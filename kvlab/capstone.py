@@ -103,6 +103,25 @@ def plan(model, name: str, budget_bytes: int, max_len: int = 512, block_size: in
                 None, block_size)
 
 
+def max_held(lengths, shared_tokens: int, num_blocks: int, block_size: int = 16) -> int:
+    """Requests that a pool of ``num_blocks`` can hold to completion at once (each at its full length,
+    prompt + answer, in ``lengths``), shortest first: an upper bound on concurrency, the number vLLM's
+    start-up line ("maximum concurrency") gives when every request reaches the serving limit. Every
+    prompt begins with the same ``shared_tokens`` (a system prompt): its *full* blocks are stored once."""
+    for name, v in (("shared_tokens", shared_tokens), ("num_blocks", num_blocks), ("block_size", block_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "block_size" else 0):
+            raise ValueError(f"{name} must be a {'positive' if name == 'block_size' else 'non-negative'} integer, got {v!r}")
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < shared_tokens for n in lengths):
+        raise ValueError(f"lengths must be integers of at least shared_tokens={shared_tokens}")
+    shared = shared_tokens // block_size  # a partial last block of the system prompt is each request's own
+    used, held = shared, 0
+    for n in sorted(cdiv(n, block_size) - shared for n in lengths):
+        if used + n > num_blocks:
+            break
+        used, held = used + n, held + 1
+    return held
+
+
 def make_engine(model, tokenizer, p: Plan, calibration=None, max_num_batched_tokens: int = 256):
     return LLM(model, tokenizer, num_blocks=p.num_blocks, block_size=p.block_size, max_num_seqs=p.max_num_seqs,
                max_num_batched_tokens=max_num_batched_tokens, attn_backend=p.attn_backend, kv_cache_dtype=p.kv_cache_dtype,
@@ -193,6 +212,21 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict:
         same += a == b
         shares.append(n / max(len(b), 1))
     return {"identical": same, "requests": len(reference), "prefix_share": statistics.mean(shares)}
+
+
+def served_agreement(model, tokenizer, calibration, max_len: int = 256, n: int = 48) -> dict:
+    """Notebook 06's run in one call: its workload served in the budget of four FP16 slabs of
+    ``max_len`` by paged FP16 and by paged INT8; :func:`agreement` of INT8's answers with FP16's
+    (the claims table's generation picture when the notebook has not passed its own)."""
+    from kvlab.bench.engine import make_workload
+
+    wl = make_workload(tokenizer, n=n, scale=0.15, seed=0, max_len=1500)
+    budget = 4 * (max_len // 16) * block_bytes(model, "fp16")[0]
+    tokens = {}
+    for name in ("paged FP16", "paged INT8"):
+        p = plan(model, name, budget, max_len, calibration=calibration)
+        tokens[name] = serve(make_engine(model, tokenizer, p, calibration), wl.prompts, wl.output_lens, p, max_len)["tokens"]
+    return agreement(tokens["paged INT8"], tokens["paged FP16"])
 
 
 @torch.inference_mode()

@@ -336,6 +336,10 @@ def test_granularity_explorer_switches_statistic(tiny):
     assert max(fig.data[1].y) > 0  # a percentile below 100 clips something
     stat.value = "this data's abs-max"
     assert max(fig.data[1].y) == 0 and min(fig.data[0].y) > 20
+    opened = granularity_explorer(keys, values, cal, start="p99")  # opens where something clips
+    assert opened.children[0].children[2].value == "p99" and max(opened.children[1].data[1].y) > 0
+    with pytest.raises(ValueError, match="start"):
+        granularity_explorer(keys, values, cal, start="p50")
 
 
 def test_channel_spread_sees_outlier_channels():

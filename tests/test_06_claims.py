@@ -77,7 +77,8 @@ def _lab(kl_absmax, kl_p999, kl_k4v8=0.02, kl_k8v4=0.003, delta=0.3, top1=0.995)
                                 k_clip_rate=0.0, delta_ppl_ci95=(kw.get("delta", 0.0) - 0.05, kw.get("delta", 0.0) + 0.05))
     return SimpleNamespace(quality={"ppl_fp": 10.0, "scored": 100, "configs": {
         "int8": cfg(kl_absmax, delta=delta, top1=top1), "int8 p99.9": cfg(kl_p999),
-        "k4v8": cfg(kl_k4v8), "k8v4": cfg(kl_k8v4)}}, sensitivity=[0.9, 0.1, 0.2, 0.3, 0.05, 0.8])
+        "k4v8": cfg(kl_k4v8), "k8v4": cfg(kl_k8v4)}}, sensitivity=[0.9, 0.1, 0.2, 0.3, 0.05, 0.8],
+        answers={"identical": 10, "requests": 16, "prefix_share": 0.7})
 
 
 def test_verdicts_are_computed_from_the_measurements_not_typed_in():
@@ -316,3 +317,10 @@ def test_int8_39pct_is_judged_where_the_benchmark_could_run():
     assert "8 x 16K" in measured and verdict.startswith("not settled")  # allowed, not reached by our kernels
     assert c_39pct(None, context=4096, batch=1)[1] == "wrong"  # the weights dominate: 1.39x is impossible
     assert c_39pct(None, attention_speedup=2.0)[1] == "holds"
+
+
+def test_the_lab_takes_a_generation_run_already_made_and_refuses_a_wrong_one():
+    made = {"identical": 25, "requests": 48, "prefix_share": 0.63}
+    assert claims.Lab(answers=made).answers is made  # read, not re-run (no model is loaded)
+    with pytest.raises(ValueError, match="answers"):
+        claims.Lab(answers={"identical": 25})

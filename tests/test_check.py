@@ -67,6 +67,53 @@ def test_slot_mapping(capsys):
     assert [line.split()[0] for line in out] == ["[ok]", "[fail]", "[todo]"]
 
 
+def test_slot_mapping_catches_a_first_block_offset_on_scattered_tables(capsys):
+    # right on a contiguous table, wrong once blocks are scattered: only the scattered cases catch it
+    assert not check.slot_mapping(lambda t, bs, s, e: [t[0] * bs + i for i in range(s, e)])
+    assert "block_table[t // block_size]" in capsys.readouterr().out
+
+
+def test_max_held_names_each_mistake(capsys):
+    from kvlab.capstone import max_held
+    from kvlab.validate import cdiv
+
+    assert check.max_held(max_held)
+    assert not check.max_held(stub)
+    assert "the answer is" not in capsys.readouterr().out
+
+    def greedy(own, start, order=sorted, strict=False):
+        def fn(lengths, shared, cap, bs):
+            used, held = start(shared, bs), 0
+            for n in order([own(x, shared, bs) for x in lengths]):
+                if used + n > cap or (strict and used + n == cap):
+                    break
+                used, held = used + n, held + 1
+            return held
+        return fn
+
+    right = lambda x, s, bs: cdiv(x, bs) - s // bs  # noqa: E731
+    for fn, words in [(greedy(lambda x, s, bs: cdiv(x, bs), lambda s, bs: 0), "store them once, not once per request"),
+                      (greedy(right, lambda s, bs: 0), "count them once"),
+                      (greedy(right, lambda s, bs: s // bs, order=list), "shortest first"),
+                      (greedy(right, lambda s, bs: s // bs, strict=True), "still fits"),
+                      (greedy(lambda x, s, bs: cdiv(x, bs) - cdiv(s, bs), lambda s, bs: cdiv(s, bs)), "only full blocks"),
+                      (greedy(lambda x, s, bs: (x - s) / bs, lambda s, bs: s / bs), "whole blocks")]:
+        assert not check.max_held(fn)
+        assert words in capsys.readouterr().out
+
+
+def test_max_held_rejects_bad_input():
+    from kvlab.capstone import max_held
+
+    with pytest.raises(ValueError, match="block_size"):
+        max_held([20], 0, 4, 0)
+    with pytest.raises(ValueError, match="lengths"):
+        max_held([10], 16, 4)  # shorter than the shared prompt every request begins with
+    with pytest.raises(ValueError, match="num_blocks"):
+        max_held([10], 0, -1)
+    assert max_held([], 0, 4) == 0
+
+
 def test_quantize_per_head_and_pack_int4(capsys):
     import torch
 

@@ -1,4 +1,4 @@
-"""Which exercises a learner has passed, across notebooks 00-05, kept in one small JSON file."""
+"""Which exercises a learner has passed, across notebooks 00-06, kept in one small JSON file."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ EXERCISES = {
     "pack_int4": ("03_int8_quantization", "Task 3", "two 4-bit values per byte"),
     "admission_rule": ("04_continuous_batching", "Task 1", "the scheduler's admission rule"),
     "online_softmax_update": ("05_fused_triton_kernel", "Task 1", "online softmax in a Triton kernel"),
+    "max_held": ("06_putting_it_together", "Task 1", "requests a pool can hold to completion at once"),
 }
 
 

@@ -32,9 +32,13 @@ class Lab:
     table shares with 03 is the same number.
     """
 
-    def __init__(self, model=None, tokenizer=None, held_out_tokens: int = 384):
+    def __init__(self, model=None, tokenizer=None, held_out_tokens: int = 384, answers: dict | None = None):
         self._model, self._tokenizer = model, tokenizer
         self.held_out_tokens = held_out_tokens
+        if answers is not None:  # measured already, as notebook 06 does: the table reads that run, not a second one
+            if not isinstance(answers, dict) or not {"identical", "requests", "prefix_share"} <= set(answers):
+                raise ValueError("answers must be kvlab.capstone.agreement(...)'s dict (identical, requests, prefix_share)")
+            self.__dict__["answers"] = answers
         self.seconds: dict[str, float] = {}  # what each measurement cost, for the notebook
 
     def _timed(self, name: str, fn: Callable):
@@ -85,12 +89,21 @@ class Lab:
 
     @cached_property
     def quality(self) -> dict:
-        """Perplexity, KL and top-1 of INT8 (abs-max, p99.9), K8V4 and K4V8 against the FP cache."""
-        formats = {"int8": named_config("int8"), "int8 p99.9": named_config("int8", stat="p99.9"),
+        """Perplexity, KL and top-1 of FP16, INT8 (abs-max, p99.9), K8V4 and K4V8 against the FP cache
+        (notebook 06's quality columns read the FP16 and INT8 rows)."""
+        formats = {"fp16": named_config("fp16"), "int8": named_config("int8"), "int8 p99.9": named_config("int8", stat="p99.9"),
                    "k8v4": named_config("k8v4"), "k4v8": KVQuantConfig(TensorFormat("int4"), TensorFormat("int8"))}
         n = len(self.held_out)
         return self._timed("quality", lambda: evaluate(self.model, self.held_out, formats, self.calibration,
                                                        window=n, stride=n, chunk=32))
+
+    @cached_property
+    def answers(self) -> dict:
+        """The generation picture beside the per-token one: notebook 06's workload (48 requests) served
+        in its budget from a paged FP16 and a paged INT8 pool (:func:`kvlab.capstone.served_agreement`),
+        INT8's greedy answers against FP16's. Notebook 06 passes the run it made (``Lab(answers=...)``)."""
+        from kvlab.capstone import served_agreement
+        return self._timed("answers", lambda: served_agreement(self.model, self.tokenizer, self.calibration))
 
     @cached_property
     def saturation(self) -> dict:

@@ -48,7 +48,7 @@ def c_frag_50(lab, lengths: tuple[int, int] = (25, 75)):
 
 
 def _prefix_saving(lab) -> tuple[float, int, float]:
-    wl = make_workload(lab.tokenizer, n=32, scale=0.15, seed=0)
+    wl = make_workload(lab.tokenizer, n=48, scale=0.15, seed=0, max_len=1500)  # notebook 06's workload
     used = {}
     for share in (True, False):
         bm = BlockManager(4096, 16, enable_prefix_caching=share)

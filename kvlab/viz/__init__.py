@@ -156,16 +156,16 @@ def static_cache_figure(named_stats: dict[str, dict]):
     parts = [("tokens_stored", "tokens", COLORS["tokens"]), ("padding_slots", "padding", COLORS["padding"]),
              ("empty_slots", "empty (reserved, never written)", COLORS["empty"])]
     # every share in the bar's label too: thin segments have no room for their number
-    names = [f"{n}<br><sup>{sizing.fmt_bytes(s['bytes_reserved'])} reserved: "
-             + ", ".join(f"{label.split(' ')[0]} {100 * s[key] / s['slots_reserved']:.1f}%" for key, label, _ in parts)
-             + "</sup>" for n, s in named_stats.items()]
+    names = [f"<b>{n}</b><br>{sizing.fmt_bytes(s['bytes_reserved'])} reserved<br>"
+             + " · ".join(f"{label.split(' ')[0]} {100 * s[key] / s['slots_reserved']:.1f}%" for key, label, _ in parts)
+             for n, s in named_stats.items()]
     fig = go.Figure()
     for key, label, color in parts:
         share = [100 * s[key] / s["slots_reserved"] for s in named_stats.values()]
         fig.add_bar(x=names, y=share, name=label, marker_color=color,
                     text=[f"{v:.1f}%" if v >= 6 else "" for v in share], textposition="inside")  # smaller: no room
-    fig.update_layout(barmode="stack", yaxis=dict(title="% of reserved slots", range=[0, 100]), height=400,
-                      xaxis_title="reservation policy (same four requests)",
+    fig.update_layout(barmode="stack", yaxis=dict(title="% of reserved slots", range=[0, 100]), height=460,
+                      xaxis=dict(title="reservation policy (same four requests)", tickfont=dict(size=13)),
                       title="Static pre-allocation: where the reserved KV memory goes")
     return fig
 

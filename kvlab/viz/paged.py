@@ -114,8 +114,8 @@ def _tables_html(frame: dict) -> str:
 def block_table_figure(frame: dict, columns: int = 8, widget: bool = False):
     z, text, scale, n = _grid(frame, columns)
     fig = (go.FigureWidget if widget else go.Figure)(go.Heatmap(
-        z=z, text=text, texttemplate="%{text}", colorscale=scale, zmin=0, zmax=n, showscale=False,
-        xgap=3, ygap=3, hoverinfo="text"))
+        z=z, text=text, texttemplate="%{text}", textfont=dict(size=13), colorscale=scale, zmin=0, zmax=n,
+        showscale=False, xgap=3, ygap=3, hoverinfo="text"))
     fig.update_layout(height=70 + 62 * len(z), margin=dict(l=10, r=10, t=30, b=10),
                       title="physical blocks (colour = owner, dark = shared, grey = cached, white = free)",
                       xaxis=dict(visible=False), yaxis=dict(visible=False, autorange="reversed"))

@@ -68,12 +68,16 @@ def per_layer_figure(values: list[float], title: str, yaxis: str, highlight: lis
 
 
 def granularity_explorer(keys, values, calibration=None,
-                         granularities=("per-tensor", "per-head", "per-channel", "per-token-head")):
+                         granularities=("per-tensor", "per-head", "per-channel", "per-token-head"),
+                         start: str | None = None):
     """Pick K or V, a granularity and (with a calibration) the statistic behind static scales:
-    INT8 signal-to-noise and clip rate per layer update live."""
+    INT8 signal-to-noise and clip rate per layer update live. ``start``: the statistic it opens on
+    (default: this data's own abs-max, where nothing clips; e.g. ``"p99"`` opens on clipping)."""
     import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
 
     stats = ["this data's abs-max"] + (["absmax", "p99.99", "p99.9", "p99"] if calibration is not None else [])
+    if start is not None and start not in stats:
+        raise ValueError(f"start must be one of {stats}, got {start!r}")
 
     def measure(x, layer, which, gran, stat):
         if stat == stats[0] or gran not in ("per-tensor", "per-head", "per-channel"):
@@ -86,7 +90,7 @@ def granularity_explorer(keys, values, calibration=None,
 
     which = W.ToggleButtons(options=["K", "V"], description="tensor")
     gran = W.Dropdown(options=list(granularities), value="per-head", description="granularity")
-    stat = W.Dropdown(options=stats, value=stats[0], description="scales from")
+    stat = W.Dropdown(options=stats, value=start or stats[0], description="scales from")
     fig = go.FigureWidget(make_subplots(specs=[[{"secondary_y": True}]]))
     fig.add_bar(x=list(range(len(keys))), y=[0.0] * len(keys), marker_color=COLORS["tokens"], name="SNR (dB)")
     fig.add_scatter(x=list(range(len(keys))), y=[0.0] * len(keys), mode="lines+markers", line_color=COLORS["kv"],

@@ -1,0 +1,67 @@
+"""Notebook 06's exercise: how many requests a pool can hold to completion at once."""
+
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+from kvlab.capstone import max_held as _max_held
+from kvlab.check.core import _run
+from kvlab.validate import cdiv
+
+
+def _cases() -> list[tuple[tuple, int]]:
+    rng = random.Random(6)
+    shapes = [([70, 20, 33, 40], 0, 8, 16),  # blocks 5, 2, 3, 3: shortest first 2 + 3 + 3 = 8 holds 3; arrival order 2
+              ([50, 50, 50], 32, 6, 16),  # a 2-block system prompt stored once, 2 own blocks each: 2 + 2 + 2 = 6, two
+              ([64, 64, 64], 40, 7, 16),  # 40 shared tokens: 2 full blocks shared, the third (partial) is each one's own
+              ([16, 16, 16], 0, 3, 16),  # an exact fit: three requests fill the pool to the last block
+              ([30, 30], 0, 1, 16),  # not even one request fits
+              ([10, 11, 12, 13], 8, 3, 4)]  # small blocks, a shared prefix of exactly two
+    for _ in range(6):
+        shared = rng.choice((0, 16, 27, 48))
+        lengths = [shared + rng.randint(1, 300) for _ in range(rng.randint(3, 20))]
+        shapes.append((lengths, shared, rng.randint(8, 120), 16))
+    return [(a, _max_held(*a)) for a in shapes]
+
+
+def max_held(fn: Callable[[list, int, int, int], int]) -> bool:
+    """``fn(lengths, shared_tokens, num_blocks, block_size)``: requests held to completion at once,
+    shortest first, the system prompt's full blocks stored once."""
+    cases = _cases()
+
+    def greedy(blocks_of, start, order=sorted, fits=lambda used, n, cap: used + n <= cap):
+        def f(lengths, shared, cap, bs):
+            used, held = start(shared, bs), 0
+            for n in order([blocks_of(x, shared, bs) for x in lengths]):
+                if not fits(used, n, cap):
+                    break
+                used, held = used + n, held + 1
+            return held
+        return f
+
+    own = lambda x, s, bs: cdiv(x, bs) - s // bs  # noqa: E731  (the right count of a request's own blocks)
+    mistakes = [
+        (greedy(lambda x, s, bs: cdiv(x, bs), lambda s, bs: 0),
+         "the system prompt's full blocks are shared: store them once, not once per request"),
+        (greedy(own, lambda s, bs: 0), "the shared blocks are stored once, but they are stored: count them once"),
+        (greedy(own, lambda s, bs: s // bs, order=list),
+         "shortest first: the bound asks for the most requests that could be held at once"),
+        (greedy(own, lambda s, bs: s // bs, fits=lambda used, n, cap: used + n < cap),
+         "a request whose blocks fill the pool to its last block still fits"),
+        (greedy(lambda x, s, bs: cdiv(x, bs) - cdiv(s, bs), lambda s, bs: cdiv(s, bs)),
+         "only full blocks are shared: a partly filled last block of the system prompt is each request's own"),
+        (greedy(lambda x, s, bs: (x - s) / bs, lambda s, bs: s / bs),
+         "memory comes in whole blocks: a request of n tokens holds ceil(n / block_size) blocks"),
+    ]
+
+    def hint(args, got, expected):
+        for formula, why in mistakes:
+            try:
+                if all(fn(*a) == formula(*a) for a, _ in cases):
+                    return why
+            except Exception:  # noqa: BLE001  (the learner's error is reported by _run)
+                return None
+        return None
+
+    return _run("max_held", fn, cases, hint=hint, reveal=False)
