@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab import kernels
+from kvlab.bench.engine import make_workload
 from kvlab.cache import saturation_summary
 from kvlab.engine import LLM, SamplingParams
 from kvlab.engine.llm import _make_cache
@@ -218,8 +219,6 @@ def served_agreement(model, tokenizer, calibration, max_len: int = 256, n: int =
     """Notebook 06's run in one call: its workload served in the budget of four FP16 slabs of
     ``max_len`` by paged FP16 and by paged INT8; :func:`agreement` of INT8's answers with FP16's
     (the claims table's generation picture when the notebook has not passed its own)."""
-    from kvlab.bench.engine import make_workload
-
     wl = make_workload(tokenizer, n=n, scale=0.15, seed=0, max_len=1500)
     budget = 4 * (max_len // 16) * block_bytes(model, "fp16")[0]
     tokens = {}

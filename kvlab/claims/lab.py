@@ -16,6 +16,7 @@ from typing import Callable
 from kvlab.bench.caches import recompute_vs_cache
 from kvlab.cache import simulate
 from kvlab.calibrate import calibrate, collect_kv, default_calibration
+from kvlab.capstone import served_agreement
 from kvlab.data import EVAL_PLAY, calibration_chunks, chat_prompts, text_tokens
 from kvlab.engine import LLM, SamplingParams
 from kvlab.eval import evaluate, layer_sensitivity
@@ -102,7 +103,6 @@ class Lab:
         """The generation picture beside the per-token one: notebook 06's workload (48 requests) served
         in its budget from a paged FP16 and a paged INT8 pool (:func:`kvlab.capstone.served_agreement`),
         INT8's greedy answers against FP16's. Notebook 06 passes the run it made (``Lab(answers=...)``)."""
-        from kvlab.capstone import served_agreement
         return self._timed("answers", lambda: served_agreement(self.model, self.tokenizer, self.calibration))
 
     @cached_property
