@@ -36,7 +36,7 @@ def test_figure_shows_recorded_gpu_points():
     assert rec["mode"] == "gpu" and "H200" in rec["device"] and len(rec["measured"]) == 18
     fig = bv.bandwidth_figure("llama-3-8b", batch=32, context=4096, gpu="H200", bench=rec)
     measured_fp16 = fig.data[5]
-    assert [round(x) for x in measured_fp16.x] == [round(c * 1.07 ** -1.5) for c in (1024, 4096, 16384)]
+    assert [round(x) for x in measured_fp16.x] == [round(c * bv.NUDGE ** -1.5) for c in (1024, 4096, 16384)]
     row = next(r for r in rec["measured"] if r["shape"] == "llama-3-8b" and r["batch"] == 32 and r["context"] == 4096)
     assert measured_fp16.y[1] == pytest.approx(row["us"]["fp16"] * 32 / 1e3)
     assert "measured on NVIDIA H200" in fig.layout.title.text and "none at batch" not in fig.layout.title.text

@@ -19,6 +19,7 @@ FORMAT_COLORS = {"fp16": COLORS["weights"], "int8": COLORS["tokens"], "k8v4": PA
 # measured points of different formats can sit on top of each other: distinct shapes keep them apart
 FORMAT_SYMBOLS = {"fp16": "circle", "int8": "diamond", "k8v4": "square", "int8_unfused": "triangle-up"}
 FORMAT_NAMES = {"fp16": "FP16", "int8": "INT8", "k8v4": "K8V4", "int8_unfused": "INT8 via FP16 copy"}
+NUDGE = 1.12  # measured points of the four formats spread along x by this factor each, so none hides another
 CONTEXTS = [2**k for k in range(8, 16)]  # 256 ... 32768 tokens per sequence
 
 
@@ -87,7 +88,7 @@ def update_bandwidth_figure(fig, shape: str, batch: int, context: int, gpu: str,
             fig.data[1 + i].y = [1e3 * _bytes(shape, f, batch, c) / bw for c in CONTEXTS]
         for i, f in enumerate(fmts):  # measured points nudged apart along x so the formats do not hide each other
             xs, ys = measured_points(bench, shape, batch, f)
-            fig.data[1 + n + i].x, fig.data[1 + n + i].y = [x * 1.07 ** (i - 1.5) for x in xs], ys
+            fig.data[1 + n + i].x, fig.data[1 + n + i].y = [x * NUDGE ** (i - 1.5) for x in xs], ys
         fig.layout.shapes[0].x0 = fig.layout.shapes[0].x1 = context
         batches = sorted({r["batch"] for r in bench["measured"]}) if bench and "measured" in bench else []
         device = ""
