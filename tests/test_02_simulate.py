@@ -78,3 +78,10 @@ def test_block_table_widget_reads_a_trace():
     for bad in (2, -1, True, 0.5):
         with pytest.raises(ValueError, match="start must be a frame index in 0..1"):
             pviz.block_table_widget(trace, start=bad)
+
+
+def test_paging_loses_no_free_memory_between_allocations_where_contiguous_first_fit_does():
+    r = simulate.external_fragmentation()
+    assert r["refused_with_room"]["paged"] == 0 < r["refused_with_room"]["contiguous"]
+    with pytest.raises(ValueError, match="leave"):
+        simulate.external_fragmentation(leave=1.5)

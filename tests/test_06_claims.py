@@ -94,7 +94,7 @@ def test_verdicts_are_computed_from_the_measurements_not_typed_in():
         "not settled (does not hold (off by 2.0×) on SmolLM2)"
     assert by_id["ppl-0.1"].measure(_lab(0.001, 0.002, delta=0.5))[1] == "not settled (holds on SmolLM2)"
     assert by_id["ppl-0.1"].measure(_lab(0.001, 0.002, delta=2.0))[1] == "not settled (does not hold (wrong) on SmolLM2)"
-    assert by_id["negligible"].measure(_lab(0.001, 0.002, top1=0.9))[1] == "wrong"
+    assert by_id["negligible"].measure(_lab(0.001, 0.002, top1=0.9))[1].startswith("not settled (does not hold")
     assert by_id["first-last"].measure(_lab(0.001, 0.002))[1] == "holds"  # layers 0 and 5 rank 1 and 2 of 6
 
 
@@ -161,7 +161,7 @@ PLANTED = {
     "decode-memory-bound": dict(batch=512, context=1),  # 512 tokens share each weight read: compute-bound
     "prefill-compute-bound": dict(prompt=16),
     "l2-threshold": dict(weights=2**20),
-    "zero-fragmentation": dict(lengths=[16, 32, 64]),
+    "zero-fragmentation": dict(refused={"paged": 3, "contiguous": 40}),
     "per-block-scales-50": dict(head_dim=1),
     "deferred-quant": dict(hbm_saving=0.5),
     "low-concurrency": dict(batch=32),
@@ -222,7 +222,8 @@ def _quality_lab(**over):
                                                             "k4v8": cfg(kl=0.02), "k8v4": cfg(kl=0.003)}},
         saturation={"configs": {"static": cfg(kl=0.003, top1=0.97), "corrected": cfg(kl=0.0015)}},
         sharegpt={p: {"token_states": v} for p, v in (("max", 0.2), ("pow2", 0.4), ("oracle", 0.7), ("paged", 0.95))},
-        seed_shares={w: {"max": [0.2, 0.25, 0.31], "paged": [0.95] * 3} for w in ("sharegpt", "alpaca")},
+        seed_shares={w: {"max": [0.2, 0.25, 0.31], "oracle": [0.6, 0.62, 0.7], "paged": [0.95] * 3}
+                     for w in ("sharegpt", "alpaca")},
         step_ms={("short", 1): 10.0, ("short", 16): 12.0, ("1k", 1): 10.0, ("1k", 16): 30.0},
         speedups=[{"prompt_tokens": 32, "speedup": 2.0}, {"prompt_tokens": 256, "speedup": 6.0}],
         sensitivity=[0.9, 0.1, 0.2, 0.3, 0.05, 0.8])
@@ -261,7 +262,7 @@ def _kv(kind: str):
 # or keyword arguments planting the measurement itself)
 PLANTED_LABS = {
     "static-30": (_quality_lab(), _quality_lab(seed_shares={w: {"max": [0.2, 0.31, 0.32]} for w in ("sharegpt", "alpaca")})),
-    "static-50": (_quality_lab(), _quality_lab(sharegpt={p: {"token_states": 0.6} for p in ("max", "pow2", "oracle")})),
+    "static-50": (_quality_lab(), _quality_lab(seed_shares={w: {"max": [0.2, 0.6], "oracle": [0.7]} for w in ("sharegpt", "alpaca")})),
     "paged-90": (_quality_lab(), _quality_lab(seed_shares={w: {"paged": [0.95, 0.85, 0.8]} for w in ("sharegpt", "alpaca")})),
     "10-30ms": (_quality_lab(), _quality_lab(step_ms={("short", 1): 10.0, ("short", 16): 12.0, ("1k", 1): 10.0,
                                                       ("1k", 16): 11.0})),

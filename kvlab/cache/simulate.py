@@ -152,6 +152,48 @@ def over_seeds(name: str = "sharegpt", seeds=range(5), n: int = 64, block_size: 
     return {p: [r[p] for r in runs] for p in POLICIES}
 
 
+def external_fragmentation(name: str = "sharegpt", n: int = 400, pool_slots: int = 4096, block_size: int = 16,
+                           leave: float = 0.1, seed: int = 0) -> dict:
+    """Requests come and go (before each arrival every live request leaves with probability ``leave``);
+    each arriving request asks for its whole length at once. A contiguous first-fit allocator and a
+    real :class:`BlockManager` of the same number of slots serve the same stream. Counts, for each,
+    the requests refused although the free slots in total would have held them: memory lost between
+    allocations (external fragmentation), which paging is claimed to remove."""
+    if not 0 < leave < 1:
+        raise ValueError(f"leave must be a probability in (0, 1), got {leave!r}")
+    reqs, rng = workload(name, n, seed=seed), random.Random(seed)
+    bm = BlockManager(pool_slots // block_size, block_size, enable_prefix_caching=False)
+    slots = [None] * pool_slots  # contiguous: which request holds each slot
+    live_c, live_p, refused = {}, set(), {"contiguous": 0, "paged": 0}
+    for i, r in enumerate(reqs):
+        for j in [j for j in sorted(live_c) if rng.random() < leave]:  # the same departures for both
+            start, length = live_c.pop(j)
+            slots[start:start + length] = [None] * length
+            if j in live_p:
+                bm.free(j)
+                live_p.discard(j)
+        need, free_total = r.total, slots.count(None)
+        start, run = None, 0  # first fit: the first hole of `need` free slots
+        for k, owner in enumerate(slots):
+            run = run + 1 if owner is None else 0
+            if run == need:
+                start = k - need + 1
+                break
+        if start is not None:
+            slots[start:start + need] = [i] * need
+            live_c[i] = (start, need)
+        elif free_total >= need:
+            refused["contiguous"] += 1
+        if bm.can_allocate([0] * need):
+            bm.allocate(i, [0] * need)
+            live_p.add(i)
+            live_c.setdefault(i, (0, 0))  # departures are drawn over every live request
+        elif bm.num_free_blocks * block_size >= need:
+            refused["paged"] += 1
+    bm.check_invariants()
+    return {"requests": n, "refused_with_room": refused}
+
+
 def block_size_sweep(requests: list[Request], sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256)) -> list[dict]:
     """The block-size trade-off: bigger blocks mean fewer table entries but more slots wasted in
     each sequence's last block.

@@ -10,6 +10,7 @@ values and see the verdict flip (``tests/test_06_claims.py``). Each returns ``(m
 from __future__ import annotations
 
 from kvlab import sizing
+from kvlab.cache import simulate
 from kvlab.claims.memory import A100_BW, A100_BYTES, GiB, KiB
 from kvlab.claims.rules import margin, ratio, truth
 from kvlab.kernels.traffic import GPU_CORES
@@ -211,12 +212,16 @@ def c_mla_smaller(lab, mla: int | None = None):
 
 # ---- settled by reasoning ------------------------------------------------------------------------------
 
-def c_zero_fragmentation(lab, lengths=None, block: int = 16):
+def c_zero_fragmentation(lab, lengths=None, block: int = 16, refused: dict | None = None):
     lengths = list(range(1, 2049)) if lengths is None else list(lengths)
     waste = sum((-n) % block for n in lengths) / len(lengths)
-    return (f"blocks of {block}: {waste:.1f} empty slots per sequence on average (lengths 1-2048 equally likely)",
-            truth(waste == 0), "no external fragmentation, but the last block of each sequence is partly empty "
-            "(up to 15 slots): the article's own 5-10 % (frag-5-10) contradicts 'zero'")
+    ext = refused or simulate.external_fragmentation(block_size=block)["refused_with_room"]
+    return (f"requests refused although the free memory would have held them (400 ShareGPT-like requests "
+            f"coming and going, 4,096 slots): paged {ext['paged']}, contiguous first-fit {ext['contiguous']}; "
+            f"inside each sequence's last block {waste:.1f} slots stay empty on average (lengths 1-2048)",
+            truth(ext["paged"] == 0), "read as the sentence's second half says, blocks of different requests "
+            "interleave: no free memory is lost between allocations. Internal fragmentation, the partial last "
+            "block, remains, as the article's own 5-10 % (§4.3) says")
 
 
 def c_deferred_quant(lab, hbm_saving: float = 0.0, claimed: float = 0.5):

@@ -124,8 +124,9 @@ def c_negligible(lab):
     return (f"top-1 agreement {c['top1']:.1%}, KL {c['kl']:.4f}; greedy answers: {a['identical']} of {a['requests']} "
             f"identical to FP16's, {a['prefix_share']:.0%} of each generated before the first difference (notebook "
             "06's workload served in its budget)",
-            truth(c["top1"] >= 0.99), "judged per token (the next token rarely changes: top-1 >= 99 %); whole answers "
-            "part more often, which says they differ, not that they are worse: no task's accuracy is measured here")
+            elsewhere(truth(c["top1"] >= 0.99), "SmolLM2's next tokens", "task accuracy"),
+            "per token the next token rarely changes (top-1 >= 99 % is the rule applied); whole answers part more "
+            "often, which says they differ, not that they are worse. No task's accuracy is measured here")
 
 
 def c_k_over_v(lab):

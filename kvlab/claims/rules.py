@@ -19,11 +19,12 @@ confirmation nor a correction, the lab's measurement cannot decide it.
 traffic, a GPU's utilization). Where arithmetic settles such a claim (bytes, FLOPs, what fits, a
 formula, the article's own numbers against each other) it is judged like any other and holds or
 fails. Where only a measurement could settle it, and the lab can measure only SmolLM2, its own
-workloads or a quantity next to the claimed one, the verdict is ``not settled`` and says what the
-lab saw: "(holds on SmolLM2)", "(does not hold on SmolLM2)", "(in range on this workload)"
-(:func:`elsewhere`). A claim about every model or workload ("negligible for most tasks", "keys
-matter more than values") is judged on SmolLM2 as one instance: a counterexample makes it wrong, an
-agreement lets it hold. A format claim that leaves its scales unstated is judged with the leanest
+workloads or a quantity next to the claimed one (seat occupancy for GPU utilization, next-token
+agreement for task accuracy), the verdict is ``not settled`` and says what the lab saw: "(holds on
+SmolLM2)", "(does not hold on SmolLM2)", "(in range on this workload)" (:func:`elsewhere`). A
+general rule stated for every model or workload ("keys matter more than values", "p99.9 beats
+abs-max") is judged on SmolLM2 as one instance: a counterexample makes it wrong, an agreement lets
+it hold. A format claim that leaves its scales unstated is judged with the leanest
 scale layout in common use (one fp16 scale per 128 values).
 """
 

@@ -46,16 +46,19 @@ def counts(rows: list[dict]) -> dict:
             "off": sum(r["verdict"].startswith("off") for r in rows), "wrong": sum(r["verdict"] == "wrong" for r in rows)}
 
 
-def format_table(rows: list[dict], width: int = 64) -> str:
-    """The table as plain text: one block per claim (the notebook and the CLI print this)."""
+def format_table(rows: list[dict], width: int = 64, brief: bool = False) -> str:
+    """The table as plain text: one block per claim (the notebook and the CLI print this).
+    ``brief``: the claim, what was measured and the verdict with its reason (a notebook's own rows,
+    printed where they are checked: rule and section are then known)."""
     out = []
     for i, r in enumerate(rows, 1):
         mark = "✓" if r["verdict"] == HOLDS else "?" if r["verdict"].startswith(UNSETTLED) else "✗"
         quote = f" 「{r['quote']}」" if r.get("quote") else ""
         out.append(f"{i:>2}. {mark} [{r['article']} {r['where']}{quote}] {r['claim']}")
-        for label, text in (("measured", r["measured"]), ("verdict", f"{r['verdict']} — {r['why']}"),
-                            ("rule", f"{r['rule']}: {r['tolerance']}"),
-                            ("see", f"notebook {r['notebook']}, “{r['section']}”")):
+        parts = [("measured", r["measured"]), ("verdict", f"{r['verdict']} — {r['why']}")]
+        if not brief:
+            parts += [("rule", f"{r['rule']}: {r['tolerance']}"), ("see", f"notebook {r['notebook']}, “{r['section']}”")]
+        for label, text in parts:
             out.append(textwrap.fill(text, width + 14, initial_indent=f"      {label:<9}",
                                      subsequent_indent=" " * 15))
     c = counts(rows)

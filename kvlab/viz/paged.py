@@ -61,8 +61,12 @@ class Trace:
         return frame
 
 
+COMPACT_COLUMNS = 12  # wider grids label each block with its owner only (c = cached, ×n = shared by n)
+
+
 def _grid(frame: dict, columns: int):
     rows = cdiv(len(frame["blocks"]), columns)
+    compact = columns > COMPACT_COLUMNS
     z, text, colors = [], [], {}
     for r in range(rows):
         zr, tr = [], []
@@ -73,6 +77,18 @@ def _grid(frame: dict, columns: int):
                 tr.append("")
                 continue
             b = frame["blocks"][i]
+            if compact:  # a wide grid has narrow cells: the owner only (the hover text has it all)
+                if b["state"] == "free":
+                    key, label = FREE, ""
+                elif b["state"] == "cached":
+                    key, label = CACHED, "c"
+                elif b["ref"] > 1:
+                    key, label = SHARED, f"×{b['ref']}"
+                else:
+                    key, label = seq_color(b["owners"][0]), _name(frame, b["owners"][0]).removeprefix("seq ")
+                zr.append(colors.setdefault(key, len(colors)))
+                tr.append(label)
+                continue
             if b["state"] == "free":
                 key, label = FREE, f"#{b['id']}<br>free"
             elif b["state"] == "cached":
@@ -114,10 +130,13 @@ def _tables_html(frame: dict) -> str:
 def block_table_figure(frame: dict, columns: int = 8, widget: bool = False):
     z, text, scale, n = _grid(frame, columns)
     fig = (go.FigureWidget if widget else go.Figure)(go.Heatmap(
-        z=z, text=text, texttemplate="%{text}", textfont=dict(size=13), colorscale=scale, zmin=0, zmax=n,
+        z=z, text=text, texttemplate="%{text}", textfont=dict(size=13 if columns <= COMPACT_COLUMNS else 11),
+        colorscale=scale, zmin=0, zmax=n,
         showscale=False, xgap=3, ygap=3, hoverinfo="text"))
     fig.update_layout(height=70 + 62 * len(z), margin=dict(l=10, r=10, t=30, b=10),
-                      title="physical blocks (colour = owner, dark = shared, grey = cached, white = free)",
+                      title="physical blocks (colour = owner, dark = shared, grey = cached, white = free)"
+                            + ("<br><sup>each block labelled with its owner; c = cached, ×n = shared by n"
+                               "</sup>" if columns > COMPACT_COLUMNS else ""),
                       xaxis=dict(visible=False), yaxis=dict(visible=False, autorange="reversed"))
     return fig
 
