@@ -42,11 +42,12 @@ def c_paged_90(lab):
             "sequence's last block has empty slots, a larger share of a short request")
 
 
-def c_frag_50(lab, lengths: tuple[int, int] = (25, 75)):
-    reqs = simulate.uniform(400, *lengths, seed=0)  # about 50 tokens each
+def c_frag_50(lab, lengths: tuple[int, int] = (40, 60)):
+    reqs = simulate.uniform(500, *lengths, seed=1)  # about 50 tokens each: notebook 02's sample
     frag = simulate.block_size_sweep(reqs, sizes=(16,))[0]["waste_at_completion"]
+    held = sum(-(-r.stored // 16) * 16 for r in reqs) / len(reqs)
     return (f"{frag:.1%} of reserved slots empty (lengths {lengths[0]}-{lengths[1]}, complete)", in_range(0.05, 0.10, frag),
-            "the last block is half empty on average: 7.5 of ~57 slots")
+            f"the last block is about half empty: {frag * held:.1f} of ~{held:.0f} slots held per sequence")
 
 
 def _prefix_saving(lab) -> tuple[float, int, float]:
