@@ -280,6 +280,14 @@ def test_online_softmax_update(capsys):
         pv = tl.exp(s - m_new[:, None]) * v_scale[None, :]
         return m_new, l * alpha + tl.sum(pv, axis=1), acc * alpha[:, None] + tl.sum(pv[:, :, None] * v[None, :, :], axis=1)
 
+    @triton.jit
+    def tile_max(m, l, acc, s, v, v_scale):  # the running max from this tile alone: right while the max only grows
+        m_new = tl.max(s, axis=1)
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        pv = p * v_scale[None, :]
+        return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.sum(pv[:, :, None] * v[None, :, :], axis=1)
+
     def not_jitted(m, l, acc, s, v, v_scale):  # right maths, but a plain Python function
         return online_softmax_update.fn(m, l, acc, s, v, v_scale)
 
@@ -293,6 +301,8 @@ def test_online_softmax_update(capsys):
     assert "subtract the running max" in capsys.readouterr().out
     assert not check.online_softmax_update(scale_in_l)
     assert "l sums the unscaled" in capsys.readouterr().out
+    assert not check.online_softmax_update(tile_max)
+    assert "must keep the old one" in capsys.readouterr().out
     assert not check.online_softmax_update(not_jitted)
     assert "@triton.jit" in capsys.readouterr().out
 

@@ -22,7 +22,7 @@ def admission_rule(fn: Callable[[int, int, int, int, int, int], "str | None"]) -
         raise TypeError(f"admission_rule: pass your function itself, got {type(fn).__name__}")
     names = ("num_running", "max_num_seqs", "budget_left", "blocks_needed", "blocks_free", "watermark_blocks")
     cases = [(0, 4, 16, 3, 10, 1), (4, 4, 16, 1, 10, 1), (2, 4, 0, 1, 10, 1), (2, 4, 5, 9, 10, 1),
-             (2, 4, 5, 10, 10, 1), (0, 4, 5, 10, 10, 1), (3, 4, -1, 1, 1, 0), (1, 1, 8, 0, 0, 0), (1, 8, 8, 2, 2, 0),
+             (2, 4, 5, 10, 10, 1), (1, 4, 5, 10, 10, 1), (0, 4, 5, 10, 10, 1), (3, 4, -1, 1, 1, 0), (1, 1, 8, 0, 0, 0), (1, 8, 8, 2, 2, 0),
              (4, 4, 0, 20, 10, 1), (4, 4, 5, 20, 10, 1), (3, 4, 0, 20, 10, 1),  # these three: several reasons hold
              (0, 4, 16, 12, 10, 1)]  # alone, and more than the free blocks: only the watermark is waived
     for args in cases:

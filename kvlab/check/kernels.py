@@ -11,7 +11,8 @@ from kvlab.check.core import _run
 
 def _softmax_cases():
     """(s, v, v_scale, tile): scores with masked (-inf) tails, a later tile with a larger max (the old
-    state must shrink), and scores near 100 (exp without subtracting the max overflows fp32)."""
+    state must shrink), scores near 100 (exp without subtracting the max overflows fp32), and a later
+    tile with a much smaller max (the running max must keep the old one)."""
     g = torch.Generator().manual_seed(5)
     cases = []
     for n, tile, big in ((64, 32, 1.0), (96, 32, 30.0), (128, 64, 100.0)):
@@ -21,6 +22,11 @@ def _softmax_cases():
         v = torch.randn(n, 32, generator=g)
         v_scale = torch.rand(n, generator=g) + 0.5
         cases.append((s, v, v_scale, tile))
+    # the max FALLS: the first tile's scores are ~100 above the second's, so a running max taken from the
+    # current tile alone makes alpha = exp(m - m_new) = exp(100) overflow float32
+    s = torch.randn(16, 64, generator=g)
+    s[:, :32] += 100.0
+    cases.append((s, torch.randn(64, 32, generator=g), torch.rand(64, generator=g) + 0.5, 32))
     return cases
 
 
@@ -62,6 +68,9 @@ def _softmax_hint(args, got, expected):
     if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
         return "return (m_new, l_new, acc_new) with the shapes of (m, l, acc)"
     if not torch.isfinite(got).all():
+        if args[0][:, args[3]:].max() < args[0][:, :args[3]].max() - 80:  # the case whose max falls
+            return ("NaN or inf once a tile's scores are far below the earlier ones: the running max must keep the old "
+                    "one, m_new = tl.maximum(m, tl.max(s, axis=1)); from this tile alone, alpha = exp(m - m_new) overflows")
         return ("NaN or inf in the output: " + MISTAKES["no max"] + "; and exp(-inf - -inf) is NaN, so a fully masked "
                 "row needs m_new from tl.maximum, never s - s")
     for mistake, why in MISTAKES.items():
