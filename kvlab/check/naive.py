@@ -34,7 +34,7 @@ def token_forwards(fn: Callable[[int, int, bool], int]) -> bool:
             return "without a cache step i re-runs the prompt AND the i tokens generated so far"
         return None
 
-    return _run("token_forwards", fn, cases, hint=hint)
+    return _run("token_forwards", fn, cases, hint=hint, reveal=False)  # the cases are the exercise: no answer shown
 
 
 def static_utilization(fn: Callable[[Sequence[int], int, int], float]) -> bool:
