@@ -98,7 +98,10 @@ def check_sweep(device, converts=CONVERSIONS) -> list[dict]:
     for h_q, h_kv, d, batch, context, splits in CHECK_CASES:
         n_blocks = batch * cdiv(context, BLOCK_SIZE) + 2
         table, ctx = _tables(batch, context, n_blocks, device, seed=d)
-        q = torch.randn(batch, h_q, d, device=device, dtype=torch.float16)
+        # seeded like the pages: the sweep checks the same numbers on every run (an unseeded q made the
+        # tolerance a draw, and a run under a busy test suite once drew 2 of 21 cases past it)
+        q = torch.randn(batch, h_q, d, device=device, dtype=torch.float16,
+                        generator=torch.Generator(device=device).manual_seed(1000 * h_q + d))
         for fmt in ("fp16", "int8", "k8v4"):
             k_op, v_op = random_operands(fmt, n_blocks, h_kv, d, device, seed=h_q)
             kf, vf = dequantize(k_op, torch.float32), dequantize(v_op, torch.float32)

@@ -153,10 +153,10 @@ def c_pool_bytes_fixed(lab, budget: int = 16 * GiB, block_tokens: int = 16, size
             "the pool's bytes stay the same")
 
 
-def c_sliding_window_cap(lab, window: int = 4096, context: int = 131072):
+def c_sliding_window_cap(lab, window: int = 4096, context: int = 32768):
     capped = _kv("mistral-7b", tokens=min(context, window), dtype="int8")
     full = _kv("mistral-7b", tokens=context, dtype="int8")
-    return (f"Mistral-7B (window {window}), INT8: {fmt_bytes(capped)} per sequence at {context:,} tokens "
+    return (f"Mistral-7B v0.1 (window {window}), INT8: {fmt_bytes(capped)} per sequence at {context:,} tokens "
             f"with the window, {fmt_bytes(full)} without", truth(capped < full),
             "only for models trained with a window (Mistral); on others a window changes the model (and a paged "
             "cache must also free the blocks that fall out of it, which kvlab's does not)")
@@ -198,14 +198,16 @@ def c_k8v4_lower(lab, model: str = _7B, k8v4: float | None = None):
 def c_unfused_temp_fp32(lab, temp_bytes: int = 4):
     moved = 1 + temp_bytes + temp_bytes  # read INT8, write the temporary, read it back
     return (f"`.float()` makes a {temp_bytes}-byte temporary: {moved} B moved per value against FP16's 2",
-            truth(temp_bytes == 2), "the article calls it an FP16 copy; .float() is FP32, twice that again")
+            truth(moved > 2), "understated: the temporary erases the gain, and more so than the article says, "
+            "since .float() is FP32 (4 bytes), not the FP16 copy it names")
 
 
 def c_mla_smaller(lab, mla: int | None = None):
     mla = sizing.kv_bytes_per_token("deepseek-v3", "fp16") if mla is None else mla
     c = sizing.kv_config("deepseek-v3")
-    mha = sizing.kv_token_bytes(c.num_layers, c.num_heads, c.head_dim, 2)
-    gqa8 = sizing.kv_token_bytes(c.num_layers, 8, c.head_dim, 2)
+    per_head = (c.head_dim + c.rope_dim) + c.head_dim  # a key of 128 + 64 RoPE dims, a value of 128 (notebook 00)
+    mha = c.num_layers * c.num_heads * per_head * 2
+    gqa8 = c.num_layers * 8 * per_head * 2
     return (f"DeepSeek-V3: {fmt_bytes(mla)}/token with MLA, {fmt_bytes(mha)} as MHA, {fmt_bytes(gqa8)} with 8 GQA heads",
             truth(mla < gqa8 < mha), "one 512-wide latent + one 64-wide RoPE key per layer, shared by all heads and K/V")
 

@@ -146,7 +146,7 @@ CLAIMS: tuple[Claim, ...] = (
           "00_memory_wall", "4. A decode step reads everything", A.c_saved_reads_sum, quote="这个时间基本就是省下来的传输时间"),
     Claim("gate-1pct", "004", "§5.4", "gate INT8 on the business eval set at a 1 % threshold",
           "03_int8_quantization", "7. The articles' quality claims", A.c_gate_1pct, quote="业务评测集按 1% 阈值卡"),
-    Claim("unfused-fp16-copy", "004", "§6.2", "the unfused read (.float(), then x scale) builds a full FP16 temporary",
+    Claim("unfused-fp16-copy", "004", "§6.2", "the unfused read (.float(), then x scale) builds a full temporary copy (the article: FP16)",
           "05_fused_triton_kernel", "4. The bytes story, and what a GPU measured", A.c_unfused_temp_fp32, quote="先float()再乘 scale"),
     Claim("pool-halves", "004", "§6.3", "with an INT8 KV cache the (vLLM) pool's memory halves too",
           "04_continuous_batching", "6. INT8 blocks: twice the requests in the same bytes", A.c_pool_bytes_fixed, quote="改 KV Cache 为 int8 后这个池子的占用也减半"),
