@@ -111,7 +111,7 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("l2-threshold", "000", "§1", "once the KV cache exceeds the L2 cache, every step goes to HBM",
           "00_memory_wall", "4. A decode step reads everything", A.c_l2_threshold, quote="KV Cache 一旦超过 L2 缓存容量"),
     Claim("zero-fragmentation", "000", "§2.1", "paged blocks: zero fragmentation, blocks of different requests interleave",
-          "02_paged_blocks", "7. The block-size trade-off", A.c_zero_fragmentation, quote="零碎片不同请求的 Block 可以交错存放"),
+          "02_paged_blocks", "1. Where contiguous reservations go", A.c_zero_fragmentation, quote="零碎片不同请求的 Block 可以交错存放"),
     Claim("per-block-scales-50", "000", "§3 code", "INT8 with per-block, per-head scales cuts the cache memory by 50 %",
           "03_int8_quantization", "1. The bytes, exactly", A.c_per_block_scales, quote="动态量化为INT8减少50%显存占用"),
     Claim("deferred-quant", "000", "§3 code", "deferred quantization (only when a block is swapped out of HBM) saves the 50 %",
