@@ -221,7 +221,6 @@ def _quality_lab(**over):
         quality={"ppl_fp": 10.0, "scored": 383, "configs": {"int8": cfg(), "int8 p99.9": cfg(kl=0.002),
                                                             "k4v8": cfg(kl=0.02), "k8v4": cfg(kl=0.003)}},
         saturation={"configs": {"static": cfg(kl=0.003, top1=0.97), "corrected": cfg(kl=0.0015)}},
-        sharegpt={p: {"token_states": v} for p, v in (("max", 0.2), ("pow2", 0.4), ("oracle", 0.7), ("paged", 0.95))},
         seed_shares={w: {"max": [0.2, 0.25, 0.31], "oracle": [0.6, 0.62, 0.7], "paged": [0.95] * 3}
                      for w in ("sharegpt", "alpaca")},
         step_ms={("short", 1): 10.0, ("short", 16): 12.0, ("1k", 1): 10.0, ("1k", 16): 30.0},

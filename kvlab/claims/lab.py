@@ -2,7 +2,7 @@
 
 :class:`Lab` loads SmolLM2-135M on first use and caches each measurement (calibration, K/V
 tensors, quality of four INT8/INT4 formats, saturated scales, per-layer sensitivity, recompute vs
-cache, engine step times, notebook 02's slot breakdown), so that the claims needing the same
+cache, engine step times, notebook 02's slot breakdowns over seeds), so that the claims needing the same
 numbers share one run. ``Lab.seconds`` says what each cost.
 """
 
@@ -58,12 +58,6 @@ class Lab:
     def tokenizer(self):
         self.model  # noqa: B018  (loads both)
         return self._tokenizer
-
-    @cached_property
-    def sharegpt(self) -> dict:
-        """Notebook 02's slot breakdown of a ShareGPT-like batch, per reservation policy (no model)."""
-        reqs = simulate.workload("sharegpt", n=64, seed=0)
-        return {p: simulate.simulate(reqs, p, block_size=16) for p in simulate.POLICIES}
 
     @cached_property
     def seed_shares(self) -> dict:

@@ -9,11 +9,14 @@ function returns ``(measured, verdict, why)``.
 
 from __future__ import annotations
 
+import statistics
+
 from kvlab.bench.engine import make_workload
 from kvlab.cache import simulate
 from kvlab.cache.paged import BlockManager
 from kvlab.claims.rules import HOLDS, elsewhere, in_range, ratio, truth
 from kvlab.engine.dry_run import dry_run
+from kvlab.validate import cdiv
 
 
 def c_static_30(lab):
@@ -35,7 +38,7 @@ def c_static_50(lab):
 
 
 def c_paged_90(lab):
-    med = {name: sorted(w["paged"])[len(w["paged"]) // 2] for name, w in lab.seed_shares.items()}
+    med = {name: statistics.median(w["paged"]) for name, w in lab.seed_shares.items()}
     ranges = "; ".join(f"{name} {min(w['paged']):.1%}-{max(w['paged']):.1%}" for name, w in lab.seed_shares.items())
     return (f"paged blocks of 16: {ranges} of slots hold tokens (random seeds 0-4)",
             truth(all(m >= 0.9 for m in med.values())), "judged on each workload's median batch; only each "
@@ -45,7 +48,7 @@ def c_paged_90(lab):
 def c_frag_50(lab, lengths: tuple[int, int] = (40, 60)):
     reqs = simulate.uniform(500, *lengths, seed=1)  # about 50 tokens each: notebook 02's sample
     frag = simulate.block_size_sweep(reqs, sizes=(16,))[0]["waste_at_completion"]
-    held = sum(-(-r.stored // 16) * 16 for r in reqs) / len(reqs)
+    held = sum(cdiv(r.stored, 16) * 16 for r in reqs) / len(reqs)
     return (f"{frag:.1%} of reserved slots empty (lengths {lengths[0]}-{lengths[1]}, complete)", in_range(0.05, 0.10, frag),
             f"the last block is about half empty: {frag * held:.1f} of ~{held:.0f} slots held per sequence")
 
