@@ -1,4 +1,5 @@
-"""Greedy decode loops, one explicit step at a time, through any kvlab cache (notebooks 01, 02).
+"""Greedy decode loops, one explicit step at a time, through any kvlab cache (notebooks 01, 02), and
+eviction's textbook form (notebook 07: :func:`textbook_eviction`).
 
 Every loop here must reproduce HF's own ``generate()`` token for token in fp32: that is the test
 that anchors each new cache to the previous one.
@@ -10,11 +11,13 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
 from kvlab.cache import CACHE_KINDS, StaticCache, static_tokens_stored
+from kvlab.cache.evict import EvictionPolicy
 from kvlab.cache.paged import BlockManager, check_token_ids
 from kvlab.engine import LLM, SamplingParams
-from kvlab.hf import CACHE_KWARG, KVLabCache, make_store
+from kvlab.hf import CACHE_KWARG, KVLabCache, attention_implementation, make_store
 from kvlab.validate import cdiv, check_int, is_int
 
 
@@ -280,3 +283,63 @@ def paged_generate(model, prompts, max_new_tokens: int, block_size: int = 16, nu
     times = [st.total_s for st in llm.step_stats]
     return Generation(token_ids=[llm.seqs[i].output_token_ids for i in ids], cache="paged", prefill_s=times[0],
                       step_s=times[1:], cache_stats=peak)
+
+
+# ---- eviction, the textbook way (notebook 07): a dense cache, the evicted tokens masked out ---------
+
+@torch.inference_mode()
+def textbook_eviction(model, prompt_ids, max_new_tokens: int, policy: EvictionPolicy, group: int = 1,
+                      forced=None) -> dict:
+    """Greedy generation (or scoring, with ``forced`` next tokens) on the unmodified HF model with a
+    dense ``DynamicCache`` that keeps every token, where eviction is a mask: an evicted position is
+    masked out of every later query's softmax (which is what dropping it from the cache does). The
+    policy's :meth:`~EvictionPolicy.textbook_keep` decides over dense position masks, ``group``
+    positions at a time. Scores are the eager attention probabilities (``output_attentions``) summed
+    over heads and layers, from the queries at positions ``>= policy.observe_from(prompt_len)``.
+
+    Returns ``tokens`` (the generated ids), ``logits`` (the (V,) row each was chosen from, float32) and
+    ``kept``: after each step but the last, the positions kept (ascending), as the engine's block
+    tables would hold them."""
+    prompt = list(prompt_ids)
+    P = len(prompt)
+    steps = max_new_tokens if forced is None else len(forced)
+    device = next(model.parameters()).device
+    cache = DynamicCache()
+    kept = torch.ones(P, dtype=torch.bool)
+    scores = torch.zeros(P, dtype=torch.float64)
+    tokens, logits_out, history = [], [], []
+    done = False
+    from_pos = policy.observe_from(P)
+    with attention_implementation(model, "eager"):
+        ids = torch.tensor([prompt], device=device)
+        start = 0
+        for step in range(steps):
+            n_new = ids.shape[1]
+            n = start + n_new
+            # row r (position start + r) sees the kept positions before start, and the new ones up to itself
+            visible = torch.zeros(n_new, n, dtype=torch.bool)
+            visible[:, :start] = kept[:start]
+            visible[:, start:] = torch.ones(n_new, n_new, dtype=torch.bool).tril()
+            mask = torch.zeros(1, 1, n_new, n).masked_fill(~visible, torch.finfo(torch.float32).min)
+            out = model(input_ids=ids, position_ids=torch.arange(start, n, device=device)[None],
+                        attention_mask=mask.to(device), use_cache=True, output_attentions=from_pos is not None,
+                        **{CACHE_KWARG: cache})
+            if from_pos is not None:  # (1, H_q, n_new, n) per layer -> each key's mass from the queries that count
+                rows = torch.arange(start, n) >= from_pos
+                for a in out.attentions:
+                    scores[:n] += a[0][:, rows].double().sum(dim=(0, 1)).cpu()
+            row = out.logits[0, -1].float().cpu()
+            nxt = int(row.argmax()) if forced is None else int(forced[step])
+            tokens.append(nxt)
+            logits_out.append(row)
+            if step == steps - 1:
+                break
+            if not (policy.once and done):  # the cut, over the n cached positions
+                kept = policy.textbook_keep(kept, P, scores[:n], group)
+                done = True
+            history.append(torch.nonzero(kept).flatten())
+            kept = torch.cat([kept, torch.ones(1, dtype=torch.bool)])
+            scores = torch.cat([scores, torch.zeros(1, dtype=torch.float64)])
+            ids = torch.tensor([[nxt]], device=device)
+            start = n
+    return {"tokens": tokens, "logits": logits_out, "kept": history}

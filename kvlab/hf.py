@@ -121,6 +121,7 @@ class PagedBatch:
     backend: object = "reference"  # a kvlab.attention backend or its name: "reference", "torch", "triton"
     decode: DecodeIndex | None = None  # backends that batch decodes: the first decode.num sequences
     prefill: PrefillIndex | None = None  # backends that batch prefill chunks: the sequences after the decodes
+    observer: object = None  # kvlab.cache.evict.AttentionMass: a scoring eviction policy watches the attention
 
     def __post_init__(self):
         self.backend = get_backend(self.backend)

@@ -405,7 +405,7 @@ def test_a_failed_step_frees_every_block_and_the_engine_recovers(tiny, monkeypat
     llm.step()
     real = llm.runner.execute_model
 
-    def interrupted(batch, bm):
+    def interrupted(batch, bm, **kwargs):
         raise KeyboardInterrupt  # a learner stops the cell mid-forward
 
     monkeypatch.setattr(llm.runner, "execute_model", interrupted)

@@ -86,6 +86,8 @@ class AttentionBackend:
             else:
                 out[nd:] = self.prefill(q[nd:], k_new[nd:], v_new[nd:], pool, layer, batch.block_tables[nd:],
                                         batch.seq_lens[nd:], batch.query_lens[nd:], scale, **features)
+        if batch.observer is not None:  # an eviction policy that scores blocks by the attention they get
+            batch.observer.observe(layer, q, pool, batch, scale)
         return out
 
     def __repr__(self) -> str:

@@ -70,6 +70,15 @@ class SeqBlocks:
     token_ids: list[int] = field(default_factory=list)  # tokens whose K/V are (or will be) in the cache
     hashes: list[bytes] = field(default_factory=list)  # chain hash of each full block
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at allocate()
+    #: after an eviction policy dropped blocks (:meth:`BlockManager.evict`): the logical block index
+    #: (position // block_size) of each entry of ``block_table``, which then holds only the kept blocks
+    #: in position order; None while nothing was dropped (entry i is logical block i)
+    logical: list[int] | None = None
+
+    @property
+    def evicted(self) -> int:
+        """Blocks an eviction policy dropped from this sequence."""
+        return 0 if self.logical is None else self.logical[-1] + 1 - len(self.logical)
 
 
 INT32 = 2**31
@@ -117,7 +126,9 @@ class BlockManager:
         self.seqs: dict[int, SeqBlocks] = {}
         self.finished: set[int] = set()
         self.blocks_to_copy: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the storage
-        self.counters = dict(prefix_queries=0, prefix_hits=0, evictions=0, cow_copies=0)
+        # evictions: cached blocks the LRU gave away; policy_evictions: blocks an eviction policy
+        # (kvlab.cache.evict) dropped from a live sequence's table, back to the pool
+        self.counters = dict(prefix_queries=0, prefix_hits=0, evictions=0, cow_copies=0, policy_evictions=0)
         #: the most tokens any layer reads back when every layer slides (set by the engine), else None
         self.sliding_window: int | None = None
 
@@ -144,6 +155,17 @@ class BlockManager:
     def num_tokens(self, seq_id: int) -> int:
         return len(self._seq(seq_id).token_ids)
 
+    def logical_blocks(self, seq_id: int) -> list[int]:
+        """The logical block index (positions ``i * block_size ...``) of each entry of the block table:
+        ``0, 1, 2, ...`` until an eviction policy dropped some."""
+        seq = self._seq(seq_id)
+        return list(range(len(seq.block_table))) if seq.logical is None else list(seq.logical)
+
+    def kept_tokens(self, seq_id: int) -> int:
+        """Tokens attention reads for this sequence: all of them, less the dropped blocks' (always full)."""
+        seq = self._seq(seq_id)
+        return len(seq.token_ids) - seq.evicted * self.block_size
+
     @staticmethod
     def slot_mapping_of(block_table, block_size: int, start: int, end: int) -> list[int]:
         """``slot = block_table[t // block_size] * block_size + t % block_size`` for t in start..end-1."""
@@ -158,6 +180,14 @@ class BlockManager:
                 raise TypeError(f"{name} must be an int token position, got {type(v).__name__} {v!r}")
         if not 0 <= start <= end <= len(seq.token_ids):
             raise ValueError(f"token range [{start}, {end}) is outside sequence {seq_id}'s {len(seq.token_ids)} tokens")
+        if seq.logical is not None:  # after an eviction, only tokens after the last dropped block have slots
+            kept = set(seq.logical)
+            first = max(l for l in range(seq.logical[-1]) if l not in kept) + 1  # past every dropped block
+            if start < first * self.block_size:
+                raise ValueError(f"tokens before position {first * self.block_size} of sequence {seq_id} include "
+                                 f"evicted blocks: they have no slot")
+            shift = seq.evicted * self.block_size
+            return self.slot_mapping_of(seq.block_table, self.block_size, start - shift, end - shift)
         return self.slot_mapping_of(seq.block_table, self.block_size, start, end)
 
     def _match_prefix(self, token_ids: list[int]) -> list[int]:
@@ -207,6 +237,10 @@ class BlockManager:
         parent = seq.hashes[-1] if seq.hashes else None
         h = block_hash(parent, chunk)
         seq.hashes.append(h)
+        if seq.logical is not None:
+            # after an eviction, a new block's K/V were computed without the dropped tokens: they are
+            # not what a full prefill of the same tokens would write, so no other request may hit them
+            return
         b = self.blocks[seq.block_table[logical]]
         if self.enable_prefix_caching and h not in self.hash_to_block and b.hash is None:
             self.hash_to_block[h] = b.block_id
@@ -293,6 +327,8 @@ class BlockManager:
             if self.num_free_blocks == 0:
                 raise OutOfBlocksError(1, 0, f"sequence {seq_id} growing to {n + 1} tokens")
             seq.block_table.append(self._take_block())
+            if seq.logical is not None:
+                seq.logical.append(n // bs)
         else:
             last = self.blocks[seq.block_table[-1]]
             if last.ref_count > 1:  # shared partial block: copy on write
@@ -321,7 +357,8 @@ class BlockManager:
             self._ref(bid)
         self.finished.discard(child_id)
         self.seqs[child_id] = SeqBlocks(list(parent.block_table), list(parent.token_ids), list(parent.hashes),
-                                        parent.cached_tokens)
+                                        parent.cached_tokens,
+                                        None if parent.logical is None else list(parent.logical))
 
     def free(self, seq_id: int, keep_cached: bool = True) -> None:
         """Release all of a sequence's blocks, tail first. Registered blocks stay cached (reusable
@@ -344,6 +381,49 @@ class BlockManager:
         del self.seqs[seq_id]
         self.finished.add(seq_id)
 
+    def evict(self, seq_id: int, logical_blocks) -> int:
+        """Drop some of a live sequence's blocks (an eviction policy's choice, :mod:`kvlab.cache.evict`):
+        ``logical_blocks`` are logical indices (block i holds positions ``i * block_size ...``). Each must
+        be full, still held, and not the sequence's last block (the one being written). The table keeps
+        the other blocks in position order; attention reads only them. A dropped block goes back to the
+        pool like a freed one (cached if it is registered, so another request's prefix can still hit
+        it). Returns how many blocks went back to the pool (a block shared with another sequence stays
+        theirs). Bad input raises ValueError and changes nothing."""
+        seq = self._seq(seq_id)
+        if isinstance(logical_blocks, (str, bytes)) or not hasattr(logical_blocks, "__iter__"):
+            raise TypeError(f"logical_blocks must be a list of block indices, got {type(logical_blocks).__name__}")
+        drop = list(logical_blocks)
+        logical = self.logical_blocks(seq_id)
+        last = self.blocks_needed(len(seq.token_ids)) - 1
+        for lb in drop:
+            if not is_int(lb):
+                raise TypeError(f"logical_blocks must hold int block indices, got {type(lb).__name__} {lb!r}")
+            if lb not in logical or lb >= last:
+                raise ValueError(f"block {lb!r} of sequence {seq_id} cannot be evicted: the sequence holds blocks "
+                                 f"{logical[:-1]} besides its last ({last}), which is being written")
+        if len(set(drop)) != len(drop):
+            raise ValueError(f"logical_blocks names a block twice: {sorted(drop)}")
+        if not drop:
+            return 0
+        gone = set(drop)
+        keep = [(l, bid) for l, bid in zip(logical, seq.block_table) if l not in gone]
+        freed = 0
+        for l, bid in zip(logical, seq.block_table):  # oldest first: earlier positions leave the LRU first
+            if l in gone:
+                b = self.blocks[bid]
+                b.ref_count -= 1
+                if b.ref_count == 0:
+                    freed += 1
+                    if b.hash is not None:
+                        self.cached_ids[bid] = None
+                    else:
+                        b.num_tokens = 0
+                        self.free_ids.append(bid)
+        seq.block_table = [bid for _, bid in keep]
+        seq.logical = [l for l, _ in keep]
+        self.counters["policy_evictions"] += len(drop)
+        return freed
+
     def take_blocks_to_copy(self) -> list[tuple[int, int]]:
         copies, self.blocks_to_copy = self.blocks_to_copy, []
         return copies
@@ -353,7 +433,7 @@ class BlockManager:
     def stats(self) -> dict:
         used = [b for b in self.blocks if b.ref_count > 0]
         tokens = sum(b.num_tokens for b in used)  # physical: a shared block counts once
-        logical = sum(len(s.token_ids) for s in self.seqs.values())
+        logical = sum(len(s.token_ids) - s.evicted * self.block_size for s in self.seqs.values())
         slots = len(used) * self.block_size
         q, h = self.counters["prefix_queries"], self.counters["prefix_hits"]
         return {
@@ -367,6 +447,7 @@ class BlockManager:
             "sequences": len(self.seqs),
             "tokens_stored": tokens,
             "logical_tokens": logical,  # tokens as the sequences see them (shared ones counted per sequence)
+            "tokens_evicted": sum(s.evicted for s in self.seqs.values()) * self.block_size,  # by a policy, live ones
             "slots_reserved": slots,
             # slots of held blocks with no token in them *now*; while a sequence grows, its next tokens
             # fill them (not "internal fragmentation", which counts only slots nothing will ever fill)
@@ -397,13 +478,14 @@ class BlockManager:
             # the newest token sits at position n - 1 and sees keys > n - 1 - window: block i is out of
             # reach when its last position (i + 1) * block_size - 1 <= n - 1 - window
             cut = max(0, (len(s.token_ids) - self.sliding_window) // self.block_size)
-            outside.update(s.block_table[:cut])
-            inside.update(s.block_table[cut:])
+            logical = range(len(s.block_table)) if s.logical is None else s.logical
+            for lb, bid in zip(logical, s.block_table):
+                (outside if lb < cut else inside).add(bid)
         return len(outside - inside)
 
     def blocks_needed_for_all(self) -> int:
-        """Blocks the live sequences would hold without any sharing."""
-        return sum(self.blocks_needed(len(s.token_ids)) for s in self.seqs.values())
+        """Blocks the live sequences would hold without any sharing (their kept blocks, after an eviction)."""
+        return sum(self.blocks_needed(len(s.token_ids)) - s.evicted for s in self.seqs.values())
 
     def check_invariants(self) -> None:
         """Every block is free xor cached xor owned; refcounts equal table references; registered
@@ -412,7 +494,11 @@ class BlockManager:
         for s in self.seqs.values():
             for bid in s.block_table:
                 refs[bid] += 1
-            assert len(s.block_table) == self.blocks_needed(len(s.token_ids)), "table size != tokens"
+            assert len(s.block_table) == self.blocks_needed(len(s.token_ids)) - s.evicted, "table size != tokens"
+            if s.logical is not None:
+                assert len(s.logical) == len(s.block_table), "logical indices != table entries"
+                assert all(a < b for a, b in zip(s.logical, s.logical[1:])), "kept blocks out of position order"
+                assert s.logical[-1] == self.blocks_needed(len(s.token_ids)) - 1, "the last block was evicted"
         free, cached = set(self.free_ids), set(self.cached_ids)
         assert len(free) == len(self.free_ids), "a block is twice in the free pool"
         assert not free & cached, "a block is both free and cached"
@@ -429,9 +515,11 @@ class BlockManager:
         assert sum(b.hash is not None for b in self.blocks) == len(self.hash_to_block), "unindexed hashed block"
         for s in self.seqs.values():  # a registered block's hash matches the chain over its tokens
             parent = None
+            where = dict(enumerate(s.block_table)) if s.logical is None else dict(zip(s.logical, s.block_table))
             for i, h in enumerate(s.hashes):
                 chunk = tuple(s.token_ids[i * self.block_size:(i + 1) * self.block_size])
                 assert h == block_hash(parent, chunk), "hash chain does not match tokens"
-                b = self.blocks[s.block_table[i]]
-                assert b.hash in (None, h), f"block {b.block_id} registered under another hash"
+                if i in where:  # an evicted block is no longer this sequence's
+                    b = self.blocks[where[i]]
+                    assert b.hash in (None, h), f"block {b.block_id} registered under another hash"
                 parent = h

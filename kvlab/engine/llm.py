@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.cache import BlockManager, PagedKVCache, QuantizedPagedKVCache
+from kvlab.cache.evict import AttentionMass, EvictionPolicy, EvictionState, kept_positions
 from kvlab.cache.paged import check_token_ids
 from kvlab.calibrate import default_calibration
 from kvlab.engine.metrics import StepStats, summarize
@@ -101,7 +102,9 @@ class LLM:
     the model's dtype; "fp16", "int8", "fp8", "int4", "k8v4": a quantized pool, scales from
     ``calibration`` or the cached default), ``enable_prefix_caching``, ``prepack_weights`` (the linear layers' weights packed once for
     oneDNN's small-row GEMM on the CPU, :mod:`kvlab.engine.prepack`; False: plain ``F.linear``). Pass ``block_manager`` and
-    ``cache`` to share a pool across engines. Sliding windows, soft caps and attention sinks are
+    ``cache`` to share a pool across engines. ``eviction``: a :mod:`kvlab.cache.evict` policy (a sliding
+    window, sinks + window, H2O, SnapKV) that drops blocks of each sequence to keep it within a token
+    budget (notebook 07). Sliding windows, soft caps and attention sinks are
     honoured; a model whose attention needs something else is refused here, before any pool exists,
     with a one-line :class:`kvlab.hf.UnsupportedModelError` (:func:`kvlab.probe.paged_attention_spec`).
     """
@@ -111,9 +114,17 @@ class LLM:
                  attn_backend: str = "torch", kv_cache_dtype: str = "auto", quant_config=None, calibration=None,
                  model_name: str = "smollm2-135m", enable_prefix_caching: bool = True, watermark: float = 0.01,
                  eos_token_id: int | None = None, block_manager: BlockManager | None = None, cache=None,
-                 prepack_weights: bool = True):
+                 prepack_weights: bool = True, eviction: EvictionPolicy | None = None):
         self.model, self.tokenizer = model, tokenizer
         layers = paged_attention_spec(model)  # a model the paged attention cannot run is refused before any pool
+        if eviction is not None:
+            if not isinstance(eviction, EvictionPolicy):
+                raise TypeError(f"eviction must be a kvlab.cache.evict policy (SlidingWindow, SinksWindow, HeavyHitters, "
+                                f"PromptSelect) or None, got {type(eviction).__name__} {eviction!r}")
+            eviction.budget_blocks(block_manager.block_size if block_manager is not None else block_size)
+            if any(a.sliding_window is not None or a.softcap is not None or a.sinks for a in layers):
+                raise ValueError("eviction cannot be combined with a model whose attention slides, soft-caps or has "
+                                 "sinks: its masks count positions, and an evicted cache has gaps")
         if eos_token_id is not None and not is_int(eos_token_id):
             raise TypeError(f"eos_token_id must be an int token id or None, got {type(eos_token_id).__name__} "
                             f"{eos_token_id!r}")
@@ -125,6 +136,8 @@ class LLM:
         if (cache.num_blocks, cache.block_size) != (block_manager.num_blocks, block_manager.block_size):
             raise ValueError("cache and block_manager disagree on num_blocks / block_size")
         self.block_manager, self.cache = block_manager, cache
+        self.eviction = eviction
+        self._evict_states: dict[int, EvictionState] = {}
         windows = [a.sliding_window for a in layers]  # every layer slides: the stats count blocks out of every window
         block_manager.sliding_window = max(windows) if None not in windows else None
         self.scheduler = Scheduler(block_manager, max_num_seqs, max_num_batched_tokens, policy, watermark)
@@ -167,6 +180,8 @@ class LLM:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit the model's context of {self.max_model_len}")
         bm = self.block_manager
         worst = bm.blocks_needed(min(len(ids) + params.max_tokens, self.max_model_len))
+        if self.eviction is not None:
+            worst = min(worst, self.eviction.max_blocks(len(ids), params.max_tokens, bm.block_size))
         if worst > bm.num_blocks:  # alone in the pool it could never finish: refuse it now
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} needs {worst} blocks of "
                              f"{bm.block_size} tokens; the whole pool has {bm.num_blocks}")
@@ -228,7 +243,8 @@ class LLM:
                     seq.metrics.first_scheduled = t1
             if self.on_scheduled is not None:
                 self.on_scheduled(batch)
-            logits, rows = self.runner.execute_model(batch, bm)
+            observer = self._observer(batch)
+            logits, rows = self.runner.execute_model(batch, bm, observer=observer)
             t2 = time.perf_counter()
             with hold_interrupts():
                 sampled = sample(logits, [batch.seqs[i] for i in rows]) if rows else []
@@ -239,6 +255,8 @@ class LLM:
         t3 = time.perf_counter()
         with hold_interrupts():
             outputs, finished = self._commit(batch, rows, sampled, t3)
+            if self.eviction is not None:
+                self._evict(batch, observer)
             t4 = time.perf_counter()
             self.step_stats.append(StepStats(
                 step=batch.step, running=len(sched.running) + finished, waiting=len(sched.waiting),
@@ -270,6 +288,50 @@ class LLM:
                 finished += 1
             outputs.append(self._output(seq))
         return outputs, finished
+
+    # ---- eviction (kvlab.cache.evict) ------------------------------------------------------------
+
+    def _state(self, seq: Sequence) -> EvictionState:
+        blocks = self.block_manager.seqs[seq.seq_id]
+        state = self._evict_states.get(seq.seq_id)
+        if state is None or state.owner is not blocks:  # new, or readmitted after a preemption: start over
+            state = self._evict_states[seq.seq_id] = EvictionState(blocks)
+        return state
+
+    def _observer(self, batch) -> AttentionMass | None:
+        """For a policy that scores blocks: which sequences' attention to watch in this forward."""
+        policy = self.eviction
+        if policy is None or not policy.needs_scores:
+            return None
+        watch = {}
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if policy.once and self._state(seq).done:
+                continue
+            end = seq.num_computed_tokens + n
+            from_pos = policy.observe_from(len(seq.prompt_token_ids))
+            if from_pos is not None and end > from_pos:
+                watch[i] = (end, from_pos)
+        return AttentionMass(watch) if watch else None
+
+    def _evict(self, batch, observer: AttentionMass | None) -> None:
+        """After a good step: add the watched attention to each sequence's scores, then let the policy
+        drop blocks of every sequence whose prompt is computed."""
+        bm, policy = self.block_manager, self.eviction
+        for i, seq in enumerate(batch.seqs):
+            if seq.is_finished or seq.seq_id not in bm.seqs:
+                self._evict_states.pop(seq.seq_id, None)
+                continue
+            state = self._state(seq)
+            if observer is not None and i in observer.mass:
+                state.add(observer.mass[i], kept_positions(bm.logical_blocks(seq.seq_id), bm.kept_tokens(seq.seq_id),
+                                                           bm.block_size))
+            prompt_len = len(seq.prompt_token_ids)
+            if seq.num_computed_tokens < prompt_len or (policy.once and state.done):
+                continue
+            drop = policy.choose(bm.logical_blocks(seq.seq_id), bm.num_tokens(seq.seq_id), prompt_len, bm.block_size,
+                                 state.scores if policy.needs_scores else None)
+            bm.evict(seq.seq_id, drop)
+            state.done = True
 
     def _abort_step(self, saved_counters, reason: str) -> None:
         for seq in reversed(list(self.scheduler.running)):

@@ -40,12 +40,18 @@ class ModelRunner:
         self.timings: dict[str, float] = {}  # seconds of the last step: "packing", "forward"
 
     @torch.inference_mode()
-    def execute_model(self, batch, block_manager, all_logits: bool = False) -> tuple[torch.Tensor, list[int]]:
+    def execute_model(self, batch, block_manager, all_logits: bool = False,
+                      observer=None) -> tuple[torch.Tensor, list[int]]:
         """Run one :class:`~kvlab.engine.scheduler.SchedulerOutput`.
 
         Returns ``(logits, rows)``: logits (R, V) for the R sequences that sample this step, and their
         indices into ``batch.seqs``. ``all_logits=True`` (scoring text, :func:`kvlab.eval.evaluate`):
-        logits (T, V) of every packed token instead, and rows of every sequence.
+        logits (T, V) of every packed token instead, and rows of every sequence. ``observer``: a
+        :class:`kvlab.cache.evict.AttentionMass` that every layer's attention reports to.
+
+        After an eviction policy dropped blocks of a sequence, its table holds only the kept ones:
+        attention reads ``seq_len`` = the kept tokens, and the new tokens' slots are counted from the
+        end of the table, while their positions (RoPE) stay the sequence's true positions.
         """
         t0 = time.perf_counter()
         self.cache.copy_blocks(batch.blocks_to_copy)  # copy-on-write before any write
@@ -54,10 +60,12 @@ class ModelRunner:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             tokens += seq.token_ids[start:end]
             positions += range(start, end)
-            table = block_manager.seqs[seq.seq_id].block_table  # read-only: no copy per step
-            slots += block_manager.slot_mapping_of(table, block_manager.block_size, start, end)
+            blocks = block_manager.seqs[seq.seq_id]
+            table = blocks.block_table  # read-only: no copy per step
+            shift = blocks.evicted * block_manager.block_size  # positions dropped before the new tokens
+            slots += block_manager.slot_mapping_of(table, block_manager.block_size, start - shift, end - shift)
             tables.append(table)
-            seq_lens.append(end)
+            seq_lens.append(end - shift)
             if end == seq.num_tokens:  # this chunk reaches the last token: it samples
                 sample_rows.append(i)
                 last.append(len(tokens) - 1)
@@ -74,7 +82,7 @@ class ModelRunner:
         paged = PagedBatch(cache=self.cache, block_tables=tables, seq_lens=seq_lens,
                            query_lens=list(batch.num_new_tokens),
                            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-                           backend=self.backend, decode=decode, prefill=prefill)
+                           backend=self.backend, decode=decode, prefill=prefill, observer=observer)
         ids = torch.tensor([tokens], device=self.device)
         pos = torch.tensor([positions], device=self.device)
         keep = torch.tensor(last, dtype=torch.long, device=self.device)

@@ -1,0 +1,360 @@
+"""Eviction policies: which blocks a sequence keeps when its cache must stay within a budget
+(notebook 07).
+
+Each policy is a **block policy**, in the block manager's vocabulary: after every step it names the
+logical blocks (block ``i`` holds positions ``i * block_size ...``) a sequence drops, and
+:meth:`kvlab.cache.paged.BlockManager.evict` hands them back to the pool. The block table then holds
+only the kept blocks, in position order, and attention reads exactly those: a gap is simply not
+there. How positions are treated: **kept tokens keep their original positions**. Keys are stored
+after RoPE, so a kept key carries the position it was computed at, and new tokens go on counting
+from the sequence's true length (as H2O and SnapKV do; StreamingLLM re-numbers positions inside the
+cache, which matters only beyond the model's trained context, and the lab's budgets stay inside it).
+
+| policy | keeps | scores | when |
+|---|---|---|---|
+| :class:`SlidingWindow` | the last ``budget`` tokens' blocks | none | every step |
+| :class:`SinksWindow` (StreamingLLM) | the first ``sinks`` tokens' blocks + the most recent | none | every step |
+| :class:`HeavyHitters` (H2O) | the most recent half + the blocks with the most attention received so far | accumulated attention | every step |
+| :class:`PromptSelect` (SnapKV) | the prompt's last ``window`` tokens + the prompt blocks its last queries attend most | the last ``window`` prompt queries' attention, pooled | once, at the end of the prompt |
+
+Every policy holds at most ``budget // block_size`` blocks of a sequence once it acts (SnapKV: of its
+prompt; the answer then grows), and acts only on a sequence whose whole prompt is computed: the
+prompt is prefilled with full attention, then cut. Scores are **summed over heads and layers**: the
+papers' H2O and SnapKV choose per head, but one paged block holds every head of every layer, so a
+block policy has one score per block. A block's score is the sum of its tokens'.
+
+Each policy also carries the **textbook** form of its rule (:meth:`EvictionPolicy.textbook_keep`):
+written over a dense mask of positions, grouped ``group`` tokens at a time (1: the papers' token-level
+rule). :func:`kvlab.generate.textbook_eviction` runs it on the unmodified HF model with a dense cache and the evicted
+tokens masked out of every later softmax; tests/test_07_evict.py holds the engine to it (same kept
+positions, same logits within fp32 rounding) with ``group = block_size``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvlab.quant.rotation import rotate
+from kvlab.validate import check_int, is_int
+
+__all__ = ["EvictionPolicy", "SlidingWindow", "SinksWindow", "HeavyHitters", "PromptSelect", "POLICIES",
+           "make_policy", "AttentionMass", "EvictionState", "kept_positions"]
+
+
+class EvictionPolicy:
+    """A budget in tokens and a rule for which blocks to keep. Subclasses set :attr:`name` and write
+    :meth:`choose_keep` (over block indices) and :meth:`textbook_keep` (over a dense position mask)."""
+
+    name = "policy"
+    #: the rule reads attention scores (the engine then observes each step's attention)
+    needs_scores = False
+    #: the rule acts once, at the end of the prompt (SnapKV), not at every step
+    once = False
+
+    def __init__(self, budget: int):
+        self.budget = check_int("budget", budget)
+
+    def budget_blocks(self, block_size: int) -> int:
+        """The blocks a sequence may keep: ``budget // block_size``, at least :meth:`min_blocks`."""
+        b = self.budget // block_size
+        if b < self.min_blocks(block_size):
+            raise ValueError(f"budget={self.budget} tokens is {b} blocks of {block_size}; {self.name} needs at least "
+                             f"{self.min_blocks(block_size)} ({self.min_blocks(block_size) * block_size} tokens)")
+        return b
+
+    def min_blocks(self, block_size: int) -> int:
+        return 1
+
+    def observe_from(self, prompt_len: int) -> int | None:
+        """The first query position whose attention counts towards the scores; None: no scores needed."""
+        return None
+
+    def max_blocks(self, prompt_len: int, max_tokens: int, block_size: int) -> int:
+        """The most blocks one request holds at once: its whole prompt (prefilled before the cut), or the
+        budget plus the block being written."""
+        return max(math.ceil(prompt_len / block_size), self.budget_blocks(block_size) + 1)
+
+    # ---- the block rule (the engine) --------------------------------------------------------------
+
+    def choose(self, logical: list[int], num_tokens: int, prompt_len: int, block_size: int,
+               scores: torch.Tensor | None = None) -> list[int]:
+        """The logical blocks to drop now, given the kept ones (``logical``, in position order; the last
+        is the one being written), the sequence's ``num_tokens`` cached tokens and its per-position
+        scores (logical positions; None for a policy without scores)."""
+        budget = self.budget_blocks(block_size)
+        if len(logical) <= budget:
+            return []
+        keep = set(self.choose_keep(logical, budget, num_tokens, prompt_len, block_size, scores))
+        keep.add(logical[-1])
+        return [lb for lb in logical if lb not in keep]
+
+    def choose_keep(self, logical, budget, num_tokens, prompt_len, block_size, scores) -> list[int]:
+        raise NotImplementedError
+
+    # ---- the textbook rule (a dense mask) ---------------------------------------------------------
+
+    def textbook_keep(self, kept: torch.Tensor, prompt_len: int, scores: torch.Tensor | None,
+                      group: int = 1) -> torch.Tensor:
+        """The rule over a dense mask: ``kept`` (n,) bool, the positions still in the cache (False:
+        evicted earlier) -> the positions kept after this step. Positions count in groups of ``group``."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({args})"
+
+
+def _groups(n: int, group: int) -> torch.Tensor:
+    """(n,) the group index of each position."""
+    return torch.arange(n) // group
+
+
+def _group_sum(x: torch.Tensor, group: int) -> torch.Tensor:
+    """(n,) per position -> (ceil(n / group),) per group."""
+    n = x.shape[0]
+    return torch.zeros(math.ceil(n / group), dtype=x.dtype).index_add_(0, _groups(n, group), x)
+
+
+def _block_scores(scores: torch.Tensor, logical, block_size: int) -> dict[int, float]:
+    return {lb: float(scores[lb * block_size:(lb + 1) * block_size].sum()) for lb in logical}
+
+
+def _top(candidates, k: int, score: dict[int, float]) -> list[int]:
+    """The ``k`` candidates with the highest score; ties go to the earlier block."""
+    return sorted(candidates, key=lambda lb: (-score[lb], lb))[:max(0, k)]
+
+
+def _textbook_top(cands: torch.Tensor, k: int, gscore: torch.Tensor) -> torch.Tensor:
+    """Indices of the ``k`` groups among ``cands`` (group indices, ascending) with the highest score;
+    ties to the earlier group (a stable sort of the negated scores)."""
+    order = torch.sort(-gscore[cands], stable=True).indices
+    return cands[order[:max(0, k)]]
+
+
+class SlidingWindow(EvictionPolicy):
+    """Keep the last ``budget`` tokens (in whole blocks): the most recent blocks only."""
+
+    name = "window"
+
+    def choose_keep(self, logical, budget, num_tokens, prompt_len, block_size, scores):
+        return logical[-budget:]
+
+    def textbook_keep(self, kept, prompt_len, scores, group=1):
+        n = kept.shape[0]
+        g = _groups(n, group)
+        last = (n - 1) // group
+        return kept & (g > last - self.budget // group)
+
+
+class SinksWindow(EvictionPolicy):
+    """StreamingLLM: the first ``sinks`` tokens (which soak up attention whatever they say) plus the most
+    recent ones, ``budget`` tokens in all (in whole blocks: the sinks take ``ceil(sinks / block_size)``)."""
+
+    name = "sinks+window"
+
+    def __init__(self, budget: int, sinks: int = 4):
+        super().__init__(budget)
+        self.sinks = check_int("sinks", sinks)
+
+    def min_blocks(self, block_size):
+        return math.ceil(self.sinks / block_size) + 1
+
+    def choose_keep(self, logical, budget, num_tokens, prompt_len, block_size, scores):
+        s = math.ceil(self.sinks / block_size)
+        return [lb for lb in logical if lb < s] + logical[-(budget - s):]
+
+    def textbook_keep(self, kept, prompt_len, scores, group=1):
+        n = kept.shape[0]
+        g = _groups(n, group)
+        s = math.ceil(self.sinks / group)
+        last = (n - 1) // group
+        return kept & ((g < s) | (g > last - (self.budget // group - s)))
+
+
+class HeavyHitters(EvictionPolicy):
+    """H2O: the ``recent`` most recent blocks (default: half the budget) plus the others that received
+    the most attention so far (summed over every query computed, every head and layer)."""
+
+    name = "h2o"
+    needs_scores = True
+
+    def __init__(self, budget: int, recent: float = 0.5):
+        super().__init__(budget)
+        if isinstance(recent, bool) or not isinstance(recent, (int, float)) or not 0 < recent < 1:
+            raise ValueError(f"recent must be the share of the budget kept for recent blocks, in (0, 1); "
+                             f"got {recent!r}")
+        self.recent = float(recent)
+
+    def _recent(self, budget: int) -> int:
+        return min(budget - 1, max(1, round(budget * self.recent)))
+
+    def min_blocks(self, block_size):
+        return 2
+
+    def observe_from(self, prompt_len):
+        return 0
+
+    def choose_keep(self, logical, budget, num_tokens, prompt_len, block_size, scores):
+        r = self._recent(budget)
+        recent, older = logical[-r:], logical[:-r]
+        return recent + _top(older, budget - r, _block_scores(scores, older, block_size))
+
+    def textbook_keep(self, kept, prompt_len, scores, group=1):
+        budget = self.budget // group
+        kept_groups = torch.nonzero(_group_sum(kept.to(torch.int64), group)).flatten()  # ascending
+        if len(kept_groups) <= budget:
+            return kept.clone()
+        r = self._recent(budget)
+        chosen = torch.cat([kept_groups[-r:], _textbook_top(kept_groups[:-r], budget - r, _group_sum(scores, group))])
+        keep_group = torch.zeros(math.ceil(kept.shape[0] / group), dtype=torch.bool)
+        keep_group[chosen] = True
+        return kept & keep_group[_groups(kept.shape[0], group)]
+
+
+class PromptSelect(EvictionPolicy):
+    """SnapKV: at the end of the prompt, the last ``window`` prompt queries vote: each prompt position's
+    attention from them (summed over heads and layers) is smoothed over ``kernel`` neighbours (average
+    pooling, as SnapKV's default), and the prompt keeps the blocks holding its last ``window`` tokens
+    plus the highest-voted others, ``budget`` tokens in all. The answer's blocks are never dropped."""
+
+    name = "snapkv"
+    needs_scores = True
+    once = True
+
+    def __init__(self, budget: int, window: int = 16, kernel: int = 5):
+        super().__init__(budget)
+        self.window = check_int("window", window)
+        if not is_int(kernel) or kernel < 1 or kernel % 2 == 0:
+            raise ValueError(f"kernel must be an odd int >= 1 (a centred pooling window), got {kernel!r}")
+        self.kernel = kernel
+
+    def _window_groups(self, prompt_len: int, group: int) -> int:
+        """Groups (blocks) holding the prompt's last ``window`` tokens (the last one may be partial)."""
+        last = (prompt_len - 1) // group
+        return last - max(0, prompt_len - self.window) // group + 1
+
+    def min_blocks(self, block_size):
+        return math.ceil(self.window / block_size) + 2  # the window's blocks (it may straddle one more) + one
+
+    def observe_from(self, prompt_len):
+        return max(0, prompt_len - self.window)
+
+    def max_blocks(self, prompt_len, max_tokens, block_size):
+        return max(math.ceil(prompt_len / block_size),
+                   self.budget_blocks(block_size) + math.ceil(max_tokens / block_size) + 1)
+
+    def pooled(self, scores: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        """The prompt's votes smoothed over ``kernel`` neighbours (zero-padded at the ends, as
+        ``avg_pool1d`` with ``count_include_pad``); positions past the prompt score 0."""
+        s = scores[:prompt_len].float()[None, None]
+        p = torch.nn.functional.avg_pool1d(s, self.kernel, stride=1, padding=self.kernel // 2)[0, 0]
+        out = torch.zeros_like(scores, dtype=torch.float32)
+        out[:prompt_len] = p
+        return out
+
+    def choose(self, logical, num_tokens, prompt_len, block_size, scores=None):
+        budget = self.budget_blocks(block_size)
+        prompt_blocks = [lb for lb in logical if lb * block_size < prompt_len]
+        if len(prompt_blocks) <= budget:
+            return []
+        w = self._window_groups(prompt_len, block_size)
+        recent, older = prompt_blocks[-w:], prompt_blocks[:-w]
+        keep = set(recent + _top(older, budget - w, _block_scores(self.pooled(scores, prompt_len), older, block_size)))
+        return [lb for lb in prompt_blocks if lb not in keep]
+
+    def textbook_keep(self, kept, prompt_len, scores, group=1):
+        budget = self.budget // group
+        n_prompt_groups = math.ceil(prompt_len / group)
+        if n_prompt_groups <= budget:
+            return kept.clone()
+        w = self._window_groups(prompt_len, group)
+        gscore = _group_sum(self.pooled(scores, prompt_len), group)
+        older = torch.arange(n_prompt_groups - w)
+        chosen = torch.cat([torch.arange(n_prompt_groups - w, n_prompt_groups), _textbook_top(older, budget - w, gscore)])
+        keep_group = torch.ones(math.ceil(kept.shape[0] / group), dtype=torch.bool)
+        keep_group[:n_prompt_groups] = False
+        keep_group[chosen] = True
+        return kept & keep_group[_groups(kept.shape[0], group)]
+
+    def choose_keep(self, logical, budget, num_tokens, prompt_len, block_size, scores):  # choose() is overridden
+        raise AssertionError("PromptSelect overrides choose()")
+
+
+#: the policies by name (``LLM(eviction=...)``, ``kvlab.cache.evict.make_policy``)
+POLICIES = {p.name: p for p in (SlidingWindow, SinksWindow, HeavyHitters, PromptSelect)}
+
+
+def make_policy(policy, budget: int | None = None, **kwargs) -> EvictionPolicy:
+    """A policy object from its name (``"window"``, ``"sinks+window"``, ``"h2o"``, ``"snapkv"``) and a
+    budget in tokens, or ``policy`` itself if it already is one."""
+    if isinstance(policy, EvictionPolicy):
+        return policy
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise ValueError(f"eviction policy must be one of {tuple(POLICIES)} or an EvictionPolicy, got {policy!r}")
+    if budget is None:
+        raise ValueError(f"eviction policy {policy!r} needs a budget in tokens")
+    return POLICIES[policy](budget, **kwargs)
+
+
+# ---- the engine side: attention observed, scores kept per sequence -----------------------------------
+
+def kept_positions(logical: list[int], kept_len: int, block_size: int) -> torch.Tensor:
+    """(kept_len,) the logical position of each token attention reads, in the order it reads them."""
+    pos = (torch.as_tensor(logical, dtype=torch.long)[:, None] * block_size
+           + torch.arange(block_size)[None, :]).flatten()
+    return pos[:kept_len]
+
+
+class AttentionMass:
+    """Observes one packed forward for a scoring policy: for each watched sequence, the attention its
+    queries at positions ``>= from_pos`` give each key it reads, summed over query heads, queries and
+    layers. The backends call :meth:`observe` after every layer (:meth:`AttentionBackend.forward`).
+
+    ``watch``: packed index -> ``(logical end, from_pos)``, the sequence's token count after this
+    forward and the first query position that counts. Computed in PyTorch from the pool, whatever
+    backend ran the attention (a quantized pool's keys are read dequantized)."""
+
+    def __init__(self, watch: dict[int, tuple[int, int]]):
+        self.watch = watch
+        self.mass: dict[int, torch.Tensor] = {}
+
+    def observe(self, layer: int, q: torch.Tensor, pool, batch, scale: float) -> None:
+        starts = [0]
+        for n in batch.query_lens:
+            starts.append(starts[-1] + n)
+        for i, (end, from_pos) in self.watch.items():
+            q_len, ctx = batch.query_lens[i], batch.seq_lens[i]
+            first = max(0, from_pos - (end - q_len))  # the first query row that counts
+            if first >= q_len:
+                continue
+            qi = q[starts[i] + first:starts[i + 1]].float()  # (n_q, H_q, D)
+            k, _ = pool.read(layer, torch.as_tensor(batch.block_tables[i], dtype=torch.long))
+            k = k.flatten(0, 1)[:ctx]  # (ctx, H_kv, D) in the order attention reads the kept keys
+            h_kv = k.shape[1]
+            qg = qi.reshape(qi.shape[0], h_kv, -1, qi.shape[-1])  # (n_q, H_kv, G, D)
+            if getattr(pool, "rotate_k", False):  # stored keys are rotated: q . k == (q H) . (k H)
+                qg = rotate(qg)
+            s = torch.einsum("qhgd,khd->hgqk", qg, k) * scale  # (H_kv, G, n_q, ctx)
+            row = torch.arange(ctx - q_len + first, ctx)[:, None]  # each query's index among the kept keys
+            s = s.masked_fill(torch.arange(ctx)[None, :] > row, float("-inf"))
+            m = torch.softmax(s, dim=-1).sum(dim=(0, 1, 2))  # (ctx,)
+            self.mass[i] = m if i not in self.mass else self.mass[i] + m
+
+
+class EvictionState:
+    """One sequence's scores (per logical position) under a scoring policy, and whether a once-only
+    policy has acted. Tied to the block manager's view of the sequence: a preempted sequence, whose
+    blocks were freed and whose prompt is computed again, starts over."""
+
+    def __init__(self, owner):
+        self.owner = owner
+        self.scores = torch.zeros(0, dtype=torch.float64)
+        self.done = False
+
+    def add(self, mass: torch.Tensor, positions: torch.Tensor) -> None:
+        n = int(positions.max()) + 1 if len(positions) else 0
+        if n > self.scores.shape[0]:
+            self.scores = torch.cat([self.scores, torch.zeros(n - self.scores.shape[0], dtype=torch.float64)])
+        self.scores.index_add_(0, positions, mass.double())

@@ -1,0 +1,247 @@
+"""Eviction policies (notebook 07): each block policy in the engine equals its textbook rule on the
+unmodified HF model with a dense, masked cache; the block manager stays consistent under eviction.
+
+Differential: kvlab's engine (block tables that lose blocks, freed blocks back in the pool, slots
+counted from the end of the table, attention observed in the pool) against
+:func:`kvlab.generate.textbook_eviction` (HF's own DynamicCache keeping every token, eviction a
+mask in every later softmax, the rule written over dense position masks).
+"""
+
+import random
+
+import pytest
+import torch
+
+import kvlab
+from kvlab.cache import BlockManager
+from kvlab.cache import evict as ev
+from kvlab.engine import LLM, SamplingParams
+from kvlab.generate import textbook_eviction
+
+POLICIES = {
+    "window": lambda: ev.SlidingWindow(16),
+    "sinks+window": lambda: ev.SinksWindow(16, sinks=4),
+    "h2o": lambda: ev.HeavyHitters(16),
+    "snapkv": lambda: ev.PromptSelect(16, window=6, kernel=3),
+}
+
+
+def _prompt(model, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist()
+
+
+def engine_run(model, prompt, policy, max_tokens, block_size, attn_backend="torch"):
+    """Greedy tokens, the logits each was sampled from, and the kept positions after every step."""
+    eng = LLM(model, None, num_blocks=64, block_size=block_size, max_num_seqs=2, enable_prefix_caching=False,
+              eviction=policy, attn_backend=attn_backend)
+    logits, kept = [], []
+    run = eng.runner.execute_model
+
+    def recording(*args, **kwargs):
+        out = run(*args, **kwargs)
+        logits.append(out[0][-1].float().clone())
+        return out
+
+    def after_step(stats):
+        bm = eng.block_manager
+        for sid in bm.seqs:
+            kept.append(ev.kept_positions(bm.logical_blocks(sid), bm.kept_tokens(sid), block_size))
+            bm.check_invariants()
+            assert len(bm.block_table(sid)) <= policy.max_blocks(len(prompt), max_tokens, block_size)
+
+    eng.runner.execute_model, eng.on_step = recording, after_step
+    out = eng.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    return out.token_ids, logits, kept, eng.block_manager.counters["policy_evictions"]
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_engine_equals_textbook(tiny, name):
+    model, _ = tiny
+    prompt, policy = _prompt(model, 37), POLICIES[name]()
+    tokens, logits, kept, evicted = engine_run(model, prompt, policy, 20, block_size=4)
+    book = textbook_eviction(model, prompt, 20, policy, group=4)
+    assert evicted > 0  # the budget (16 tokens) is far below 37 + 20: blocks were dropped
+    assert tokens == book["tokens"]
+    assert len(kept) == len(book["kept"]) == 19
+    for step, (a, b) in enumerate(zip(kept, book["kept"])):
+        assert torch.equal(a, b), f"step {step}: engine keeps {a.tolist()}, textbook {b.tolist()}"
+    for a, b in zip(logits, book["logits"]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    full = textbook_eviction(model, prompt, 20, ev.SlidingWindow(10**6))  # the cache that keeps everything
+    assert max(float((a - b).abs().max()) for a, b in zip(full["logits"], book["logits"])) > 1e-2  # eviction bites
+
+
+@pytest.mark.parametrize("name", ["sinks+window", "h2o"])
+def test_token_level_rule(tiny, name):
+    """block_size 1: the papers' token-level rules, exactly."""
+    model, _ = tiny
+    prompt, policy = _prompt(model, 30, seed=1), POLICIES[name]()
+    tokens, logits, kept, _ = engine_run(model, prompt, policy, 12, block_size=1)
+    book = textbook_eviction(model, prompt, 12, policy, group=1)
+    assert tokens == book["tokens"]
+    assert all(torch.equal(a, b) for a, b in zip(kept, book["kept"]))
+    assert all(len(k) == 16 for k in kept)  # token level: exactly the budget
+    assert kept[-1][:4].tolist() == [0, 1, 2, 3] if name == "sinks+window" else True
+
+
+def test_reference_backend_agrees(tiny):
+    model, _ = tiny
+    prompt, policy = _prompt(model, 33, seed=2), POLICIES["snapkv"]()
+    a = engine_run(model, prompt, policy, 10, block_size=4, attn_backend="reference")
+    b = engine_run(model, prompt, policy, 10, block_size=4, attn_backend="torch")
+    assert a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[2], b[2]))
+
+
+@pytest.mark.parametrize("name", ["sinks+window", "h2o", "snapkv"])
+def test_no_leak_after_1000_requests(tiny, name):
+    """A small pool (preemptions), shared prefixes (prefix hits on blocks that policies later drop),
+    1,000 requests: every block free or owned throughout, all back at the end."""
+    model, _ = tiny
+    rng = random.Random(0)
+    vocab = model.config.vocab_size
+    prefixes = [[rng.randrange(3, vocab) for _ in range(24)] for _ in range(5)]
+    prompts, params = [], []
+    for i in range(1000):
+        prompts.append((prefixes[i % 5] if i % 3 else []) + [rng.randrange(3, vocab) for _ in range(rng.randrange(4, 40))])
+        params.append(SamplingParams(max_tokens=rng.randrange(2, 30), ignore_eos=True))
+    policy = {"sinks+window": ev.SinksWindow(16), "h2o": ev.HeavyHitters(16),
+              "snapkv": ev.PromptSelect(20, window=6, kernel=3)}[name]
+    eng = LLM(model, None, num_blocks=96, block_size=4, max_num_seqs=32, max_num_batched_tokens=256, eviction=policy)
+    bm = eng.block_manager
+    steps = [0]
+
+    def after_step(stats):
+        steps[0] += 1
+        if steps[0] % 25 == 0:
+            bm.check_invariants()
+
+    eng.on_step = after_step
+    outs = eng.generate(prompts, params)
+    assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks and not bm.seqs and not eng._evict_states
+    assert bm.counters["policy_evictions"] > 1000 and bm.counters["prefix_hits"] > 0
+
+
+# ---- the block manager's side ------------------------------------------------------------------------
+
+def _bm_with(n_tokens, block_size=4, num_blocks=16):
+    bm = BlockManager(num_blocks, block_size)
+    bm.allocate(0, list(range(10, 10 + n_tokens)))
+    return bm
+
+
+def _snapshot(bm):
+    return (bm.stats(), {s: bm.block_table(s) for s in bm.seqs}, {s: bm.logical_blocks(s) for s in bm.seqs},
+            list(bm.free_ids), list(bm.cached_ids))
+
+
+def test_evict_frees_and_keeps_order():
+    bm = _bm_with(18)  # blocks 0..4, the last holds 2 tokens
+    table = bm.block_table(0)
+    assert bm.evict(0, [1, 3]) == 2
+    assert bm.block_table(0) == [table[0], table[2], table[4]] and bm.logical_blocks(0) == [0, 2, 4]
+    assert bm.kept_tokens(0) == 10 and bm.counters["policy_evictions"] == 2
+    assert set(bm.eviction_order()) == {table[1], table[3]}  # registered blocks stay reusable by a prefix hit
+    bm.check_invariants()
+    slot = bm.append_slot(0, 99)  # position 18: block 4, offset 2
+    assert slot == table[4] * 4 + 2 and bm.slot_mapping(0, 18, 19) == [slot]
+    for _ in range(2):
+        bm.append_slot(0, 99)
+    assert bm.logical_blocks(0) == [0, 2, 4, 5]  # position 20 opened logical block 5
+    bm.check_invariants()
+    with pytest.raises(ValueError, match="evicted blocks"):
+        bm.slot_mapping(0, 5, 7)
+    bm.free(0)
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("bad, err", [([4], ValueError), ([9], ValueError), ([1, 1], ValueError), ([1.0], TypeError),
+                                      ("1", TypeError), (3, TypeError), ([0, 4], ValueError)])
+def test_evict_bad_input_changes_nothing(bad, err):
+    bm = _bm_with(18)
+    bm.evict(0, [2])
+    before = _snapshot(bm)
+    with pytest.raises(err):
+        bm.evict(0, bad if bad != [9] else [2])  # [2] again: already evicted
+    assert _snapshot(bm) == before
+    with pytest.raises(ValueError, match="not allocated"):
+        bm.evict(7, [0])
+
+
+def test_shared_block_stays_with_the_other_sequence():
+    bm = _bm_with(12)
+    bm.fork(0, 1)
+    assert bm.evict(0, [0]) == 0  # still referenced by sequence 1: nothing goes back to the pool
+    assert bm.logical_blocks(1) == [0, 1, 2] and bm.logical_blocks(0) == [1, 2]
+    bm.fork(0, 2)  # a fork of an evicted sequence carries its gaps
+    assert bm.logical_blocks(2) == [1, 2]
+    bm.check_invariants()
+
+
+def test_blocks_computed_after_an_eviction_are_not_prefix_hits():
+    """A block filled after an eviction holds K/V computed without the dropped tokens: another request
+    with the same tokens must not hit it."""
+    bm = BlockManager(32, 4)
+    ids = list(range(10, 22))  # 3 full blocks
+    bm.allocate(0, ids)
+    bm.evict(0, [0])
+    more = list(range(50, 54))
+    for t in more:
+        bm.append_slot(0, t)
+    bm.append_slot(0, 60)  # the block of 50..53 is full now
+    assert bm.allocation_cost(ids + more + [60])[0] == 2  # hits blocks 0-2 (filled before the eviction), not 3
+    bm.check_invariants()
+
+
+def test_engine_refuses_bad_eviction(tiny):
+    model, _ = tiny
+    with pytest.raises(TypeError, match="eviction must be"):
+        LLM(model, None, num_blocks=8, block_size=4, eviction="h2o")
+    with pytest.raises(ValueError, match="needs at least"):
+        LLM(model, None, num_blocks=8, block_size=4, eviction=ev.SinksWindow(4, sinks=4))
+    with pytest.raises(ValueError, match="budget"):
+        ev.make_policy("window")
+    with pytest.raises(ValueError, match="one of"):
+        ev.make_policy("lru", 64)
+    with pytest.raises(ValueError, match="recent"):
+        ev.HeavyHitters(64, recent=1.5)
+    with pytest.raises(ValueError, match="kernel"):
+        ev.PromptSelect(64, kernel=4)
+
+
+def test_engine_refuses_eviction_on_a_sliding_window_model():
+    model = kvlab.models.tiny_model("mistral")
+    with pytest.raises(ValueError, match="slides"):
+        LLM(model, None, num_blocks=8, block_size=4, eviction=ev.SlidingWindow(8))
+
+
+def test_block_rule_equals_dense_rule_on_random_scores():
+    """choose() over block ids and textbook_keep() over dense masks, stepped through a sequence's life
+    with random scores: the same kept positions at every step, for many sizes."""
+    rng = random.Random(3)
+    for trial in range(60):
+        bs = rng.choice([1, 2, 4, 8])
+        policy = rng.choice([ev.SlidingWindow(8 * bs), ev.SinksWindow(6 * bs, sinks=rng.randrange(1, 2 * bs + 1)),
+                             ev.HeavyHitters(6 * bs, recent=rng.choice([0.25, 0.5, 0.75])),
+                             ev.PromptSelect(8 * bs, window=rng.randrange(1, 2 * bs + 1), kernel=rng.choice([1, 3, 5]))])
+        prompt_len, total = rng.randrange(1, 80), None
+        total = prompt_len + rng.randrange(1, 40)
+        logical, kept, done = None, torch.ones(prompt_len, dtype=torch.bool), False
+        scores = torch.zeros(total, dtype=torch.float64)
+        for n in range(prompt_len, total):
+            scores[:n] += torch.rand(n, generator=torch.Generator().manual_seed(trial * 1000 + n)).double() * kept
+            logical = list(range(-(-n // bs))) if logical is None else logical
+            if not (policy.once and done):
+                drop = policy.choose(logical, n, prompt_len, bs, scores[:n])
+                logical = [lb for lb in logical if lb not in drop]
+                kept = policy.textbook_keep(kept, prompt_len, scores[:n], bs)
+                done = True
+            got = ev.kept_positions(logical, n - (-(-n // bs) - len(logical)) * bs, bs)
+            assert torch.equal(got, torch.nonzero(kept).flatten()), (policy, n, bs)
+            kept = torch.cat([kept, torch.ones(1, dtype=torch.bool)])
+            if n % bs == 0:  # position n opens a new block
+                logical.append(n // bs)
