@@ -1,5 +1,6 @@
 """How much does a KV format cost in quality? Perplexity, KL, top-1 and greedy agreement, and the
-per-layer sensitivity behind a mixed-precision choice (notebook 03).
+per-layer sensitivity behind a mixed-precision choice (notebook 03); and, at the same bytes, an
+evicting cache against a quantized one (:func:`eviction_quality`, notebook 07).
 
 Every configuration is run in lockstep with a full-precision reference through the SAME paged
 attention path, over the same text: the text is cut into sliding windows, each window is fed in
@@ -16,13 +17,14 @@ from dataclasses import replace
 
 import torch
 
-from kvlab.cache import BlockManager, QuantizedPagedKVCache, saturation_summary
+from kvlab.cache import BlockManager, PagedKVCache, QuantizedPagedKVCache, saturation_summary
+from kvlab.cache.evict import AttentionMass, EvictionPolicy, EvictionState, after_forward, watch_from
 from kvlab.cache.paged import check_token_ids
 from kvlab.engine import ModelRunner, SamplingParams, Sequence
 from kvlab.engine.scheduler import SchedulerOutput
 from kvlab.generate import paged_generate
 from kvlab.probe import paged_attention_spec
-from kvlab.quant.formats import FP32, KVQuantConfig, TensorFormat
+from kvlab.quant.formats import FP32, KVQuantConfig, TensorFormat, named_config
 from kvlab.sizing import kv_config, kv_size
 from kvlab.validate import cdiv, is_int
 
@@ -277,3 +279,110 @@ def auto_config(model, sensitivity: list[float], budget_bytes_per_token: float,
         raise ValueError(f"budget {budget_bytes_per_token:.0f} B/token is below what the low format needs "
                          f"({kv_bytes_per_token(model, cfg):.0f} B/token)")
     return cfg
+
+
+# ---- eviction against quantization (notebook 07) ------------------------------------------------------
+
+def _as_eviction_config(name, spec) -> tuple:
+    policy, fmt = spec if isinstance(spec, tuple) else (spec, "fp16")
+    if policy is not None and not isinstance(policy, EvictionPolicy):
+        raise TypeError(f"config {name!r}: the policy must be a kvlab.cache.evict policy or None, got "
+                        f"{type(policy).__name__}")
+    named_config(fmt)  # an unknown format name fails here
+    return policy, fmt
+
+
+@torch.inference_mode()
+def eviction_quality(model, tokens: list[int], prompt_len: int, configs: dict, calibration=None,
+                     block_size: int = 16, attn_backend: str = "torch") -> dict:
+    """Quality of caches that evict or quantize, against the full FP32 cache, on one text.
+
+    ``configs``: name -> ``(policy, format)``, a :mod:`kvlab.cache.evict` policy (or None: keep every
+    token) and a ``kv_cache_dtype`` name ("fp16", "int8", "k8v4", "int4", ...); a bare policy means
+    FP16. Every config sees the same text: its first ``prompt_len`` tokens are prefilled with full
+    attention (as a served prompt is), then the rest is fed one token at a time, as generation feeds
+    it (the text's own next token, not a sampled one), each cache dropping or quantizing as it goes,
+    through the engine's own :class:`~kvlab.engine.ModelRunner` and eviction path. Every decode
+    position is scored: next-token KL(full || config), top-1 agreement, perplexity with a paired 95 %
+    interval for its change (as :func:`evaluate`), and what the cache holds at the end: blocks,
+    tokens, bytes (``bytes_share``: of the full FP16 cache's).
+
+    The configs of one format share a pool and run as one batch, a decode row each."""
+    tokens = _check_tokens(tokens, model.config.vocab_size)
+    if not is_int(prompt_len) or not 0 < prompt_len < len(tokens) - 1:
+        raise ValueError(f"prompt_len must be an int in [1, {len(tokens) - 2}] (some tokens must follow it), "
+                         f"got {prompt_len!r}")
+    if not isinstance(configs, dict) or not configs:
+        raise ValueError("configs must be a non-empty dict name -> (policy, format)")
+    specs = {n: _as_eviction_config(n, s) for n, s in configs.items()}
+    paged_attention_spec(model)
+    n_tok = len(tokens)
+    groups: dict[str, list[str]] = {"fp32": ["full"]}
+    for n, (_, fmt) in specs.items():
+        groups.setdefault(fmt, []).append(n)
+    specs["full"] = (None, "fp32")
+    logits: dict[str, list[torch.Tensor]] = {n: [] for n in specs}
+    held: dict[str, dict] = {}
+    seconds: dict[str, float] = {}
+    for fmt, names in groups.items():
+        t0 = time.perf_counter()
+        nb = len(names) * cdiv(n_tok, block_size) + 1
+        bm = BlockManager(nb, block_size, enable_prefix_caching=False)
+        cache = (PagedKVCache.from_model(model, nb, block_size, dtype=torch.float32) if fmt == "fp32" else
+                 QuantizedPagedKVCache.from_model(model, nb, block_size, named_config(fmt), calibration))
+        runner = ModelRunner(model, cache, attn_backend, prepack=True, batch_hint=len(names))
+        seqs = [Sequence(i, tokens, SamplingParams(), arrival=0.0) for i in range(len(names))]
+        states = {i: EvictionState(None) for i in range(len(names))}
+        for i in range(len(names)):
+            bm.allocate(i, tokens[:prompt_len])
+        for t in range(prompt_len, n_tok):  # forward 0: the prompt; then one token at a time
+            if t > prompt_len:
+                for i in range(len(names)):
+                    bm.append_slot(i, tokens[t - 1])
+            lens = [prompt_len] * len(names) if t == prompt_len else [1] * len(names)
+            step = SchedulerOutput(step=t, seqs=seqs, num_new_tokens=lens, num_decodes=0 if t == prompt_len else len(names))
+            watch = {}
+            for i, n in enumerate(names):
+                policy = specs[n][0]
+                end = seqs[i].num_computed_tokens + lens[i]
+                f = None if policy is None else watch_from(policy, states[i], prompt_len, end)
+                if f is not None:
+                    watch[i] = (end, f)
+            observer = AttentionMass(watch) if watch else None
+            out, _ = runner.execute_model(step, bm, all_logits=t > prompt_len, observer=observer)
+            for i, n in enumerate(names):
+                seqs[i].num_computed_tokens += lens[i]
+                if t > prompt_len:
+                    logits[n].append(out[i].float())
+                policy = specs[n][0]
+                if policy is not None:
+                    after_forward(policy, bm, i, states[i], prompt_len, seqs[i].num_computed_tokens,
+                                  None if observer is None else observer.mass.get(i))
+        for i, n in enumerate(names):
+            held[n] = {"blocks": len(bm.block_table(i)), "tokens": bm.kept_tokens(i),
+                       "bytes": len(bm.block_table(i)) * cache.bytes_per_block}
+        seconds[fmt] = time.perf_counter() - t0
+    # position t - 1's logits (fed token t - 1) predict token t, for t = prompt_len + 1 .. n_tok - 1
+    targets = torch.tensor(tokens[prompt_len + 1:n_tok])
+    ref = torch.log_softmax(torch.stack(logits["full"]), -1)
+    ref_nll = -ref.gather(1, targets[:, None])[:, 0].double()
+    fp16_full = cdiv(n_tok - 1, block_size) * QuantizedPagedKVCache.from_model(
+        model, 1, block_size, named_config("fp16")).bytes_per_block
+    out = {"tokens": n_tok, "prompt_len": prompt_len, "scored": len(targets), "ppl_full": math.exp(ref_nll.mean()),
+           "fp16_full_bytes": fp16_full, "seconds": seconds, "configs": {}}
+    for n in configs:
+        lp = torch.log_softmax(torch.stack(logits[n]), -1)
+        nll = -lp.gather(1, targets[:, None])[:, 0].double()
+        d = nll - ref_nll
+        se = float(d.std() / math.sqrt(max(len(d) - 1, 1)))
+        mean = float(d.mean())
+        policy, fmt = specs[n]
+        out["configs"][n] = {
+            "policy": None if policy is None else policy.name, "budget": None if policy is None else policy.budget,
+            "format": fmt, "kl": float((ref.exp() * (ref - lp)).sum(-1).mean()),
+            "kl_per_position": (ref.exp() * (ref - lp)).sum(-1),
+            "top1": float((lp.argmax(-1) == ref.argmax(-1)).double().mean()),
+            "ppl": math.exp(float(nll.mean())), "delta_ppl_pct": 100 * (math.exp(mean) - 1),
+            "delta_ppl_ci95": tuple(100 * (math.exp(mean + z * 1.96 * se) - 1) for z in (-1, 1)),
+            **held[n], "bytes_share": held[n]["bytes"] / fp16_full}
+    return out

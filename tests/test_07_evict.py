@@ -31,21 +31,24 @@ def _prompt(model, n, seed=0):
     return torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist()
 
 
-def engine_run(model, prompt, policy, max_tokens, block_size, attn_backend="torch"):
+def engine_run(model, prompt, policy, max_tokens, block_size, attn_backend="torch", max_num_batched_tokens=512):
     """Greedy tokens, the logits each was sampled from, and the kept positions after every step."""
     eng = LLM(model, None, num_blocks=64, block_size=block_size, max_num_seqs=2, enable_prefix_caching=False,
-              eviction=policy, attn_backend=attn_backend)
+              eviction=policy, attn_backend=attn_backend, max_num_batched_tokens=max_num_batched_tokens)
     logits, kept = [], []
     run = eng.runner.execute_model
 
     def recording(*args, **kwargs):
         out = run(*args, **kwargs)
-        logits.append(out[0][-1].float().clone())
+        if len(out[0]):  # a prompt chunk that does not reach the end samples nothing
+            logits.append(out[0][-1].float().clone())
         return out
 
     def after_step(stats):
         bm = eng.block_manager
         for sid in bm.seqs:
+            if eng.seqs[sid].num_computed_tokens < len(prompt):  # a prompt chunk: the policy has not acted yet
+                continue
             kept.append(ev.kept_positions(bm.logical_blocks(sid), bm.kept_tokens(sid), block_size))
             bm.check_invariants()
             assert len(bm.block_table(sid)) <= policy.max_blocks(len(prompt), max_tokens, block_size)
@@ -86,6 +89,16 @@ def test_token_level_rule(tiny, name):
     assert kept[-1][:4].tolist() == [0, 1, 2, 3] if name == "sinks+window" else True
 
 
+@pytest.mark.parametrize("name", ["h2o", "snapkv"])
+def test_chunked_prompt_scores_like_one_prefill(tiny, name):
+    """A prompt prefilled in chunks of 8: the scores add up over the chunks to what one prefill sees."""
+    model, _ = tiny
+    prompt, policy = _prompt(model, 37, seed=4), POLICIES[name]()
+    tokens, _, kept, _ = engine_run(model, prompt, policy, 10, block_size=4, max_num_batched_tokens=8)
+    book = textbook_eviction(model, prompt, 10, policy, group=4)
+    assert tokens == book["tokens"] and all(torch.equal(a, b) for a, b in zip(kept, book["kept"]))
+
+
 def test_reference_backend_agrees(tiny):
     model, _ = tiny
     prompt, policy = _prompt(model, 33, seed=2), POLICIES["snapkv"]()
@@ -123,6 +136,63 @@ def test_no_leak_after_1000_requests(tiny, name):
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks and not bm.seqs and not eng._evict_states
     assert bm.counters["policy_evictions"] > 1000 and bm.counters["prefix_hits"] > 0
+
+
+# ---- the host tier ------------------------------------------------------------------------------------
+
+def _conversations(model, num_blocks, host_blocks, turns=4):
+    """Six conversations, each turn's prompt the conversation so far: answers per turn and the counters."""
+    eng = LLM(model, None, num_blocks=num_blocks, block_size=4, max_num_seqs=4, max_num_batched_tokens=128,
+              host_blocks=host_blocks)
+    rng = random.Random(0)
+    vocab = model.config.vocab_size
+    convs = [[rng.randrange(3, vocab) for _ in range(20)] for _ in range(6)]
+    answers = []
+    for _ in range(turns):
+        outs = eng.generate(convs, SamplingParams(max_tokens=6, ignore_eos=True))
+        answers.append([o.token_ids for o in outs])
+        convs = [c + o.token_ids + [rng.randrange(3, vocab) for _ in range(8)] for c, o in zip(convs, outs)]
+        eng.block_manager.check_invariants()
+    return answers, eng.block_manager
+
+
+def test_host_tier_serves_the_same_tokens_from_fewer_device_blocks(tiny):
+    """Blocks the small pool's LRU gives away go to the host and come back on a later turn's prefix hit:
+    the same tokens as a roomy pool (a wrong copy would change them: the K/V are read back)."""
+    model, _ = tiny
+    roomy, _ = _conversations(model, 400, 0)
+    small, bm_small = _conversations(model, 40, 0)
+    tiered, bm = _conversations(model, 40, 200)
+    assert tiered == roomy == small
+    c = bm.counters
+    assert c["host_hits"] > 100 and c["loaded_blocks"] == c["host_hits"] and c["offloaded_blocks"] >= c["loaded_blocks"]
+    assert c["prefix_hits"] > 3 * bm_small.counters["prefix_hits"]  # the device pool alone forgot most prefixes
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_small_host_tier_forgets_its_oldest():
+    bm = BlockManager(4, 4, host_blocks=2)
+    for i in range(4):  # four one-block prompts (+1 token each), freed: all cached on the device
+        bm.allocate(i, list(range(10 * i, 10 * i + 5)))
+        bm.free(i)
+    for i in range(4, 8):  # four more take the device: the LRU moves the old ones out, the host keeps 2
+        bm.allocate(i, list(range(100 + 10 * i, 100 + 10 * i + 5)))
+        bm.free(i)
+    assert bm.counters["offloaded_blocks"] >= 4 and bm.counters["host_evictions"] >= 2
+    assert len(bm.host) == 2
+    bm.check_invariants()
+    out, into = bm.take_transfers()
+    assert len(out) == bm.counters["offloaded_blocks"] and not into
+    with pytest.raises(ValueError, match="host_blocks"):
+        BlockManager(4, 4, host_blocks=-1)
+    with pytest.raises(ValueError, match="prefix_caching"):
+        BlockManager(4, 4, enable_prefix_caching=False, host_blocks=2)
+
+
+def test_host_tier_refuses_a_quantized_pool(tiny):
+    model, _ = tiny
+    with pytest.raises(ValueError, match="float pools"):
+        LLM(model, None, num_blocks=8, block_size=4, kv_cache_dtype="fp8", host_blocks=4)
 
 
 # ---- the block manager's side ------------------------------------------------------------------------

@@ -33,7 +33,7 @@ LAYERS = (
     ("kvlab.generate",),  # decode loops over the caches and the engine
     ("kvlab.eval",),  # quality of a KV format on a model
     ("kvlab.bench", "kvlab.export"),  # benchmarks; the vLLM export
-    ("kvlab.capstone", "kvlab.check", "kvlab.claims"),  # notebook 06, exercise checkers, the claims table
+    ("kvlab.capstone", "kvlab.beyond", "kvlab.check", "kvlab.claims"),  # notebooks 06, 07, exercise checkers, claims
     ("kvlab.viz",),  # widgets: they only read counters
     ("kvlab.gpu_check",),  # the one GPU check: runs the notebooks and the benchmarks
     ("kvlab.cli", "kvlab.__main__"),  # the command line

@@ -40,7 +40,7 @@ from kvlab.quant.rotation import rotate
 from kvlab.validate import check_int, is_int
 
 __all__ = ["EvictionPolicy", "SlidingWindow", "SinksWindow", "HeavyHitters", "PromptSelect", "POLICIES",
-           "make_policy", "AttentionMass", "EvictionState", "kept_positions"]
+           "make_policy", "AttentionMass", "EvictionState", "kept_positions", "watch_from", "after_forward"]
 
 
 class EvictionPolicy:
@@ -358,3 +358,31 @@ class EvictionState:
         if n > self.scores.shape[0]:
             self.scores = torch.cat([self.scores, torch.zeros(n - self.scores.shape[0], dtype=torch.float64)])
         self.scores.index_add_(0, positions, mass.double())
+
+
+def watch_from(policy: EvictionPolicy, state: EvictionState, prompt_len: int, end: int) -> int | None:
+    """The first query position whose attention this forward must observe for ``policy`` (a sequence
+    with ``end`` tokens after it), or None: nothing to watch."""
+    if not policy.needs_scores or (policy.once and state.done):
+        return None
+    from_pos = policy.observe_from(prompt_len)
+    return from_pos if from_pos is not None and end > from_pos else None
+
+
+def after_forward(policy: EvictionPolicy, bm, seq_id: int, state: EvictionState, prompt_len: int,
+                  num_computed: int, mass: torch.Tensor | None = None) -> int:
+    """One sequence after a good forward: add the attention observed (``mass``, over the kept keys in
+    the order attention read them) to its scores, then, once its whole prompt is computed, let the
+    policy drop blocks. Returns the blocks dropped. The engine (``LLM(eviction=...)``) and the quality
+    runs (:func:`kvlab.eval.eviction_quality`) both go through here."""
+    if mass is not None:
+        # the mass covers the keys this forward read: the first len(mass) kept positions (a chunked
+        # prompt's blocks are all allocated up front, its later chunks not computed yet)
+        state.add(mass, kept_positions(bm.logical_blocks(seq_id), len(mass), bm.block_size))
+    if num_computed < prompt_len or (policy.once and state.done):
+        return 0
+    drop = policy.choose(bm.logical_blocks(seq_id), bm.num_tokens(seq_id), prompt_len, bm.block_size,
+                         state.scores if policy.needs_scores else None)
+    bm.evict(seq_id, drop)
+    state.done = True
+    return len(drop)

@@ -62,6 +62,13 @@ class Block:
     token_ids: tuple[int, ...] = ()  # a registered block's tokens: a hash hit is confirmed against them
 
 
+@dataclass(frozen=True)
+class HostHit:
+    """A prefix block found in the host tier (its chain hash), not on the device."""
+
+    hash: bytes
+
+
 @dataclass
 class SeqBlocks:
     """One sequence's view of the pool."""
@@ -115,7 +122,8 @@ def check_block_size(block_size) -> int:
 class BlockManager:
     """Free pool, block tables, refcounts and the prefix cache. Knows token ids, never tensors."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 host_blocks: int = 0):
         self.num_blocks = check_int("num_blocks", num_blocks)
         self.block_size = check_block_size(block_size)
         self.enable_prefix_caching = enable_prefix_caching
@@ -131,6 +139,18 @@ class BlockManager:
         self.counters = dict(prefix_queries=0, prefix_hits=0, evictions=0, cow_copies=0, policy_evictions=0)
         #: the most tokens any layer reads back when every layer slides (set by the engine), else None
         self.sliding_window: int | None = None
+        # the host tier (notebook 07): cached blocks the device LRU gives away move here instead of being
+        # forgotten, and a later prefix hit brings them back. Exclusive: a hash is on the device or here.
+        if not is_int(host_blocks) or host_blocks < 0:
+            raise ValueError(f"host_blocks must be an int >= 0 (0: no host tier), got {host_blocks!r}")
+        if host_blocks and not enable_prefix_caching:
+            raise ValueError("host_blocks needs enable_prefix_caching=True: the host tier keeps cached blocks")
+        self.host_blocks = host_blocks
+        self.host: OrderedDict[bytes, tuple[int, bytes | None, tuple]] = OrderedDict()  # hash -> (slot, parent, tokens), LRU
+        self.host_free: deque[int] = deque(range(host_blocks))
+        self.transfers_out: list[tuple[int, int]] = []  # (device block, host slot): copy before the block is reused
+        self.transfers_in: list[tuple[int, int]] = []  # (host slot, device block): copy before the forward reads
+        self.counters.update(offloaded_blocks=0, loaded_blocks=0, host_evictions=0, host_hits=0)
 
     # ---- queries ---------------------------------------------------------------------------------
 
@@ -204,6 +224,10 @@ class BlockManager:
             h = block_hash(parent, chunk)
             bid = self.hash_to_block.get(h)
             if bid is None or self.blocks[bid].token_ids != chunk:  # a hash collision is not a hit
+                if h in self.host and self.host[h][2] == chunk:  # on the host: HostHit(h), loaded at allocate
+                    hits.append(HostHit(h))
+                    parent = h
+                    continue
                 break
             hits.append(bid)
             parent = h
@@ -218,11 +242,59 @@ class BlockManager:
             bid, _ = self.cached_ids.popitem(last=False)
             b = self.blocks[bid]
             del self.hash_to_block[b.hash]
+            if self.host_blocks:
+                self._offload(b)
             b.hash, b.parent, b.token_ids = None, None, ()
             self.counters["evictions"] += 1
         b = self.blocks[bid]
         b.ref_count, b.num_tokens = 1, 0
         return bid
+
+    def _offload(self, b: Block) -> None:
+        """A cached block leaves the device: copy it to a host slot (the host's LRU entry gives way)."""
+        if not self.host_free:
+            _, (slot, _, _) = self.host.popitem(last=False)
+            self.host_free.append(slot)
+            self.counters["host_evictions"] += 1
+        slot = self.host_free.popleft()
+        self.host[b.hash] = (slot, b.parent, b.token_ids)
+        self.transfers_out.append((b.block_id, slot))
+        self.counters["offloaded_blocks"] += 1
+
+    def _load(self, hit: "HostHit") -> int:
+        """A host hit comes back: a fresh device block, registered under its hash, filled by a copy."""
+        slot, parent, tokens = self.host.pop(hit.hash)
+        bid = self._take_block()
+        b = self.blocks[bid]
+        b.hash, b.parent, b.token_ids, b.num_tokens = hit.hash, parent, tokens, self.block_size
+        self.hash_to_block[hit.hash] = bid
+        self.transfers_in.append((slot, bid))
+        self.host_free.append(slot)
+        self.counters["loaded_blocks"] += 1
+        return bid
+
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The copies the storage must make before this step's forward, in this order: ``out``
+        (device block -> host slot), then ``in`` (host slot -> device block)."""
+        out, into = self.transfers_out, self.transfers_in
+        self.transfers_out, self.transfers_in = [], []
+        return out, into
+
+    def drop_pending_transfers(self) -> None:
+        """After an aborted step whose copies never ran: the host entries they would have filled hold
+        nothing (forget them); blocks that were to be loaded belong to sequences being freed."""
+        pending = {slot for _, slot in self.transfers_out}
+        for h in [h for h, (slot, _, _) in self.host.items() if slot in pending]:
+            self.host_free.append(self.host.pop(h)[0])
+        for _, bid in self.transfers_in:
+            b = self.blocks[bid]
+            if b.hash is not None and self.hash_to_block.get(b.hash) == bid:
+                del self.hash_to_block[b.hash]
+                b.hash, b.parent, b.token_ids = None, None, ()
+                if bid in self.cached_ids:
+                    del self.cached_ids[bid]
+                    self.free_ids.append(bid)
+        self.transfers_out, self.transfers_in = [], []
 
     def _ref(self, bid: int) -> None:
         b = self.blocks[bid]
@@ -252,9 +324,11 @@ class BlockManager:
         token_ids = check_token_ids(token_ids)
         return self._cost(len(token_ids), self._match_prefix(token_ids) if hits is None else hits)
 
-    def _cost(self, num_tokens: int, hits: list[int]) -> tuple[int, int]:
-        cached_hits = sum(1 for bid in hits if self.blocks[bid].ref_count == 0)
-        return self.blocks_needed(num_tokens) - len(hits), self.num_free_blocks - cached_hits
+    def _cost(self, num_tokens: int, hits: list) -> tuple[int, int]:
+        """A host hit saves the prefill but still needs a device block to be loaded into."""
+        device = [bid for bid in hits if not isinstance(bid, HostHit)]
+        cached_hits = sum(1 for bid in device if self.blocks[bid].ref_count == 0)
+        return self.blocks_needed(num_tokens) - len(device), self.num_free_blocks - cached_hits
 
     def can_allocate(self, token_ids) -> bool:
         needed, available = self.allocation_cost(token_ids)
@@ -282,11 +356,15 @@ class BlockManager:
         self.finished.discard(seq_id)
         seq = SeqBlocks(token_ids=token_ids, cached_tokens=len(hits) * self.block_size)
         self.seqs[seq_id] = seq
+        for bid in hits:  # device hits are taken first, so loading the host hits cannot evict them
+            if not isinstance(bid, HostHit):
+                self._ref(bid)
         for bid in hits:
-            self._ref(bid)
+            if isinstance(bid, HostHit):
+                bid = self._load(bid)
             seq.block_table.append(bid)
             seq.hashes.append(self.blocks[bid].hash)
-        for _ in range(needed):
+        for _ in range(needed - sum(isinstance(h, HostHit) for h in hits)):  # host hits were loaded above
             seq.block_table.append(self._take_block())
         bs = self.block_size
         for i in range(len(hits), len(seq.block_table)):
@@ -296,6 +374,7 @@ class BlockManager:
         if self.enable_prefix_caching:
             self.counters["prefix_queries"] += (len(token_ids) - 1) // bs
             self.counters["prefix_hits"] += len(hits)
+            self.counters["host_hits"] += sum(isinstance(h, HostHit) for h in hits)
         return seq.cached_tokens
 
     def mark_computed(self, seq_id: int, num_computed: int) -> None:
@@ -459,6 +538,8 @@ class BlockManager:
             "blocks_saved": self.blocks_needed_for_all() - len(used),  # by prefix sharing and forks
             "sliding_window": self.sliding_window,
             "blocks_outside_window": self.blocks_outside_window(),
+            "host_blocks": self.host_blocks,
+            "host_blocks_used": len(self.host),
             **{k: v for k, v in self.counters.items() if k not in ("prefix_queries", "prefix_hits")},
         }
 
@@ -513,6 +594,10 @@ class BlockManager:
             assert b.hash == h and len(b.token_ids) == self.block_size, f"block {bid} hash entry"
             assert h == block_hash(b.parent, b.token_ids), f"block {bid}: hash does not match its tokens"
         assert sum(b.hash is not None for b in self.blocks) == len(self.hash_to_block), "unindexed hashed block"
+        slots = [slot for slot, _, _ in self.host.values()]
+        assert len(set(slots)) == len(slots) and not set(slots) & set(self.host_free), "a host slot used twice"
+        assert len(slots) + len(self.host_free) == self.host_blocks, "host slots lost"
+        assert not set(self.host) & set(self.hash_to_block), "a block both on the host and on the device"
         for s in self.seqs.values():  # a registered block's hash matches the chain over its tokens
             parent = None
             where = dict(enumerate(s.block_table)) if s.logical is None else dict(zip(s.logical, s.block_table))

@@ -114,6 +114,35 @@ class PagedKVCache:
             kc[dst] = kc[src]
             vc[dst] = vc[src]
 
+    def attach_host(self, num_host_blocks: int) -> None:
+        """A host tier of ``num_host_blocks`` blocks, the same layout in host memory (pinned on a GPU, so
+        a copy can run at the link's speed); the block manager decides what moves (notebook 07)."""
+        check_int("num_host_blocks", num_host_blocks)
+        shape = (num_host_blocks, *self.k_cache[0].shape[1:])
+        pin = self.k_cache[0].device.type == "cuda"
+        self.host_k = [torch.zeros(shape, dtype=self.dtype, pin_memory=pin) for _ in range(self.num_layers)]
+        self.host_v = [torch.zeros(shape, dtype=self.dtype, pin_memory=pin) for _ in range(self.num_layers)]
+
+    def swap(self, out, into) -> None:
+        """Apply the block manager's host transfers, ``out`` (device block, host slot) first, then
+        ``into`` (host slot, device block), in every layer."""
+        if not out and not into:
+            return
+        if getattr(self, "host_k", None) is None:
+            raise ValueError("this pool has no host tier: attach_host(n) first")
+        dev = self.k_cache[0].device
+        for pairs, to_host in ((out, True), (into, False)):
+            if not pairs:
+                continue
+            a = torch.tensor([p[0] for p in pairs])
+            b = torch.tensor([p[1] for p in pairs])
+            for layer in range(self.num_layers):
+                for pages, host in ((self.k_cache[layer], self.host_k[layer]), (self.v_cache[layer], self.host_v[layer])):
+                    if to_host:  # device blocks a -> host slots b
+                        host[b] = pages[a.to(dev)].to("cpu")
+                    else:  # host slots a -> device blocks b
+                        pages[b.to(dev)] = host[a].to(dev, non_blocking=True)
+
     def layer_pages(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V pages of one layer, ``[num_blocks, block_size, H_kv, D]`` each (no copy)."""
         return self.k_cache[layer_idx], self.v_cache[layer_idx]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.cache import BlockManager, PagedKVCache, QuantizedPagedKVCache
-from kvlab.cache.evict import AttentionMass, EvictionPolicy, EvictionState, kept_positions
+from kvlab.cache.evict import AttentionMass, EvictionPolicy, EvictionState, after_forward, watch_from
 from kvlab.cache.paged import check_token_ids
 from kvlab.calibrate import default_calibration
 from kvlab.engine.metrics import StepStats, summarize
@@ -104,7 +104,8 @@ class LLM:
     oneDNN's small-row GEMM on the CPU, :mod:`kvlab.engine.prepack`; False: plain ``F.linear``). Pass ``block_manager`` and
     ``cache`` to share a pool across engines. ``eviction``: a :mod:`kvlab.cache.evict` policy (a sliding
     window, sinks + window, H2O, SnapKV) that drops blocks of each sequence to keep it within a token
-    budget (notebook 07). Sliding windows, soft caps and attention sinks are
+    budget (notebook 07); ``host_blocks``: a host tier behind the pool that keeps the cached blocks the
+    pool's LRU gives away, for a later prefix hit to bring back (float pools). Sliding windows, soft caps and attention sinks are
     honoured; a model whose attention needs something else is refused here, before any pool exists,
     with a one-line :class:`kvlab.hf.UnsupportedModelError` (:func:`kvlab.probe.paged_attention_spec`).
     """
@@ -114,7 +115,7 @@ class LLM:
                  attn_backend: str = "torch", kv_cache_dtype: str = "auto", quant_config=None, calibration=None,
                  model_name: str = "smollm2-135m", enable_prefix_caching: bool = True, watermark: float = 0.01,
                  eos_token_id: int | None = None, block_manager: BlockManager | None = None, cache=None,
-                 prepack_weights: bool = True, eviction: EvictionPolicy | None = None):
+                 prepack_weights: bool = True, eviction: EvictionPolicy | None = None, host_blocks: int = 0):
         self.model, self.tokenizer = model, tokenizer
         layers = paged_attention_spec(model)  # a model the paged attention cannot run is refused before any pool
         if eviction is not None:
@@ -128,13 +129,22 @@ class LLM:
         if eos_token_id is not None and not is_int(eos_token_id):
             raise TypeError(f"eos_token_id must be an int token id or None, got {type(eos_token_id).__name__} "
                             f"{eos_token_id!r}")
+        if host_blocks and (kv_cache_dtype != "auto" or quant_config is not None):  # before any pool is built
+            raise ValueError(f"host_blocks={host_blocks!r}: the host tier runs on float pools (kv_cache_dtype 'auto'), "
+                             f"not with kv_cache_dtype={kv_cache_dtype!r}")
         if block_manager is None:
-            block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+            block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
+                                         host_blocks=host_blocks)
         if cache is None:
             cache = _make_cache(model, tokenizer, block_manager.num_blocks, block_manager.block_size, kv_cache_dtype,
                                 quant_config, calibration, model_name)
         if (cache.num_blocks, cache.block_size) != (block_manager.num_blocks, block_manager.block_size):
             raise ValueError("cache and block_manager disagree on num_blocks / block_size")
+        if block_manager.host_blocks:
+            if not hasattr(cache, "attach_host"):
+                raise ValueError(f"host_blocks={block_manager.host_blocks}: the host tier runs on float pools "
+                                 f"(kv_cache_dtype 'auto'), not on {type(cache).__name__}")
+            cache.attach_host(block_manager.host_blocks)
         self.block_manager, self.cache = block_manager, cache
         self.eviction = eviction
         self._evict_states: dict[int, EvictionState] = {}
@@ -300,40 +310,30 @@ class LLM:
 
     def _observer(self, batch) -> AttentionMass | None:
         """For a policy that scores blocks: which sequences' attention to watch in this forward."""
-        policy = self.eviction
-        if policy is None or not policy.needs_scores:
+        if self.eviction is None or not self.eviction.needs_scores:
             return None
         watch = {}
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            if policy.once and self._state(seq).done:
-                continue
             end = seq.num_computed_tokens + n
-            from_pos = policy.observe_from(len(seq.prompt_token_ids))
-            if from_pos is not None and end > from_pos:
+            from_pos = watch_from(self.eviction, self._state(seq), len(seq.prompt_token_ids), end)
+            if from_pos is not None:
                 watch[i] = (end, from_pos)
         return AttentionMass(watch) if watch else None
 
     def _evict(self, batch, observer: AttentionMass | None) -> None:
-        """After a good step: add the watched attention to each sequence's scores, then let the policy
-        drop blocks of every sequence whose prompt is computed."""
-        bm, policy = self.block_manager, self.eviction
+        """After a good step: every running sequence of the batch through the policy (its scores, then
+        its blocks, once its prompt is computed)."""
+        bm = self.block_manager
         for i, seq in enumerate(batch.seqs):
             if seq.is_finished or seq.seq_id not in bm.seqs:
                 self._evict_states.pop(seq.seq_id, None)
                 continue
-            state = self._state(seq)
-            if observer is not None and i in observer.mass:
-                state.add(observer.mass[i], kept_positions(bm.logical_blocks(seq.seq_id), bm.kept_tokens(seq.seq_id),
-                                                           bm.block_size))
-            prompt_len = len(seq.prompt_token_ids)
-            if seq.num_computed_tokens < prompt_len or (policy.once and state.done):
-                continue
-            drop = policy.choose(bm.logical_blocks(seq.seq_id), bm.num_tokens(seq.seq_id), prompt_len, bm.block_size,
-                                 state.scores if policy.needs_scores else None)
-            bm.evict(seq.seq_id, drop)
-            state.done = True
+            mass = observer.mass.get(i) if observer is not None else None
+            after_forward(self.eviction, bm, seq.seq_id, self._state(seq), len(seq.prompt_token_ids),
+                          seq.num_computed_tokens, mass)
 
     def _abort_step(self, saved_counters, reason: str) -> None:
+        self.block_manager.drop_pending_transfers()  # copies the failed step may not have made
         for seq in reversed(list(self.scheduler.running)):
             self.scheduler.preempt(seq, reason, keep_cached=False)
         self.cache.restore_counters(saved_counters)

@@ -54,6 +54,9 @@ class ModelRunner:
         end of the table, while their positions (RoPE) stay the sequence's true positions.
         """
         t0 = time.perf_counter()
+        out, into = block_manager.take_transfers()  # the host tier: offloads, then loads, before anything
+        if out or into:
+            self.cache.swap(out, into)
         self.cache.copy_blocks(batch.blocks_to_copy)  # copy-on-write before any write
         tokens, positions, slots, tables, seq_lens, sample_rows, last = [], [], [], [], [], [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
