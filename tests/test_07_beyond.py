@@ -1,0 +1,80 @@
+"""Notebook 07's measurements beyond eviction: quality against bytes, the host tier's projections,
+many engines behind a router (kvlab/beyond.py, kvlab/eval.py's eviction_quality)."""
+
+import math
+
+import pytest
+
+from kvlab import beyond
+from kvlab.beyond import StepTimeModel, chat_workload, simulate_fleet
+from kvlab.cache import evict as ev
+from kvlab.engine.metrics import StepStats
+from kvlab.eval import eviction_quality
+
+
+def test_eviction_quality_full_cache_is_the_reference(tiny):
+    model, _ = tiny
+    ids = list(range(3, 3 + 70))
+    r = eviction_quality(model, ids, 40, {"keep": (None, "fp32"), "window": ev.SlidingWindow(16),
+                                          "fp16": (None, "fp16")}, block_size=4)
+    keep, window, fp16 = (r["configs"][n] for n in ("keep", "window", "fp16"))
+    assert r["scored"] == 70 - 40 - 1
+    assert keep["kl"] < 1e-9 and keep["top1"] == 1.0  # the same cache as the reference
+    assert window["kl"] > 1e-3 and window["tokens"] <= 16 and window["bytes_share"] < 0.3
+    assert abs(fp16["kl"]) < 1e-4 and fp16["bytes_share"] == 1.0 and fp16["tokens"] == 69
+    with pytest.raises(ValueError, match="prompt_len"):
+        eviction_quality(model, ids, 69, {"w": ev.SlidingWindow(16)})
+    with pytest.raises(TypeError, match="policy"):
+        eviction_quality(model, ids, 40, {"w": ("window", "fp16")})
+
+
+def test_equal_byte_budgets(smollm2):
+    model, _ = smollm2
+    b = beyond.equal_byte_budgets(model, 1023, ("int4",), block_size=16)
+    share = beyond.block_share(model, "int4", 16)
+    assert b["int4"] == int(share * 64) * 16 and 0.25 < share < 0.35
+
+
+def test_fit_step_time_recovers_a_planted_model():
+    planted = StepTimeModel(0.02, 0.0005, 0.002)
+    stats = [StepStats(i, 0, 0, 0, p, d, 0, 0, 0, 0, planted(p, d), 0.0, 0.0, 0.0)
+             for i, (p, d) in enumerate([(0, 1), (0, 8), (128, 4), (512, 0), (64, 16), (0, 32)])]
+    fit = beyond.fit_step_time(stats)
+    assert math.isclose(fit.fixed, 0.02, rel_tol=1e-6) and math.isclose(fit.per_decode, 0.002, rel_tol=1e-6)
+    assert fit.error < 1e-6 and "median error" in str(fit)
+    with pytest.raises(ValueError, match="at least 3"):
+        beyond.fit_step_time(stats[:2])
+
+
+def test_fleet_routing_and_the_host_tier():
+    wl = chat_workload(24, 3, seed=1)
+    st = StepTimeModel(0.02, 0.0004, 0.001)
+    runs = {r: simulate_fleet(wl, 4, r, st, num_blocks=128) for r in beyond.ROUTERS}
+    assert all(x["requests"] == 72 for x in runs.values())
+    assert runs["prefix-affinity"]["prefix_hit_rate"] > runs["round-robin"]["prefix_hit_rate"] + 0.1
+    assert runs["prefix-affinity"]["prefix_hit_rate"] > runs["least-loaded"]["prefix_hit_rate"] + 0.1
+    assert sum(runs["round-robin"]["served_by"]) == 72 and max(runs["round-robin"]["served_by"]) == 18
+    plain = simulate_fleet(wl, 1, "least-loaded", st, num_blocks=96)
+    tiered = simulate_fleet(wl, 1, "least-loaded", st, num_blocks=96, host_blocks=1024)
+    assert plain["host_hits"] == 0 and tiered["host_hits"] > 0
+    assert tiered["blocks_from_host"] == tiered["host_hits"] and tiered["prefix_hit_rate"] > plain["prefix_hit_rate"]
+    with pytest.raises(ValueError, match="router"):
+        simulate_fleet(wl, 2, "random", st)
+
+
+def test_tier_projection_arithmetic():
+    r = beyond.tier_projection(10, 160, "llama-3-8b")
+    assert r["bytes_moved"] == 10 * 16 * 131072
+    assert math.isclose(r["recompute_flops"], 2 * 8.03e9 * 160)
+    pcie4 = r["links"]["PCIe 4.0 x16"]
+    assert math.isclose(pcie4["seconds"], r["bytes_moved"] / 32e9)
+    # a GQA model moves few bytes per parameter: loading beats recomputing; an MHA model of similar size less so
+    assert pcie4["x_faster_than_recompute"] > 3 * beyond.tier_projection(10, 160, "llama-2-7b")["links"][
+        "PCIe 4.0 x16"]["x_faster_than_recompute"]
+
+
+def test_passkey_prompts(tiny):
+    _, tok = tiny
+    prompts, keys = beyond.passkey_prompts(tok, n=3, filler_repeats=4)
+    assert len(prompts) == 3 and all(10000 <= k < 100000 for k in keys)
+    assert all(str(k).encode() in bytes(t - 3 for t in p if t >= 3) for p, k in zip(prompts, keys))
