@@ -34,17 +34,19 @@ from kvlab.validate import cdiv, check_int
 FORMATS = ("int8", "k8v4", "int4")
 
 
-def block_share(model, fmt: str, block_size: int = 16) -> float:
-    """Bytes of one ``fmt`` block over one FP16 block (per-token scales included)."""
-    one = lambda f: QuantizedPagedKVCache.from_model(model, 1, block_size, named_config(f)).bytes_per_block  # noqa: E731
+def block_share(model, fmt: str, block_size: int = 16, calibration=None) -> float:
+    """Bytes of one ``fmt`` block over one FP16 block (per-token scales included; a static format's
+    per-layer scale tables are a fixed cost outside the blocks, and need its ``calibration``)."""
+    def one(f):
+        return QuantizedPagedKVCache.from_model(model, 1, block_size, named_config(f), calibration).bytes_per_block
     return one(fmt) / one("fp16")
 
 
-def equal_byte_budgets(model, num_tokens: int, formats=FORMATS, block_size: int = 16) -> dict[str, int]:
+def equal_byte_budgets(model, num_tokens: int, formats=FORMATS, block_size: int = 16, calibration=None) -> dict[str, int]:
     """For each format: the FP16 budget (tokens, whole blocks) that holds what the format's full cache of
     ``num_tokens`` tokens holds, in bytes, at the end of the text (the peak, which decides what fits)."""
     full = cdiv(num_tokens, block_size)
-    return {f: int(block_share(model, f, block_size) * full) * block_size for f in formats}
+    return {f: int(block_share(model, f, block_size, calibration) * full) * block_size for f in formats}
 
 
 def _policy(name: str, budget: int, **kw) -> EvictionPolicy:
@@ -62,7 +64,7 @@ def quantize_or_evict(model, tokens: list[int], prompt_len: int, calibration=Non
     when the format's KL is below every policy's at the same bytes, else ``evict`` with the policy that
     beats it."""
     options = options or {}
-    budgets = equal_byte_budgets(model, len(tokens) - 1, formats, block_size)
+    budgets = equal_byte_budgets(model, len(tokens) - 1, formats, block_size, calibration)
     answer = len(tokens) - 1 - prompt_len  # tokens fed after the prompt: SnapKV keeps them all
     configs = {f: (None, f) for f in formats}
     where = {}  # config name -> the budget (end-of-text tokens) it is compared at
@@ -190,7 +192,15 @@ def fit_step_time(step_stats) -> StepTimeModel:
         raise ValueError(f"fit_step_time needs at least 3 steps, got {len(rows)}")
     x = torch.tensor(rows, dtype=torch.float64)
     y = torch.tensor([s.total_s for s in step_stats], dtype=torch.float64)
-    coef = torch.linalg.lstsq(x, y[:, None]).solution[:, 0].clamp(min=0).tolist()
+    free = [0, 1, 2]  # least squares with every coefficient >= 0: a negative one is pinned at 0, the rest refitted
+    while True:
+        sol = torch.linalg.lstsq(x[:, free], y[:, None]).solution[:, 0]
+        if (sol >= 0).all() or len(free) == 1:
+            break
+        free.pop(int(sol.argmin()))
+    coef = [0.0, 0.0, 0.0]
+    for i, c in zip(free, sol.clamp(min=0).tolist()):
+        coef[i] = c
     model = StepTimeModel(*coef, steps=len(rows))
     rel = sorted(abs(model(p, d) - t) / t for (_, p, d), t in zip(rows, y.tolist()))
     model.error = rel[len(rel) // 2]
@@ -330,3 +340,36 @@ def tier_projection(blocks_moved: int, tokens_saved: int, model: str = "llama-3-
             "recompute_s": recompute_s, "gpu": GPU_FLOPS[0],
             "links": {name: {"seconds": moved / bw, "x_faster_than_recompute": recompute_s / (moved / bw) if moved else None}
                       for name, bw in LINKS.items()}}
+
+
+def kept_blocks(model, prompt: list[int], policies, budgets, max_tokens: int = 8, block_size: int = 16) -> dict:
+    """Serve one prompt once per (budget, policy name) and record, at the last step before it finishes,
+    which logical blocks the sequence kept, each block's score (scoring policies), and the pool's
+    counters. Returns ``{budget: {policy: {"kept", "num_blocks", "scores", "dropped", "free", "tokens"}}}``."""
+    out = {}
+    for budget in budgets:
+        out[budget] = {}
+        for name in policies:
+            policy = make_policy(name, budget)
+            llm = LLM(model, None, num_blocks=cdiv(len(prompt) + max_tokens, block_size) + 4, block_size=block_size,
+                      max_num_seqs=1, max_num_batched_tokens=max(512, len(prompt)), eviction=policy,
+                      enable_prefix_caching=False)
+            snap = {}
+
+            def record(stats, llm=llm, snap=snap):
+                bm = llm.block_manager
+                for sid in bm.seqs:
+                    state = llm._evict_states.get(sid)
+                    n = bm.num_tokens(sid)
+                    scores = None
+                    if state is not None and policy.needs_scores and len(state.scores):
+                        s = state.scores
+                        scores = [float(s[i * block_size:(i + 1) * block_size].sum()) for i in range(cdiv(n, block_size))]
+                    snap.update(kept=bm.logical_blocks(sid), num_blocks=cdiv(n, block_size), scores=scores,
+                                dropped=bm.counters["policy_evictions"], free=bm.num_free_blocks, tokens=n,
+                                pool=bm.num_blocks)
+
+            llm.on_step = record
+            llm.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            out[budget][name] = snap
+    return out

@@ -278,6 +278,8 @@ PLANTED_LABS = {
     "saturation": (_quality_lab(), _quality_lab(saturation={"configs": {
         "static": dict(kl=2.0, top1=0.3, k_clip_rate=0.2), "corrected": dict(kl=0.0015, top1=0.99)}})),
     "prefix-40-60": (dict(measured=(0.47, 27, 58.0)), dict(measured=(0.2, 27, 58.0))),  # (saving, shared, mean)
+    "swa-documents": tuple(SimpleNamespace(passkey={"full": dict(correct=4, n=4, prompt_tokens=540),
+                                                    "window": dict(correct=w, n=4, prompt_tokens=540)}) for w in (0, 4)),
 }
 # claim id -> keyword arguments planting a measurement in a claim that needs no model
 PLANTED_ARGS = {

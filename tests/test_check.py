@@ -417,3 +417,32 @@ def test_checkers_name_the_mistakes_the_notebooks_warn_about(capsys):
 
     assert not check.quantize_per_head(guard_at_zero_only)
     assert "below 1e-6" in capsys.readouterr().out
+
+
+def test_sinks_window_blocks(capsys):
+    from kvlab.check.evict import kept_after
+    from kvlab.validate import cdiv
+
+    assert check.sinks_window_blocks(kept_after)
+    assert capsys.readouterr().out.startswith("[ok] sinks_window_blocks")
+
+    def stub(*a):
+        raise NotImplementedError
+
+    assert not check.sinks_window_blocks(stub)
+    assert "[todo]" in capsys.readouterr().out
+
+    def formula(n, bs, budget, sinks, sink_blocks=None, window=None, positions=False):
+        total, b = cdiv(n, bs), budget // bs
+        s = cdiv(sinks, bs) if sink_blocks is None else sink_blocks(sinks, bs)
+        keep = list(range(total)) if total <= b else sorted(set(range(min(s, total))) | set(
+            range(total - ((b - s) if window is None else window(b, s)), total)))
+        return [p for lb in keep for p in range(lb * bs, min(n, lb * bs + bs))] if positions else keep
+
+    assert check.sinks_window_blocks(formula)
+    capsys.readouterr()
+    for wrong, why in [(lambda *a: formula(*a, sink_blocks=lambda s, bs: s), "ceil(sinks / block_size) blocks"),
+                       (lambda *a: formula(*a, window=lambda b, s: b - s + 1), "the block being written counts"),
+                       (lambda *a: formula(*a, positions=True), "not token positions")]:
+        assert not check.sinks_window_blocks(wrong)
+        assert why in capsys.readouterr().out

@@ -27,6 +27,7 @@ EXERCISES = {
     "admission_rule": ("04_continuous_batching", "Task 1", "the scheduler's admission rule"),
     "online_softmax_update": ("05_fused_triton_kernel", "Task 1", "online softmax in a Triton kernel"),
     "max_held": ("06_putting_it_together", "Task 1", "requests a pool can hold to completion at once"),
+    "sinks_window_blocks": ("07_beyond_one_engine", "Task 1", "the blocks sinks + window keeps after n tokens"),
 }
 
 

@@ -15,7 +15,7 @@ from kvlab.claims import arithmetic as A
 from kvlab.claims.memory import (c_7b_1mb, c_7b_table, c_7b_weights, c_12_7ms, c_16ms, c_22ms, c_24_to_16, c_39pct,
                                  c_70b, c_a100_half, c_decode_1ms, c_fits, c_int4_quarter, c_int8_half, c_unfused)
 from kvlab.claims.quality import (c_first_last, c_granularity, c_k_over_v, c_negligible, c_p999, c_ppl_000, c_ppl_004,
-                                  c_rounding, c_saturation, c_three_bits, c_zero_guard)
+                                  c_rounding, c_saturation, c_three_bits, c_window_documents, c_zero_guard)
 from kvlab.claims.serving import (c_5_20x, c_10_30ms, c_frag_50, c_paged_90, c_prefix, c_static_30, c_static_50,
                                   c_utilization)
 
@@ -126,6 +126,9 @@ CLAIMS: tuple[Claim, ...] = (
           "00_memory_wall", "2. Real models", A.c_70b_needs_tp, quote="--model meta-llama/Llama-2-70b-chat-hf"),
     Claim("swa-caps-memory", "003", "§5", "for long documents, INT8 plus sliding-window attention caps the peak memory",
           "00_memory_wall", "3. Checking the source articles", A.c_sliding_window_cap, quote="搭配 INT8 量化 + Sliding Window Attention"),
+    Claim("swa-documents", "003", "§5", "for long-document tasks (document analysis), a sliding window is the "
+          "memory control to pair with INT8", "07_beyond_one_engine", "4. What eviction forgets: a pass key",
+          c_window_documents, quote="长上下文任务（如文档分析）：搭配 INT8 量化 + Sliding Window Attention"),
     Claim("spec-ttft", "003", "§5", "speculative decoding with a small draft model lowers the time to first token",
           "04_continuous_batching", "5. Chunked prefill: time to first token and jitter", A.c_speculative_ttft, quote="降低首 token 延迟"),
     Claim("mla-smaller", "003", "§5", "MLA (DeepSeek) shrinks the cache fundamentally by compressing the KV dimension",

@@ -13,8 +13,10 @@ import time
 from functools import cached_property
 from typing import Callable
 
+from kvlab.beyond import passkey
 from kvlab.bench.caches import recompute_vs_cache
 from kvlab.cache import simulate
+from kvlab.cache.evict import SlidingWindow
 from kvlab.calibrate import calibrate, collect_kv, default_calibration
 from kvlab.capstone import served_agreement
 from kvlab.data import EVAL_PLAY, calibration_chunks, chat_prompts, text_tokens
@@ -33,13 +35,18 @@ class Lab:
     table shares with 03 is the same number.
     """
 
-    def __init__(self, model=None, tokenizer=None, held_out_tokens: int = 384, answers: dict | None = None):
+    def __init__(self, model=None, tokenizer=None, held_out_tokens: int = 384, answers: dict | None = None,
+                 passkey: dict | None = None):
         self._model, self._tokenizer = model, tokenizer
         self.held_out_tokens = held_out_tokens
         if answers is not None:  # measured already, as notebook 06 does: the table reads that run, not a second one
             if not isinstance(answers, dict) or not {"identical", "requests", "prefix_share"} <= set(answers):
                 raise ValueError("answers must be kvlab.capstone.agreement(...)'s dict (identical, requests, prefix_share)")
             self.__dict__["answers"] = answers
+        if passkey is not None:  # notebook 07's run of kvlab.beyond.passkey (n=4), full cache and a 256 window
+            if not isinstance(passkey, dict) or not {"full", "window"} <= set(passkey):
+                raise ValueError("passkey must be kvlab.beyond.passkey(...)'s dict with 'full' and 'window' runs")
+            self.__dict__["passkey"] = passkey
         self.seconds: dict[str, float] = {}  # what each measurement cost, for the notebook
 
     def _timed(self, name: str, fn: Callable):
@@ -58,6 +65,13 @@ class Lab:
     def tokenizer(self):
         self.model  # noqa: B018  (loads both)
         return self._tokenizer
+
+    @cached_property
+    def passkey(self) -> dict:
+        """Notebook 07's retrieval task, small: 4 pass keys hidden early in ~540-token prompts, the full
+        cache against a 256-token sliding window (``kvlab.beyond.passkey``)."""
+        return self._timed("passkey", lambda: passkey(self.model, self.tokenizer,
+                                                     {"full": None, "window": SlidingWindow(256)}, n=4))
 
     @cached_property
     def seed_shares(self) -> dict:

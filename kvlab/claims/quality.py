@@ -162,3 +162,14 @@ def c_saturation(lab):
             elsewhere(verdict, "SmolLM2 at 384 tokens", "long contexts on a 7B"),
             "saturated in the counters, not garbage: most next tokens stay the same. Long contexts, where the "
             "article expects the worst, are not what a 384-token text tests")
+
+
+def c_window_documents(lab):
+    r = lab.passkey
+    full, window, n = r["full"]["correct"], r["window"]["correct"], r["full"]["n"]
+    return (f"a pass key early in a {r['full']['prompt_tokens']}-token document: found {full}/{n} with the full cache, "
+            f"{window}/{n} with a 256-token sliding window (notebook 07)",
+            elsewhere(truth(window >= full - 1), claimed_for="models trained with a window"),
+            "a window imposed on a model trained without one forgets what fell out of it, the early facts a "
+            "document task asks for; a model trained with a window (Mistral) carries information across its "
+            "layers beyond one window, which the lab cannot measure")

@@ -1,0 +1,102 @@
+"""Notebook 07's figures: which blocks each eviction policy keeps, quality against bytes, the fleet."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from kvlab.viz import COLORS
+
+POLICY_COLORS = {"window": "#8e44ad", "sinks+window": "#2980b9", "h2o": "#d35400", "snapkv": "#16a085"}
+FORMAT_COLORS = {"int8": COLORS["tokens"], "k8v4": "#f1c40f", "int4": COLORS["kv"], "fp16": COLORS["weights"]}
+
+
+def _grid(runs_at_budget: dict, budget: int):
+    names = list(runs_at_budget)
+    n = max(r["num_blocks"] for r in runs_at_budget.values())
+    z, text = [], []
+    for name in names:
+        r = runs_at_budget[name]
+        kept = set(r["kept"])
+        z.append([2 if b == r["num_blocks"] - 1 else 1 if b in kept else 0 for b in range(n)])
+        text.append([f"{name}, block {b} (positions {16 * b}-{16 * b + 15}): "
+                     + ("being written" if b == r["num_blocks"] - 1 else "kept" if b in kept else "dropped")
+                     + (f", score {r['scores'][b]:.1f}" if r["scores"] and b < len(r["scores"]) else "")
+                     for b in range(n)])
+    return names, z, text
+
+
+def eviction_explorer(runs: dict, marks: dict | None = None):
+    """A budget slider over :func:`kvlab.beyond.kept_blocks`' runs: one row per policy, one cell per
+    logical block of the sequence (kept, dropped, being written); ``marks``: block index -> label drawn
+    above the grid (e.g. where the pass key sits)."""
+    import ipywidgets as W  # ipywidgets loads only when a widget is built
+
+    budgets = sorted(runs)
+    names, z, text = _grid(runs[budgets[0]], budgets[0])
+    colorscale = [[0, COLORS["empty"]], [0.33, COLORS["empty"]], [0.34, COLORS["tokens"]], [0.66, COLORS["tokens"]],
+                  [0.67, COLORS["padding"]], [1, COLORS["padding"]]]
+    fig = go.FigureWidget(go.Heatmap(z=z, y=names, text=text, hoverinfo="text", zmin=0, zmax=2,
+                                     colorscale=colorscale, showscale=False, xgap=1, ygap=3))
+    fig.update_layout(height=330, margin=dict(t=80, b=50, l=110, r=20), xaxis_title="logical block (16 tokens each)",
+                      yaxis_autorange="reversed")
+    for b, label in (marks or {}).items():
+        fig.add_vline(x=b, line_dash="dot", line_color="black")
+        fig.add_annotation(x=b, y=1.0, yref="paper", yanchor="bottom", text=label, showarrow=False)
+    slider = W.SelectionSlider(options=budgets, value=budgets[0], description="budget (tokens)",
+                               style={"description_width": "initial"}, layout=W.Layout(width="460px"))
+
+    def refresh(_=None):
+        at = runs[slider.value]
+        _, z, text = _grid(at, slider.value)
+        kept = {n: len(r["kept"]) for n, r in at.items()}
+        with fig.batch_update():
+            fig.data[0].z, fig.data[0].text = z, text
+            fig.layout.title = (f"Budget {slider.value} tokens: blocks kept per policy after {next(iter(at.values()))['tokens']} "
+                                f"tokens<br><sup>green kept, grey dropped (back in the pool), orange being written; "
+                                + ", ".join(f"{n} {k}" for n, k in kept.items()) + " blocks</sup>")
+
+    slider.observe(refresh, names="value")
+    refresh()
+    return W.VBox([slider, fig])
+
+
+def quantize_or_evict_figure(q: dict):
+    """Next-token KL against the bytes a cache holds at the end of the text (share of the full FP16
+    cache): a marker per quantized format, a line per eviction policy over its budgets."""
+    cs = q["result"]["configs"]
+    fig = go.Figure()
+    policies = sorted({c["policy"] for c in cs.values() if c["policy"]})
+    for p in policies:
+        pts = sorted((c["bytes_share"], c["kl"], n) for n, c in cs.items() if c["policy"] == p)
+        fig.add_scatter(x=[a for a, _, _ in pts], y=[b for _, b, _ in pts], mode="lines+markers", name=p,
+                        line_color=POLICY_COLORS.get(p), text=[n for *_, n in pts],
+                        hovertemplate="%{text}: %{x:.0%} of the bytes, KL %{y:.4f}<extra></extra>")
+    for v in q["verdicts"]:
+        c = cs[v["format"]]
+        fig.add_scatter(x=[c["bytes_share"]], y=[c["kl"]], mode="markers+text", name=f"{v['format']} (full cache)",
+                        marker=dict(symbol="diamond", size=13, color=FORMAT_COLORS.get(v["format"])),
+                        text=[v["format"]], textposition="top center",
+                        hovertemplate=f"{v['format']}: %{{x:.0%}} of the bytes, KL %{{y:.4f}}<extra></extra>")
+    fig.update_layout(height=430, title="Quantize or evict? Quality against the bytes held (SmolLM2, one held-out text)",
+                      xaxis=dict(title="bytes the cache holds at the end of the text (share of the full FP16 cache)",
+                                 tickformat=".0%"),
+                      yaxis=dict(title="next-token KL vs the full FP32 cache (log; lower is better)", type="log"),
+                      legend=dict(orientation="h", y=-0.25), margin=dict(t=60, b=40))
+    return fig
+
+
+def fleet_figure(rows: list[dict]):
+    """Prefix hit rate and TTFT p99 against the number of replicas, a line per router."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("prefix hit rate (blocks found cached)", "TTFT p99 (s, simulated)"))
+    colors = dict(zip(("round-robin", "least-loaded", "prefix-affinity"), ("#7f8c8d", "#2980b9", "#27ae60")))
+    for router in dict.fromkeys(r["router"] for r in rows):
+        rs = [r for r in rows if r["router"] == router]
+        for col, key in ((1, "prefix_hit_rate"), (2, "ttft_p99_s")):
+            fig.add_scatter(x=[r["replicas"] for r in rs], y=[r[key] for r in rs], mode="lines+markers", name=router,
+                            line_color=colors.get(router), showlegend=col == 1, row=1, col=col)
+    fig.update_xaxes(title_text="replicas", type="log", tickvals=sorted({r["replicas"] for r in rows}))
+    fig.update_yaxes(tickformat=".0%", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(rangemode="tozero", row=1, col=2)
+    fig.update_layout(height=380, legend=dict(orientation="h", y=-0.25), margin=dict(t=60, b=40))
+    return fig
