@@ -76,12 +76,12 @@ def quantize_or_evict_figure(q: dict):
         c = cs[v["format"]]
         fig.add_scatter(x=[c["bytes_share"]], y=[c["kl"]], mode="markers+text", name=f"{v['format']} (full cache)",
                         marker=dict(symbol="diamond", size=13, color=FORMAT_COLORS.get(v["format"])),
-                        text=[v["format"]], textposition="top center",
+                        text=[v["format"]], textposition="bottom center",
                         hovertemplate=f"{v['format']}: %{{x:.0%}} of the bytes, KL %{{y:.4f}}<extra></extra>")
     fig.update_layout(height=430, title="Quantize or evict? Quality against the bytes held (SmolLM2, one held-out text)",
                       xaxis=dict(title="bytes the cache holds at the end of the text (share of the full FP16 cache)",
                                  tickformat=".0%"),
-                      yaxis=dict(title="next-token KL vs the full FP32 cache (log; lower is better)", type="log"),
+                      yaxis=dict(title="next-token KL vs the full FP32 cache (log; lower is better)", type="log", dtick=1),
                       legend=dict(orientation="h", y=-0.25), margin=dict(t=60, b=40))
     return fig
 
