@@ -58,7 +58,7 @@ def test_dry_run_end_to_end(dry_run):
     assert "could not read" not in summary and "(no bench" not in summary, summary
     for name in NOTEBOOKS + [gc.REHEARSAL_NAME] + list(gc.STEP_NAMES):
         assert name in summary, name
-    assert summary.count("(not executed: dry run)") == len(NOTEBOOKS) == 7
+    assert summary.count("(not executed: dry run)") == len(NOTEBOOKS) == 8
     assert "480 s goal" in summary and "within it" in summary
 
     kernels = json.loads((out / "bench_kernels.json").read_text())
