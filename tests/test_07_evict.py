@@ -189,6 +189,22 @@ def test_a_small_host_tier_forgets_its_oldest():
         BlockManager(4, 4, enable_prefix_caching=False, host_blocks=2)
 
 
+def test_a_host_slot_being_loaded_is_not_reused_in_the_same_step():
+    """One host slot: a prompt loads its block back from it, and the same allocation pushes another block
+    out. The offload must not take the slot the load still has to read (offloads are applied first)."""
+    bm = BlockManager(2, 4, host_blocks=1)
+    a, b = [1, 2, 3, 4, 9], [5, 6, 7, 8, 9]
+    bm.allocate(0, a)
+    bm.free(0)
+    bm.allocate(1, b)  # takes A's cached block: A goes to the host
+    bm.free(1)
+    bm.take_transfers()
+    bm.allocate(2, a)  # A comes back from the host, and B's block is pushed out while slot 0 is being read
+    out, into = bm.take_transfers()
+    assert into and all(slot not in {s for _, s in out} for slot, _ in into)
+    bm.check_invariants()
+
+
 def test_host_tier_refuses_a_quantized_pool(tiny):
     model, _ = tiny
     with pytest.raises(ValueError, match="float pools"):

@@ -150,6 +150,7 @@ class BlockManager:
         self.host_free: deque[int] = deque(range(host_blocks))
         self.transfers_out: list[tuple[int, int]] = []  # (device block, host slot): copy before the block is reused
         self.transfers_in: list[tuple[int, int]] = []  # (host slot, device block): copy before the forward reads
+        self.host_loading: list[int] = []  # slots being read by a pending load: free again once it is applied
         self.counters.update(offloaded_blocks=0, loaded_blocks=0, host_evictions=0, host_hits=0)
 
     # ---- queries ---------------------------------------------------------------------------------
@@ -253,6 +254,8 @@ class BlockManager:
     def _offload(self, b: Block) -> None:
         """A cached block leaves the device: copy it to a host slot (the host's LRU entry gives way)."""
         if not self.host_free:
+            if not self.host:  # every slot is being read by a load of this step: this block is forgotten
+                return
             _, (slot, _, _) = self.host.popitem(last=False)
             self.host_free.append(slot)
             self.counters["host_evictions"] += 1
@@ -269,7 +272,7 @@ class BlockManager:
         b.hash, b.parent, b.token_ids, b.num_tokens = hit.hash, parent, tokens, self.block_size
         self.hash_to_block[hit.hash] = bid
         self.transfers_in.append((slot, bid))
-        self.host_free.append(slot)
+        self.host_loading.append(slot)  # not reusable before the copy ran: an offload in this step could overwrite it
         self.counters["loaded_blocks"] += 1
         return bid
 
@@ -278,6 +281,8 @@ class BlockManager:
         (device block -> host slot), then ``in`` (host slot -> device block)."""
         out, into = self.transfers_out, self.transfers_in
         self.transfers_out, self.transfers_in = [], []
+        self.host_free.extend(self.host_loading)  # the caller applies the loads now: their slots are free after
+        self.host_loading = []
         return out, into
 
     def drop_pending_transfers(self) -> None:
@@ -295,6 +300,8 @@ class BlockManager:
                     del self.cached_ids[bid]
                     self.free_ids.append(bid)
         self.transfers_out, self.transfers_in = [], []
+        self.host_free.extend(self.host_loading)
+        self.host_loading = []
 
     def _ref(self, bid: int) -> None:
         b = self.blocks[bid]
@@ -596,7 +603,8 @@ class BlockManager:
         assert sum(b.hash is not None for b in self.blocks) == len(self.hash_to_block), "unindexed hashed block"
         slots = [slot for slot, _, _ in self.host.values()]
         assert len(set(slots)) == len(slots) and not set(slots) & set(self.host_free), "a host slot used twice"
-        assert len(slots) + len(self.host_free) == self.host_blocks, "host slots lost"
+        assert not set(self.host_loading) & (set(slots) | set(self.host_free)), "a loading host slot reused"
+        assert len(slots) + len(self.host_free) + len(self.host_loading) == self.host_blocks, "host slots lost"
         assert not set(self.host) & set(self.hash_to_block), "a block both on the host and on the device"
         for s in self.seqs.values():  # a registered block's hash matches the chain over its tokens
             parent = None
