@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.cache import BlockManager, QuantizedPagedKVCache
-from kvlab.cache.evict import POLICIES, EvictionPolicy, PromptSelect, make_policy
+from kvlab.cache.evict import POLICIES, PromptSelect, make_policy
 from kvlab.engine import LLM, SamplingParams, Sequence
 from kvlab.engine.scheduler import Scheduler
 from kvlab.eval import eviction_quality
@@ -49,10 +49,6 @@ def equal_byte_budgets(model, num_tokens: int, formats=FORMATS, block_size: int 
     return {f: int(block_share(model, f, block_size, calibration) * full) * block_size for f in formats}
 
 
-def _policy(name: str, budget: int, **kw) -> EvictionPolicy:
-    return make_policy(name, budget, **kw.get(name, {}))
-
-
 def quantize_or_evict(model, tokens: list[int], prompt_len: int, calibration=None, formats=FORMATS,
                       policies=tuple(POLICIES), extra_budgets=(64,), block_size: int = 16, options=None) -> dict:
     """Score every format (full cache) and every policy (FP16, at the formats' equal-byte budgets and at
@@ -72,7 +68,7 @@ def quantize_or_evict(model, tokens: list[int], prompt_len: int, calibration=Non
         for p in policies:
             own = b - answer if POLICIES[p] is PromptSelect else b
             try:
-                policy = _policy(p, own, **options) if own > 0 else None
+                policy = make_policy(p, own, **options.get(p, {})) if own > 0 else None
                 if policy is not None:
                     policy.budget_blocks(block_size)
             except ValueError:

@@ -278,9 +278,6 @@ class PromptSelect(EvictionPolicy):
         keep_group[chosen] = True
         return kept & keep_group[_groups(kept.shape[0], group)]
 
-    def choose_keep(self, logical, budget, num_tokens, prompt_len, block_size, scores):  # choose() is overridden
-        raise AssertionError("PromptSelect overrides choose()")
-
 
 #: the policies by name (``LLM(eviction=...)``, ``kvlab.cache.evict.make_policy``)
 POLICIES = {p.name: p for p in (SlidingWindow, SinksWindow, HeavyHitters, PromptSelect)}
