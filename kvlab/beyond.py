@@ -25,7 +25,8 @@ from kvlab.cache import BlockManager, QuantizedPagedKVCache
 from kvlab.cache.evict import POLICIES, PromptSelect, make_policy
 from kvlab.engine import LLM, SamplingParams, Sequence
 from kvlab.engine.scheduler import Scheduler
-from kvlab.eval import eviction_quality
+from kvlab.eval import answers_after_cut, eviction_quality
+from kvlab.data import play_text, plays
 from kvlab.quant import named_config
 from kvlab.sizing import kv_bytes_per_token, kv_config
 from kvlab.validate import cdiv, check_int
@@ -94,41 +95,82 @@ def quantize_or_evict(model, tokens: list[int], prompt_len: int, calibration=Non
 
 # ---- a retrieval task ----------------------------------------------------------------------------------
 
+QUESTION = " What is the pass key?"
+CUTS = ("after the prompt", "before the question")  # where passkey() cuts the cache
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
-def passkey_prompts(tokenizer, n: int = 6, filler_repeats: int = 20, seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    """``n`` prompts, each hiding a five-digit pass key at a random depth (10-50 %) of ``filler_repeats``
-    filler sentences, and asking for it at the end. Returns (token ids, keys)."""
+def passkey_prompts(tokenizer, n: int = 6, filler_repeats: int = 20, seed: int = 0,
+                    haystack: str = "filler", question_starts: bool = False) -> tuple:
+    """``n`` prompts, each hiding a five-digit pass key at a depth drawn from 10, 30 and 50 % of a
+    haystack, and asking for it at the end. Returns (token ids, keys).
+
+    ``haystack``: "filler", ``filler_repeats`` copies of five plain sentences (the usual pass-key
+    test: the key is the one sentence unlike the others), or a play's name (:func:`kvlab.data.plays`):
+    as many of its lines, from a random place, as the filler would take tokens, so the key sits in
+    text where every line is different. ``question_starts=True`` adds a third list: where each
+    prompt's question begins."""
     check_int("n", n)
     check_int("filler_repeats", filler_repeats)
-    rng = random.Random(seed)
-    prompts, keys = [], []
+    if haystack != "filler" and haystack not in plays():
+        raise ValueError(f"haystack must be 'filler' or a play's name ({', '.join(plays()[:3])}, ...), got {haystack!r}")
+    rng, place = random.Random(seed), random.Random(seed + 1)
+    lines = [] if haystack == "filler" else [line for line in play_text(haystack).splitlines() if line.strip()]
+    budget = len(tokenizer.encode(FILLER * filler_repeats))
+    prompts, keys, starts = [], [], []
     for _ in range(n):
         key = rng.randrange(10000, 100000)
-        before = int(filler_repeats * rng.choice([0.1, 0.3, 0.5]))
-        text = ("There is an important piece of information hidden in a lot of irrelevant text. Find it and "
-                f"memorize it.\n{FILLER * before}The pass key is {key}. Remember it. {key} is the pass key.\n"
-                f"{FILLER * (filler_repeats - before)}What is the pass key? The pass key is")
-        prompts.append(list(tokenizer.encode(text)))
+        depth = rng.choice([0.1, 0.3, 0.5])
+        if haystack == "filler":
+            before = int(filler_repeats * depth)
+            head, tail = FILLER * before, FILLER * (filler_repeats - before)
+        else:
+            start, hay, used = place.randrange(len(lines) - 400), [], 0
+            while used < budget:
+                hay.append(lines[start + len(hay)] + "\n")
+                used += len(tokenizer.encode(hay[-1]))
+            at = max(1, round(len(hay) * depth))
+            head, tail = "".join(hay[:at]), "".join(hay[at:])
+        document = ("There is an important piece of information hidden in a lot of irrelevant text. Find it and "
+                    f"memorize it.\n{head}The pass key is {key}. Remember it. {key} is the pass key.\n{tail}")
+        # the document's ids, then the question's: where the question starts is known exactly
+        question = (QUESTION if document.endswith(" ") else QUESTION.lstrip()) + " The pass key is"
+        ids = list(tokenizer.encode(document.rstrip(" ")))
+        prompts.append(ids + list(tokenizer.encode(question)))
+        starts.append(len(ids))
         keys.append(key)
-    return prompts, keys
+    return (prompts, keys, starts) if question_starts else (prompts, keys)
 
 
 def passkey(model, tokenizer, policies: dict, n: int = 6, filler_repeats: int = 20, seed: int = 0,
-            block_size: int = 16) -> dict:
+            block_size: int = 16, cut: str = "after the prompt", haystack: str = "filler") -> dict:
     """Serve the pass-key prompts once per policy (name -> EvictionPolicy or None: the full cache) and
-    count the answers that contain the key. Returns name -> {"correct", "n", "answers"}."""
-    prompts, keys = passkey_prompts(tokenizer, n, filler_repeats, seed)
+    count the answers that contain the key. Returns name -> {"correct", "n", "answers"}.
+
+    ``cut`` (:data:`CUTS`): "after the prompt" serves each prompt through ``LLM(eviction=...)``, which
+    cuts once the whole prompt, question included, is prefilled; "before the question" cuts the cache
+    when the document is prefilled and feeds the question after it
+    (:func:`kvlab.eval.answers_after_cut`): the policies choose without knowing what will be asked."""
+    if cut not in CUTS:
+        raise ValueError(f"cut must be one of {CUTS}, got {cut!r}")
+    prompts, keys, starts = passkey_prompts(tokenizer, n, filler_repeats, seed, haystack, question_starts=True)
     longest = max(map(len, prompts))
+    answers = {name: [] for name in policies}
+    if cut == "after the prompt":
+        for name, policy in policies.items():
+            llm = LLM(model, tokenizer, num_blocks=n * cdiv(longest + 8, block_size) + 8, block_size=block_size,
+                      max_num_seqs=n, max_num_batched_tokens=max(512, longest), eviction=policy,
+                      enable_prefix_caching=False)
+            answers[name] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))]
+    else:
+        for prompt, at in zip(prompts, starts):
+            for name, ids in answers_after_cut(model, prompt, at, policies, 8, block_size).items():
+                answers[name].append(ids)
     out = {}
-    for name, policy in policies.items():
-        llm = LLM(model, tokenizer, num_blocks=n * cdiv(longest + 8, block_size) + 8, block_size=block_size,
-                  max_num_seqs=n, max_num_batched_tokens=max(512, longest), eviction=policy,
-                  enable_prefix_caching=False)
-        answers = [tokenizer.decode(o.token_ids) for o in llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))]
-        out[name] = {"correct": sum(str(k) in a for a, k in zip(answers, keys)), "n": n, "answers": answers,
-                     "prompt_tokens": longest}
+    for name, ids in answers.items():
+        text = [tokenizer.decode(a) for a in ids]
+        out[name] = {"correct": sum(str(k) in a for a, k in zip(text, keys)), "n": n, "answers": text,
+                     "prompt_tokens": longest, "cut": cut, "haystack": haystack}
     return out
 
 

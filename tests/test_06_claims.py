@@ -91,9 +91,9 @@ def test_verdicts_are_computed_from_the_measurements_not_typed_in():
     assert by_id["ppl-0.5-1.5"].measure(_lab(0.001, 0.002, delta=1.0))[1] == "not settled (holds on SmolLM2)"
     assert by_id["ppl-0.5-1.5"].measure(_lab(0.001, 0.002, delta=0.1))[1].startswith("not settled (below")
     assert by_id["ppl-0.5-1.5"].measure(_lab(0.001, 0.002, delta=3.0))[1] == \
-        "not settled (does not hold (off by 2.0×) on SmolLM2)"
+        "not settled (off by 2.0× on SmolLM2)"
     assert by_id["ppl-0.1"].measure(_lab(0.001, 0.002, delta=0.5))[1] == "not settled (holds on SmolLM2)"
-    assert by_id["ppl-0.1"].measure(_lab(0.001, 0.002, delta=2.0))[1] == "not settled (does not hold (wrong) on SmolLM2)"
+    assert by_id["ppl-0.1"].measure(_lab(0.001, 0.002, delta=2.0))[1] == "not settled (does not hold on SmolLM2)"
     assert by_id["negligible"].measure(_lab(0.001, 0.002, top1=0.9))[1].startswith("not settled (does not hold")
     assert by_id["first-last"].measure(_lab(0.001, 0.002))[1] == "holds"  # layers 0 and 5 rank 1 and 2 of 6
 

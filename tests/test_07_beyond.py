@@ -78,3 +78,36 @@ def test_passkey_prompts(tiny):
     prompts, keys = beyond.passkey_prompts(tok, n=3, filler_repeats=4)
     assert len(prompts) == 3 and all(10000 <= k < 100000 for k in keys)
     assert all(str(k).encode() in bytes(t - 3 for t in p if t >= 3) for p, k in zip(prompts, keys))
+    prompts, keys, starts = beyond.passkey_prompts(tok, n=2, filler_repeats=4, haystack="macbeth", question_starts=True)
+    for p, k, s in zip(prompts, keys, starts):
+        assert str(k) in tok.decode(p[:s]) and tok.decode(p[s:]).startswith("What is the pass key?")
+    with pytest.raises(ValueError, match="haystack"):
+        beyond.passkey_prompts(tok, n=2, haystack="no-such-play")
+    with pytest.raises(ValueError, match="cut must be one of"):
+        beyond.passkey(None, tok, {"full": None}, n=2, cut="after the answer")
+
+
+def test_answers_after_cut_against_the_engine(tiny):
+    """Cutting at the prompt's end is what LLM(eviction=...) does: the same greedy tokens; keeping
+    every token, the cut does not matter and the answer is plain greedy generation."""
+    from kvlab.engine import LLM, SamplingParams
+    from kvlab.eval import answers_after_cut
+
+    model, tok = tiny
+    ids = [3 + (7 * i) % 50 for i in range(45)]
+
+    def engine(policy):
+        llm = LLM(model, tok, num_blocks=40, block_size=4, max_num_seqs=1, max_num_batched_tokens=64, eviction=policy,
+                  enable_prefix_caching=False)
+        return llm.generate([ids], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+
+    at_end = answers_after_cut(model, ids, 45, {"full": None, "window": ev.SlidingWindow(16)}, 6, block_size=4)
+    early = answers_after_cut(model, ids, 30, {"full": None, "window": ev.SlidingWindow(16)}, 6, block_size=4)
+    assert at_end["full"] == early["full"] == engine(None)
+    assert at_end["window"] == engine(ev.SlidingWindow(16)) and len(early["window"]) == 6
+    with pytest.raises(ValueError, match="cut must be an int"):
+        answers_after_cut(model, ids, 0, {"full": None})
+    with pytest.raises(TypeError, match="policy"):
+        answers_after_cut(model, ids, 30, {"w": "window"})
+    with pytest.raises(ValueError, match="policies"):
+        answers_after_cut(model, ids, 30, {})

@@ -1,5 +1,7 @@
 """The exercise checkers pass kvlab's own answers, fail wrong ones, and show the target for stubs."""
 
+import math
+
 import pytest
 import torch
 
@@ -446,3 +448,37 @@ def test_sinks_window_blocks(capsys):
                        (lambda *a: formula(*a, positions=True), "not token positions")]:
         assert not check.sinks_window_blocks(wrong)
         assert why in capsys.readouterr().out
+
+
+def test_copy_or_recompute(capsys):
+    from kvlab.beyond import GPU_FLOPS, LINKS, tier_projection
+    from kvlab.check.evict import copy_and_recompute
+    from kvlab.sizing import kv_config
+
+    # the reference is tier_projection's arithmetic: 4 blocks of 16 tokens = 64 tokens
+    p = tier_projection(4, 64, "llama-3-8b", block_size=16)
+    copy_s, recompute_s = copy_and_recompute(64, kv_config("llama-3-8b"), LINKS["PCIe 4.0 x16"], GPU_FLOPS[1])
+    assert math.isclose(copy_s, p["links"]["PCIe 4.0 x16"]["seconds"]) and math.isclose(recompute_s, p["recompute_s"])
+    assert check.copy_or_recompute(copy_and_recompute)
+    assert capsys.readouterr().out.startswith("[ok] copy_or_recompute")
+
+    def stub(*a):
+        raise NotImplementedError
+
+    assert not check.copy_or_recompute(stub)
+    out = capsys.readouterr().out
+    assert "[todo]" in out and "answer is" not in out  # a task to work out: the [todo] line reveals nothing
+
+    def planted(tokens, cfg, link, flops, kv=2, nbytes=2, all_heads=False, flop_factor=2, layers=True, swap=False):
+        heads = cfg.num_heads if all_heads else cfg.num_kv_heads
+        per_token = kv * (cfg.num_layers if layers else 1) * heads * cfg.head_dim * nbytes
+        out = (tokens * per_token / link, flop_factor * cfg.num_params * tokens / flops)
+        return out[::-1] if swap else out
+
+    for wrong, why in [(lambda *a: planted(*a, kv=1), "K and V"), (lambda *a: planted(*a, nbytes=4), "2 bytes"),
+                       (lambda *a: planted(*a, all_heads=True), "num_kv_heads"),
+                       (lambda *a: planted(*a, layers=False), "layers"),
+                       (lambda *a: planted(*a, flop_factor=6), "training"),
+                       (lambda *a: planted(*a, flop_factor=1), "2 FLOPs"), (lambda *a: planted(*a, swap=True), "order")]:
+        assert not check.copy_or_recompute(wrong)
+        assert why in capsys.readouterr().out, why

@@ -13,7 +13,7 @@ One module per notebook (``sizing`` 00, ``naive`` 01, ``paged`` 02, ``quant`` 03
 
 from kvlab.check.capstone import max_held
 from kvlab.check.engine import admission_rule
-from kvlab.check.evict import sinks_window_blocks
+from kvlab.check.evict import copy_or_recompute, sinks_window_blocks
 from kvlab.check.kernels import online_softmax_update
 from kvlab.check.naive import static_utilization, token_forwards, tokens_stored
 from kvlab.check.paged import blocks_after_fork, slot_mapping
@@ -23,4 +23,4 @@ from kvlab.check.sizing import kv_token_bytes, mla_bytes_per_token
 
 __all__ = ["kv_token_bytes", "mla_bytes_per_token", "token_forwards", "static_utilization", "tokens_stored",
            "slot_mapping", "blocks_after_fork", "quantize_per_head", "quantize_static", "pack_int4", "admission_rule",
-           "online_softmax_update", "max_held", "sinks_window_blocks", "EXERCISES", "progress", "progress_file"]
+           "online_softmax_update", "max_held", "sinks_window_blocks", "copy_or_recompute", "EXERCISES", "progress", "progress_file"]

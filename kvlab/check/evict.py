@@ -1,7 +1,9 @@
-"""Notebook 07's exercise: which blocks sinks + window keeps after n tokens."""
+"""Notebook 07's exercises: which blocks sinks + window keeps after n tokens (Task 1); copy a block back
+from the host, or recompute it (Task 2)."""
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from kvlab.cache.evict import SinksWindow
@@ -75,3 +77,66 @@ def sinks_window_blocks(fn: Callable[[int, int, int, int], list]) -> bool:
         return None
 
     return _run("sinks_window_blocks", fn, cases, same=lambda a, b: list(a) == list(b), hint=hint, reveal=False)
+
+
+# ---- Task 2: copy a block back, or compute it again? -------------------------------------------------
+
+def copy_and_recompute(tokens: int, cfg, link_bytes_per_s: float, flops_per_s: float) -> tuple[float, float]:
+    """The answer: seconds to copy ``tokens`` tokens' FP16 K and V over the link, and seconds to
+    recompute them by a prefill (2 FLOPs per parameter per token, attention left out), both at peak:
+    the arithmetic of :func:`kvlab.beyond.tier_projection`."""
+    copy_bytes = tokens * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, FP16
+    return copy_bytes / link_bytes_per_s, 2 * cfg.num_params * tokens / flops_per_s
+
+
+def _copy_cases():
+    from kvlab.beyond import GPU_FLOPS, LINKS
+    from kvlab.sizing import kv_config
+
+    shapes = [(1024, "llama-3-8b", LINKS["PCIe 4.0 x16"]),  # GQA, 8 KV heads: the copy wins
+              (1024, "llama-2-7b", LINKS["PCIe 4.0 x16"]),  # no GQA: four times the bytes, about even
+              (4096, "qwen2.5-7b", LINKS["PCIe 5.0 x16"]),  # 4 KV heads of 28
+              (256, "smollm2-135m", LINKS["NVLink-C2C (GH200)"]),  # a tiny model: recomputing is cheap
+              (1, "llama-2-70b", LINKS["PCIe 4.0 x16"])]
+    return [((n, kv_config(m), bw, GPU_FLOPS[1]), copy_and_recompute(n, kv_config(m), bw, GPU_FLOPS[1]))
+            for n, m, bw in shapes]
+
+
+def copy_or_recompute(fn: Callable) -> bool:
+    """``fn(tokens, cfg, link_bytes_per_s, flops_per_s)`` -> ``(copy_seconds, recompute_seconds)`` for a
+    :class:`kvlab.sizing.KVConfig` ``cfg``: the FP16 K/V of ``tokens`` tokens over the link at its peak,
+    and their prefill again at the GPU's peak FLOP/s (2 FLOPs per parameter per token)."""
+    cases = _copy_cases()
+
+    def close(a, b):
+        return (isinstance(a, (tuple, list)) and len(a) == 2 and all(isinstance(x, (int, float)) for x in a)
+                and all(abs(x - y) <= 1e-6 * abs(y) for x, y in zip(a, b)))
+
+    def hint(args, got, expected):
+        if not (isinstance(got, (tuple, list)) and len(got) == 2):
+            return "return two numbers: (copy seconds, recompute seconds)"
+        (c, r), (ce, re_) = got, expected
+        n, cfg, bw, flops = args
+        if close((r, c), expected):
+            return "the order is (copy seconds, recompute seconds)"
+        # (ratio yours / expected, the mistake behind it); the first that fits is named
+        copy_why = [(0.5, "a token stores K and V: two tensors per layer"), (2.0, "FP16 is 2 bytes per element, not 4"),
+                    (8.0, "the link is in bytes per second already (PCIe 4.0 x16: 32 GB/s), not bits"),
+                    (1 / cfg.num_layers, "every layer stores its own K and V: multiply by the layers"),
+                    (cfg.num_heads / cfg.num_kv_heads, "the cache holds num_kv_heads heads (GQA), not num_heads"),
+                    (1 / cfg.head_dim, "each head stores head_dim numbers per token"),
+                    (0.25, "K and V, 2 bytes each: the factor is 2 x 2")]
+        recompute_why = [(0.5, "a multiply-add is 2 FLOPs: 2 x parameters per token"),
+                         (3.0, "6 x parameters is training (forward + backward); a prefill is the forward only, 2 x"),
+                         (1 / n, "the prefill recomputes every one of the tokens: multiply by tokens")]
+        if c and ce and not math.isclose(c, ce, rel_tol=1e-6):
+            for f, why in copy_why:
+                if math.isclose(c / ce, f, rel_tol=1e-6):
+                    return why
+        if r and re_ and not math.isclose(r, re_, rel_tol=1e-6):
+            for f, why in recompute_why:
+                if math.isclose(r / re_, f, rel_tol=1e-6):
+                    return why
+        return None
+
+    return _run("copy_or_recompute", fn, cases, same=close, hint=hint, reveal=False)

@@ -28,6 +28,7 @@ EXERCISES = {
     "online_softmax_update": ("05_fused_triton_kernel", "Task 1", "online softmax in a Triton kernel"),
     "max_held": ("06_putting_it_together", "Task 1", "requests a pool can hold to completion at once"),
     "sinks_window_blocks": ("07_beyond_one_engine", "Task 1", "the blocks sinks + window keeps after n tokens"),
+    "copy_or_recompute": ("07_beyond_one_engine", "Task 2", "copy a block back from the host, or recompute it"),
 }
 
 

@@ -128,7 +128,7 @@ CLAIMS: tuple[Claim, ...] = (
           "00_memory_wall", "3. Checking the source articles", A.c_sliding_window_cap, quote="搭配 INT8 量化 + Sliding Window Attention"),
     Claim("swa-documents", "003", "§5", "for long-document tasks (document analysis), a sliding window is the "
           "memory control to pair with INT8", "07_beyond_one_engine", "4. What eviction forgets: a pass key",
-          c_window_documents, quote="长上下文任务（如文档分析）：搭配 INT8 量化 + Sliding Window Attention"),
+          c_window_documents, quote="长上下文任务（如文档分析）：搭配 INT8 量化 + Sliding Window Attention，控制显存峰值"),
     Claim("spec-ttft", "003", "§5", "speculative decoding with a small draft model lowers the time to first token",
           "04_continuous_batching", "5. Chunked prefill: time to first token and jitter", A.c_speculative_ttft, quote="降低首 token 延迟"),
     Claim("mla-smaller", "003", "§5", "MLA (DeepSeek) shrinks the cache fundamentally by compressing the KV dimension",

@@ -21,7 +21,8 @@ formula, the article's own numbers against each other) it is judged like any oth
 fails. Where only a measurement could settle it, and the lab can measure only SmolLM2, its own
 workloads or a quantity next to the claimed one (seat occupancy for GPU utilization, next-token
 agreement for task accuracy), the verdict is ``not settled`` and says what the lab saw: "(holds on
-SmolLM2)", "(does not hold on SmolLM2)", "(in range on this workload)" (:func:`elsewhere`). A
+SmolLM2)", "(does not hold on SmolLM2)", "(off by 2.0× on SmolLM2)", "(in range on this workload)"
+(:func:`elsewhere`). A
 general rule stated for every model or workload ("keys matter more than values", "p99.9 beats
 abs-max") is judged on SmolLM2 as one instance: a counterexample makes it wrong, an agreement lets
 it hold. A format claim that leaves its scales unstated is judged with the leanest
@@ -132,7 +133,8 @@ def elsewhere(verdict: str, seen_on: str = "SmolLM2", claimed_for: str = "anothe
     _note("elsewhere", f"measured on {seen_on}, claimed for {claimed_for}: not settled either way")
     if verdict.startswith(UNSETTLED):
         return verdict
-    seen = "holds" if verdict == HOLDS else f"does not hold ({verdict})"
+    # one verdict, said once: "holds", "does not hold", or by how much it is off ("off by 2.0×")
+    seen = {HOLDS: "holds", "wrong": "does not hold"}.get(verdict, verdict)
     return f"{UNSETTLED} ({seen} on {seen_on})"
 
 

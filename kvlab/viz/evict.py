@@ -69,9 +69,12 @@ def quantize_or_evict_figure(q: dict):
     policies = sorted({c["policy"] for c in cs.values() if c["policy"]})
     for p in policies:
         pts = sorted((c["bytes_share"], c["kl"], n) for n, c in cs.items() if c["policy"] == p)
-        fig.add_scatter(x=[a for a, _, _ in pts], y=[b for _, b, _ in pts], mode="lines+markers", name=p,
-                        line_color=POLICY_COLORS.get(p), text=[n for *_, n in pts],
-                        hovertemplate="%{text}: %{x:.0%} of the bytes, KL %{y:.4f}<extra></extra>")
+        alone = len(pts) == 1  # a policy with one usable budget (SnapKV here) gets its name beside the point
+        fig.add_scatter(x=[a for a, _, _ in pts], y=[b for _, b, _ in pts], mode="markers+text" if alone else "lines+markers",
+                        name=p, line_color=POLICY_COLORS.get(p), marker_color=POLICY_COLORS.get(p),
+                        customdata=[n for *_, n in pts], text=[n for *_, n in pts] if alone else None,
+                        textposition="middle left",
+                        hovertemplate="%{customdata}: %{x:.0%} of the bytes, KL %{y:.4f}<extra></extra>")
     for v in q["verdicts"]:
         c = cs[v["format"]]
         fig.add_scatter(x=[c["bytes_share"]], y=[c["kl"]], mode="markers+text", name=f"{v['format']} (full cache)",
@@ -87,8 +90,9 @@ def quantize_or_evict_figure(q: dict):
 
 
 def fleet_figure(rows: list[dict]):
-    """Prefix hit rate and TTFT p99 against the number of replicas, a line per router."""
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("prefix hit rate (blocks found cached)", "TTFT p99 (s, simulated)"))
+    """Prefix hit rate and TTFT p99 (log scale) against the number of replicas, a line per router."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("prefix hit rate (blocks found cached)",
+                                                        "TTFT p99 (s, simulated; log scale)"))
     colors = dict(zip(("round-robin", "least-loaded", "prefix-affinity"), ("#7f8c8d", "#2980b9", "#27ae60")))
     for router in dict.fromkeys(r["router"] for r in rows):
         rs = [r for r in rows if r["router"] == router]
@@ -97,6 +101,6 @@ def fleet_figure(rows: list[dict]):
                             line_color=colors.get(router), showlegend=col == 1, row=1, col=col)
     fig.update_xaxes(title_text="replicas", type="log", tickvals=sorted({r["replicas"] for r in rows}))
     fig.update_yaxes(tickformat=".0%", rangemode="tozero", row=1, col=1)
-    fig.update_yaxes(rangemode="tozero", row=1, col=2)
+    fig.update_yaxes(type="log", dtick=1, row=1, col=2)  # 0.5 s to 30 s: a linear axis flattens the fleets that keep up
     fig.update_layout(height=380, legend=dict(orientation="h", y=-0.25), margin=dict(t=60, b=40))
     return fig
