@@ -86,9 +86,10 @@ class LabInfo:
         mode = "interpreter (CPU)" if self.triton_interpret else "compiled (GPU)"
         triton = (f"triton {self.triton} {mode}" if self.triton_available
                   else "no triton: kernel cells skipped (they run on Linux)")
+        threads = f"{self.threads} thread{'s' if self.threads != 1 else ''} for torch"
         return (
             f"kvlab {self.kvlab} | device {self.device} ({self.device_name}) | {triton} | "
-            f"torch {self.torch} | transformers {self.transformers} | {self.threads} threads"
+            f"torch {self.torch} | transformers {self.transformers} | {threads}"
         )
 
 
