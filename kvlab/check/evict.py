@@ -6,9 +6,11 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from kvlab.beyond import GPU_FLOPS, LINKS
 from kvlab.cache.evict import SinksWindow
 from kvlab.cache.paged import BlockManager
 from kvlab.check.core import _run
+from kvlab.sizing import kv_config
 from kvlab.validate import cdiv
 
 
@@ -90,9 +92,6 @@ def copy_and_recompute(tokens: int, cfg, link_bytes_per_s: float, flops_per_s: f
 
 
 def _copy_cases():
-    from kvlab.beyond import GPU_FLOPS, LINKS
-    from kvlab.sizing import kv_config
-
     shapes = [(1024, "llama-3-8b", LINKS["PCIe 4.0 x16"]),  # GQA, 8 KV heads: the copy wins
               (1024, "llama-2-7b", LINKS["PCIe 4.0 x16"]),  # no GQA: four times the bytes, about even
               (4096, "qwen2.5-7b", LINKS["PCIe 5.0 x16"]),  # 4 KV heads of 28
