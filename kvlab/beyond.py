@@ -23,10 +23,10 @@ import torch
 
 from kvlab.cache import BlockManager, QuantizedPagedKVCache
 from kvlab.cache.evict import POLICIES, PromptSelect, make_policy
+from kvlab.data import play_text, plays
 from kvlab.engine import LLM, SamplingParams, Sequence
 from kvlab.engine.scheduler import Scheduler
 from kvlab.eval import answers_after_cut, eviction_quality
-from kvlab.data import play_text, plays
 from kvlab.quant import named_config
 from kvlab.sizing import kv_bytes_per_token, kv_config
 from kvlab.validate import cdiv, check_int
@@ -363,6 +363,12 @@ LINKS = {"PCIe 4.0 x16": 32e9, "PCIe 5.0 x16": 64e9, "NVLink-C2C (GH200)": 450e9
 GPU_FLOPS = ("H100 SXM, BF16 dense peak", 989e12)
 
 
+def prefill_flops(model, tokens: int) -> float:
+    """FLOPs a prefill of ``tokens`` tokens costs: 2 x parameters per token (a multiply-add per
+    weight; attention left out), for a model preset or :class:`~kvlab.sizing.KVConfig`."""
+    return 2 * kv_config(model).num_params * tokens
+
+
 def tier_projection(blocks_moved: int, tokens_saved: int, model: str = "llama-3-8b", block_size: int = 16) -> dict:
     """The host tier's counts as times, **projected** (nothing here is measured: on a CPU both tiers are
     the same RAM). ``blocks_moved`` host -> device for ``tokens_saved`` prompt tokens not recomputed, for
@@ -372,7 +378,7 @@ def tier_projection(blocks_moved: int, tokens_saved: int, model: str = "llama-3-
     cfg = kv_config(model)
     per_token = kv_bytes_per_token(model, "fp16")
     moved = blocks_moved * block_size * per_token
-    flops = 2 * cfg.num_params * tokens_saved
+    flops = prefill_flops(cfg, tokens_saved)
     recompute_s = flops / GPU_FLOPS[1]
     return {"model": cfg.name, "bytes_per_token": per_token, "bytes_moved": moved, "recompute_flops": flops,
             "recompute_s": recompute_s, "gpu": GPU_FLOPS[0],

@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from kvlab.beyond import GPU_FLOPS, LINKS
+from kvlab.beyond import GPU_FLOPS, LINKS, prefill_flops
 from kvlab.cache.evict import SinksWindow
 from kvlab.cache.paged import BlockManager
 from kvlab.check.core import _run
-from kvlab.sizing import kv_config
+from kvlab.sizing import kv_bytes_per_token, kv_config
 from kvlab.validate import cdiv
 
 
@@ -87,8 +87,7 @@ def copy_and_recompute(tokens: int, cfg, link_bytes_per_s: float, flops_per_s: f
     """The answer: seconds to copy ``tokens`` tokens' FP16 K and V over the link, and seconds to
     recompute them by a prefill (2 FLOPs per parameter per token, attention left out), both at peak:
     the arithmetic of :func:`kvlab.beyond.tier_projection`."""
-    copy_bytes = tokens * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, FP16
-    return copy_bytes / link_bytes_per_s, 2 * cfg.num_params * tokens / flops_per_s
+    return tokens * kv_bytes_per_token(cfg, "fp16") / link_bytes_per_s, prefill_flops(cfg, tokens) / flops_per_s
 
 
 def _copy_cases():
