@@ -33,6 +33,7 @@ from kvlab.validate import cdiv, check_int
 
 #: the quantized formats set against eviction, and their labels
 FORMATS = ("int8", "k8v4", "int4")
+TIE_KL = 2.0  # quantize_or_evict: KLs closer than this factor, with overlapping perplexity intervals, are a tie
 
 
 def block_share(model, fmt: str, block_size: int = 16, calibration=None) -> float:
@@ -50,6 +51,18 @@ def equal_byte_budgets(model, num_tokens: int, formats=FORMATS, block_size: int 
     return {f: int(block_share(model, f, block_size, calibration) * full) * block_size for f in formats}
 
 
+def equal_bytes_verdict(fmt: dict, policy: dict) -> tuple[str, float | None]:
+    """-> (verdict, factor) for a quantized format's scores against one eviction policy's at the same
+    bytes (each a dict with ``kl`` and ``delta_ppl_ci95``): ``factor`` is the policy's KL over the
+    format's; ``tie`` when the factor is within :data:`TIE_KL` either way and the perplexity intervals
+    overlap, else ``quantize`` or ``evict`` by the lower KL."""
+    factor = policy["kl"] / fmt["kl"] if fmt["kl"] > 0 else None
+    (lo, hi), (plo, phi) = fmt["delta_ppl_ci95"], policy["delta_ppl_ci95"]
+    if factor is not None and 1 / TIE_KL < factor < TIE_KL and lo <= phi and plo <= hi:
+        return "tie", factor
+    return ("evict" if policy["kl"] < fmt["kl"] else "quantize"), factor
+
+
 def quantize_or_evict(model, tokens: list[int], prompt_len: int, calibration=None, formats=FORMATS,
                       policies=tuple(POLICIES), extra_budgets=(64,), block_size: int = 16, options=None) -> dict:
     """Score every format (full cache) and every policy (FP16, at the formats' equal-byte budgets and at
@@ -57,9 +70,11 @@ def quantize_or_evict(model, tokens: list[int], prompt_len: int, calibration=Non
     ``budget - answer tokens`` for its prompt (where that is too small, it does not take part).
 
     Returns the :func:`~kvlab.eval.eviction_quality` result, ``budgets`` (format -> tokens) and
-    ``verdicts``: one per format, computed from next-token KL against the full FP32 cache: ``quantize``
-    when the format's KL is below every policy's at the same bytes, else ``evict`` with the policy that
-    beats it."""
+    ``verdicts``: one per format, against the best policy at the same bytes (lowest next-token KL
+    against the full FP32 cache): ``tie`` when neither KL is :data:`TIE_KL` times the other's or more
+    and the two perplexity changes' 95 % intervals overlap (the measurements cannot separate them),
+    else ``quantize`` or ``evict``, whichever has the lower KL. ``factor`` is the best policy's KL over
+    the format's."""
     options = options or {}
     budgets = equal_byte_budgets(model, len(tokens) - 1, formats, block_size, calibration)
     answer = len(tokens) - 1 - prompt_len  # tokens fed after the prompt: SnapKV keeps them all
@@ -83,13 +98,12 @@ def quantize_or_evict(model, tokens: list[int], prompt_len: int, calibration=Non
     for f in formats:
         b = budgets[f]
         rivals = {n: cs[n] for n, bb in where.items() if bb == b}
-        better = {n: c for n, c in rivals.items() if c["kl"] < cs[f]["kl"]}
         best = min(rivals, key=lambda n: rivals[n]["kl"]) if rivals else None
+        verdict, factor = equal_bytes_verdict(cs[f], rivals[best]) if best else ("quantize", None)
         verdicts.append({
             "format": f, "budget": b, "bytes_share": cs[f]["bytes_share"], "kl_format": cs[f]["kl"],
             "best_policy": best, "kl_best_policy": rivals[best]["kl"] if best else None,
-            "verdict": "evict" if better else "quantize",
-            "factor": (rivals[best]["kl"] / cs[f]["kl"]) if best and cs[f]["kl"] > 0 else None})
+            "verdict": verdict, "factor": factor})
     return {"result": result, "budgets": budgets, "where": where, "verdicts": verdicts}
 
 
@@ -97,13 +111,15 @@ def quantize_or_evict(model, tokens: list[int], prompt_len: int, calibration=Non
 
 QUESTION = " What is the pass key?"
 CUTS = ("after the prompt", "before the question")  # where passkey() cuts the cache
+DEPTHS = (0.1, 0.3, 0.5)  # where passkey_prompts() hides the key, in turn: a share of the haystack
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
 def passkey_prompts(tokenizer, n: int = 6, filler_repeats: int = 20, seed: int = 0,
                     haystack: str = "filler", question_starts: bool = False) -> tuple:
-    """``n`` prompts, each hiding a five-digit pass key at a depth drawn from 10, 30 and 50 % of a
-    haystack, and asking for it at the end. Returns (token ids, keys).
+    """``n`` prompts, each hiding a five-digit pass key at a depth of 10, 30 and 50 % of a haystack in
+    turn (:data:`DEPTHS`: prompt i at ``DEPTHS[i % 3]``), and asking for it at the end. Returns
+    (token ids, keys).
 
     ``haystack``: "filler", ``filler_repeats`` copies of five plain sentences (the usual pass-key
     test: the key is the one sentence unlike the others), or a play's name (:func:`kvlab.data.plays`):
@@ -118,9 +134,9 @@ def passkey_prompts(tokenizer, n: int = 6, filler_repeats: int = 20, seed: int =
     lines = [] if haystack == "filler" else [line for line in play_text(haystack).splitlines() if line.strip()]
     budget = len(tokenizer.encode(FILLER * filler_repeats))
     prompts, keys, starts = [], [], []
-    for _ in range(n):
+    for i in range(n):
         key = rng.randrange(10000, 100000)
-        depth = rng.choice([0.1, 0.3, 0.5])
+        depth = DEPTHS[i % len(DEPTHS)]
         if haystack == "filler":
             before = int(filler_repeats * depth)
             head, tail = FILLER * before, FILLER * (filler_repeats - before)
@@ -142,10 +158,20 @@ def passkey_prompts(tokenizer, n: int = 6, filler_repeats: int = 20, seed: int =
     return (prompts, keys, starts) if question_starts else (prompts, keys)
 
 
+def passkey_blocks(tokenizer, prompt: list[int], key: int, block_size: int = 16) -> list[int]:
+    """-> the logical blocks of ``prompt`` that hold a token of ``key``, everywhere it is written (the
+    prompt states it twice)."""
+    ids = list(tokenizer.encode(f" {key}"))
+    at = [i for i in range(len(prompt) - len(ids) + 1) if prompt[i:i + len(ids)] == ids]
+    if not at:
+        raise ValueError(f"key {key} does not occur in the prompt")
+    return sorted({(i + j) // block_size for i in at for j in range(len(ids))})
+
+
 def passkey(model, tokenizer, policies: dict, n: int = 6, filler_repeats: int = 20, seed: int = 0,
             block_size: int = 16, cut: str = "after the prompt", haystack: str = "filler") -> dict:
     """Serve the pass-key prompts once per policy (name -> EvictionPolicy or None: the full cache) and
-    count the answers that contain the key. Returns name -> {"correct", "n", "answers"}.
+    count the answers that contain the key. Returns name -> {"correct", "n", "answers", "found" (per prompt), "depths", ...}.
 
     ``cut`` (:data:`CUTS`): "after the prompt" serves each prompt through ``LLM(eviction=...)``, which
     cuts once the whole prompt, question included, is prefilled; "before the question" cuts the cache
@@ -169,7 +195,9 @@ def passkey(model, tokenizer, policies: dict, n: int = 6, filler_repeats: int = 
     out = {}
     for name, ids in answers.items():
         text = [tokenizer.decode(a) for a in ids]
-        out[name] = {"correct": sum(str(k) in a for a, k in zip(text, keys)), "n": n, "answers": text,
+        found = [str(k) in a for a, k in zip(text, keys)]
+        out[name] = {"correct": sum(found), "n": n, "answers": text, "found": found,
+                     "depths": [DEPTHS[i % len(DEPTHS)] for i in range(n)],
                      "prompt_tokens": longest, "cut": cut, "haystack": haystack}
     return out
 

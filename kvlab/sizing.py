@@ -304,9 +304,10 @@ def crossover_context(model: Any, batch: int = 1, kv_cache_dtype: str = "fp16", 
 
 
 def fmt_bytes(n: float) -> str:
-    """Binary units, the way GPU memory is sold and reported: 512 KiB, 2.00 GiB."""
+    """Binary units, the way GPU memory is sold and reported, to two decimals without trailing zeros:
+    512 KiB, 2.5 GiB, 74.51 GiB (and 128 GiB for 128 GiB + 2 KiB of scales: the 2 KiB is below the
+    last digit)."""
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
-            v = n / size
-            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.2f} {unit}"
+            return f"{n / size:.2f}".rstrip("0").rstrip(".") + f" {unit}"
     return f"{int(n)} B"

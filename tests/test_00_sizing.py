@@ -121,3 +121,5 @@ def test_fmt_bytes():
     assert sizing.fmt_bytes(512 * KiB) == "512 KiB"
     assert sizing.fmt_bytes(1.25 * GiB) == "1.25 GiB"
     assert sizing.fmt_bytes(100) == "100 B"
+    assert sizing.fmt_bytes(2.5 * GiB) == "2.5 GiB" and sizing.fmt_bytes(2 * GiB) == "2 GiB"
+    assert sizing.fmt_bytes(128 * GiB + 2 * KiB) == "128 GiB"  # below the last digit: no "128.00" that looks exact

@@ -78,6 +78,13 @@ def test_passkey_prompts(tiny):
     prompts, keys = beyond.passkey_prompts(tok, n=3, filler_repeats=4)
     assert len(prompts) == 3 and all(10000 <= k < 100000 for k in keys)
     assert all(str(k).encode() in bytes(t - 3 for t in p if t >= 3) for p, k in zip(prompts, keys))
+    # the depths cycle through DEPTHS: the key's first mention moves back as the depth grows
+    firsts = [min(beyond.passkey_blocks(tok, p, k, block_size=1)) for p, k in zip(prompts, keys)]
+    assert firsts == sorted(firsts) and len(set(firsts)) == 3
+    blocks = beyond.passkey_blocks(tok, prompts[0], keys[0], block_size=16)
+    assert len(blocks) >= 2 and blocks == sorted(blocks)  # written twice: both mentions' blocks
+    with pytest.raises(ValueError, match="does not occur"):
+        beyond.passkey_blocks(tok, prompts[0], 99999 if keys[0] != 99999 else 11111)
     prompts, keys, starts = beyond.passkey_prompts(tok, n=2, filler_repeats=4, haystack="macbeth", question_starts=True)
     for p, k, s in zip(prompts, keys, starts):
         assert str(k) in tok.decode(p[:s]) and tok.decode(p[s:]).startswith("What is the pass key?")
@@ -85,6 +92,18 @@ def test_passkey_prompts(tiny):
         beyond.passkey_prompts(tok, n=2, haystack="no-such-play")
     with pytest.raises(ValueError, match="cut must be one of"):
         beyond.passkey(None, tok, {"full": None}, n=2, cut="after the answer")
+
+
+def test_equal_bytes_verdict():
+    fmt = {"kl": 0.01, "delta_ppl_ci95": (0.0, 1.0)}
+    assert beyond.equal_bytes_verdict(fmt, {"kl": 0.1, "delta_ppl_ci95": (0.5, 9.0)}) == ("quantize", pytest.approx(10))
+    assert beyond.equal_bytes_verdict(fmt, {"kl": 0.001, "delta_ppl_ci95": (-3.0, -1.0)})[0] == "evict"
+    # within TIE_KL and the intervals overlap: the measurements cannot tell them apart
+    assert beyond.equal_bytes_verdict(fmt, {"kl": 0.019, "delta_ppl_ci95": (0.9, 5.0)})[0] == "tie"
+    assert beyond.equal_bytes_verdict(fmt, {"kl": 0.006, "delta_ppl_ci95": (-1.0, 0.1)})[0] == "tie"
+    # close KLs but separate intervals, or overlapping intervals but KLs TIE_KL apart: not a tie
+    assert beyond.equal_bytes_verdict(fmt, {"kl": 0.019, "delta_ppl_ci95": (1.1, 5.0)})[0] == "quantize"
+    assert beyond.equal_bytes_verdict(fmt, {"kl": 0.02, "delta_ppl_ci95": (0.9, 5.0)})[0] == "quantize"
 
 
 def test_answers_after_cut_against_the_engine(tiny):

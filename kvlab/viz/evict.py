@@ -90,17 +90,25 @@ def quantize_or_evict_figure(q: dict):
 
 
 def fleet_figure(rows: list[dict]):
-    """Prefix hit rate and TTFT p99 (log scale) against the number of replicas, a line per router."""
+    """Prefix hit rate and TTFT p99 and p50 (log scale) against the number of replicas, a line per router
+    (round-robin dashed: where it equals least-loaded, both stay visible)."""
     fig = make_subplots(rows=1, cols=2, subplot_titles=("prefix hit rate (blocks found cached)",
-                                                        "TTFT p99 (s, simulated; log scale)"))
+                                                        "TTFT, simulated (s, log scale): p99 solid, p50 dotted"))
     colors = dict(zip(("round-robin", "least-loaded", "prefix-affinity"), ("#7f8c8d", "#2980b9", "#27ae60")))
     for router in dict.fromkeys(r["router"] for r in rows):
         rs = [r for r in rows if r["router"] == router]
-        for col, key in ((1, "prefix_hit_rate"), (2, "ttft_p99_s")):
+        dash = "dash" if router == "round-robin" else "solid"
+        for col, key, style in ((1, "prefix_hit_rate", dash), (2, "ttft_p99_s", dash), (2, "ttft_p50_s", "dot")):
             fig.add_scatter(x=[r["replicas"] for r in rs], y=[r[key] for r in rs], mode="lines+markers", name=router,
-                            line_color=colors.get(router), showlegend=col == 1, row=1, col=col)
+                            legendgroup=router, line=dict(color=colors.get(router), dash=style),
+                            showlegend=col == 1, row=1, col=col,
+                            hovertemplate=f"{router}, {key.split('_')[-2] if col == 2 else 'hit rate'}: %{{y:.3~g}}"
+                                          "<extra>%{x} replicas</extra>")
     fig.update_xaxes(title_text="replicas", type="log", tickvals=sorted({r["replicas"] for r in rows}))
     fig.update_yaxes(tickformat=".0%", rangemode="tozero", row=1, col=1)
-    fig.update_yaxes(type="log", dtick=1, row=1, col=2)  # 0.5 s to 30 s: a linear axis flattens the fleets that keep up
+    ttft = [r[k] for r in rows for k in ("ttft_p99_s", "ttft_p50_s") if r[k] > 0]
+    ticks = [m * 10.0 ** e for e in range(-3, 4) for m in (1, 2, 5)]
+    ticks = [t for t in ticks if min(ttft, default=1) / 2 <= t <= max(ttft, default=1) * 2]
+    fig.update_yaxes(type="log", tickvals=ticks, ticktext=[f"{t:g}" for t in ticks], row=1, col=2)  # 1-2-5 ticks
     fig.update_layout(height=380, legend=dict(orientation="h", y=-0.25), margin=dict(t=60, b=40))
     return fig
