@@ -231,6 +231,45 @@ def greedy_comparison(model, prompts: list[list[int]], config: KVQuantConfig, ca
             "position_share": same / sum(len(r) for r in runs[0]), "token_ids": runs}
 
 
+@torch.inference_mode()
+def teacher_forced(model, sequences: list[list[int]], starts: list[int], config: KVQuantConfig, calibration=None,
+                   block_size: int = 16) -> dict:
+    """Each sequence (a prompt and an answer already generated, e.g. by the FP16 pool) fed through the
+    quantized pool; at every answer position (``start`` onwards) is the pool's most likely next token
+    the answer's own next token? Greedy generation through that pool reproduces the answer exactly
+    when every position agrees, so this is the per-token rate *on the answers' own path*, and
+    ``intact`` counts the answers it would leave unchanged.
+
+    Returns ``positions`` scored, ``top1`` (share agreeing), ``intact`` (sequences agreeing at every
+    position), ``first_miss`` (per sequence: the answer index of the first disagreement, or None), and
+    ``top1_fp32``: the same rate for the full-precision pool, the floor set by float rounding alone."""
+    if len(sequences) != len(starts):
+        raise ValueError(f"starts must give one answer start per sequence ({len(sequences)}), got {len(starts)}")
+    agree, intact, first_miss, scored = {"q": 0, "fp": 0}, 0, [], 0
+    for ids, start in zip(sequences, starts):
+        ids = _check_tokens(ids, model.config.vocab_size)
+        if not is_int(start) or not 1 <= start < len(ids):
+            raise ValueError(f"each start must be an int in [1, len(sequence)), got {start!r} for {len(ids)} tokens")
+        runners = {"q": _Runner(model, config, calibration, ids, block_size),
+                   "fp": _Runner(model, FP32, calibration, ids, block_size)}
+        miss = None
+        # as generation goes: the prompt in one prefill, then the answer one token at a time, each
+        # reading every earlier token back from the pool
+        cuts = [0] + list(range(start, len(ids)))
+        for c0, c1 in zip(cuts, cuts[1:]):
+            target = ids[c1]  # the piece's last position predicts the next token
+            for n, r in runners.items():
+                hit = int(r.forward(ids[c0:c1])[-1].argmax()) == target
+                agree[n] += hit
+                if n == "q" and miss is None and not hit:
+                    miss = c1 - start
+            scored += 1
+        intact += miss is None
+        first_miss.append(miss)
+    return {"positions": scored, "top1": agree["q"] / scored, "top1_fp32": agree["fp"] / scored, "intact": intact,
+            "sequences": len(sequences), "first_miss": first_miss}
+
+
 def greedy_agreement(model, prompts: list[list[int]], config: KVQuantConfig, calibration=None,
                      max_new_tokens: int = 32, block_size: int = 16) -> float:
     """Share of greedily generated tokens identical to the full-precision cache's, position by position

@@ -358,3 +358,25 @@ def test_shrunk_calibration_divides_every_statistic_and_refuses_bad_factors():
     for bad in (0, -2, float("inf"), True, "4"):
         with pytest.raises(ValueError, match="factor must be"):
             cal.shrunk(bad)
+
+
+def test_teacher_forced_predicts_greedy_generation(tiny):
+    """Fed the full-precision answers, the quantized pool's first disagreement is where its own greedy
+    generation first departs from them (one sequence at a time: no batching to flip a near-tie)."""
+    from kvlab.eval import greedy_comparison, teacher_forced
+
+    model, _ = tiny
+    int4 = KVQuantConfig(TensorFormat("int4", group_size=8), TensorFormat("int4", group_size=8))
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [20, 3, 40, 7, 9]]
+    firsts = [greedy_comparison(model, [p], int4, max_new_tokens=10)["first_divergence"][0] for p in prompts]
+    answers = [greedy_comparison(model, [p], named_config("fp32"), max_new_tokens=10)["token_ids"][0][0]
+               for p in prompts]
+    tf = teacher_forced(model, [p + a for p, a in zip(prompts, answers)], [len(p) for p in prompts], int4)
+    # the last answer token is only a target: a divergence at index 9 is still seen, at index 10 there is none
+    assert tf["first_miss"] == firsts and tf["intact"] == sum(f is None for f in firsts)
+    assert tf["top1_fp32"] == 1 and tf["positions"] == 4 * 10 and 0 <= tf["top1"] <= 1
+    assert any(f is not None for f in firsts)  # the test means something only if int4 departs somewhere
+    with pytest.raises(ValueError, match="starts must give"):
+        teacher_forced(model, [prompts[0] + answers[0]], [], int4)
+    with pytest.raises(ValueError, match="each start"):
+        teacher_forced(model, [prompts[0] + answers[0]], [0], int4)

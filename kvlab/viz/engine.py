@@ -191,10 +191,11 @@ def _frame_html(frame: dict) -> str:
         for e in frame["events"])
     s = frame["pool"]["stats"]
     pool = (f"blocks used {s['blocks_used']} · free {s['blocks_free']} · cached {s['blocks_cached']} · "
-            f"shared {s['blocks_shared']} · empty slots in held blocks {s['empty_slot_share']:.0%}")
+            f"shared {s['blocks_shared']} · empty slots in held blocks {s['empty_slot_share']:.0%} "
+            f"(token slots not yet written in the blocks requests hold: internal fragmentation, notebook 02)")
     return (f"{head}<table>{rows}</table>"
-            f"<small>p<i>n</i> = <i>n</i> prefill tokens, d = one decode token, – = waits for token budget, "
-            f"↺ = preempted</small><br>{pool}"
+            f"<span style=\"font-size:0.95em\">p<i>n</i> = <i>n</i> prefill tokens, d = one decode token, "
+            f"– = waits for token budget, ↺ = preempted</span><br>{pool}"
             f"<br>this step's decisions:"
             f"<ul style=\"margin:0\">{events or '<li>none</li>'}</ul>")
 
