@@ -17,13 +17,21 @@ def stub(*args):
 
 
 def test_kv_token_bytes(capsys):
-    assert check.kv_token_bytes(lambda L, H, D, b: 2 * L * H * D * b)
+    assert check.kv_token_bytes(lambda L, H, kvh, D, hidden, b: 2 * L * kvh * D * b)
     assert "[ok]" in capsys.readouterr().out
-    assert not check.kv_token_bytes(lambda L, H, D, b: L * H * D * b)  # forgot V
-    out = capsys.readouterr().out
-    assert "[fail]" in out and "yours 262144, expected 524288" in out
+    # each slip on the first case (Llama-3-8B: 32 layers, 32 heads, 8 KV heads, d 128, fp32 = 262,144 bytes)
+    slips = {"a key AND a value": lambda L, H, kvh, D, hidden, b: L * kvh * D * b,
+             "counts query heads": lambda L, H, kvh, D, hidden, b: 2 * L * H * D * b,
+             "or hidden_size": lambda L, H, kvh, D, hidden, b: 2 * L * hidden * b,
+             "every layer keeps": lambda L, H, kvh, D, hidden, b: 2 * kvh * D * b,
+             "multiply by the bytes": lambda L, H, kvh, D, hidden, b: 2 * L * kvh * D}
+    for why, fn in slips.items():
+        assert not check.kv_token_bytes(fn)
+        out = capsys.readouterr().out
+        assert "[fail]" in out and "expected 262144" in out and why in out, (why, out)
     assert not check.kv_token_bytes(stub)
-    assert "[todo]" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "[todo]" in out and "262144" not in out  # no answer revealed
 
 
 def test_token_forwards(capsys):
@@ -316,11 +324,11 @@ def test_progress_records_the_learners_function_only(capsys):
     from kvlab import sizing
 
     check.progress(reset=True)
-    assert check.kv_token_bytes(sizing.kv_token_bytes)  # kvlab's own reference: not the learner's pass
-    assert check.kv_token_bytes(lambda *a: sizing.kv_token_bytes(*a))  # a wrapped reference: neither
+    # kvlab's own reference, wrapped to the exercise's signature as notebook 00 runs it: not the learner's pass
+    assert check.kv_token_bytes(lambda L, H, kvh, D, hidden, b: sizing.kv_token_bytes(L, kvh, D, b))
     assert check.progress()["kv_token_bytes"] is None
 
-    def kv_token_bytes(num_layers, num_kv_heads, head_dim, bytes_per_element):
+    def kv_token_bytes(num_layers, num_heads, num_kv_heads, head_dim, hidden_size, bytes_per_element):
         return 2 * num_layers * num_kv_heads * head_dim * bytes_per_element
 
     assert check.kv_token_bytes(kv_token_bytes)
@@ -376,8 +384,8 @@ def test_thinking_exercises_do_not_show_an_answer_while_unsolved(capsys):
         assert not checker(stub)
         out = capsys.readouterr().out
         assert out.startswith("[todo]") and "the answer is" not in out, out
-    assert not check.kv_token_bytes(stub)  # a warm-up still shows one case's answer
-    assert "the answer is" in capsys.readouterr().out
+    assert not check.kv_token_bytes(stub)  # the warm-up too: its answer is what the learner works out
+    assert "the answer is" not in capsys.readouterr().out
 
 
 def test_tokens_stored_names_the_mistakes(capsys):

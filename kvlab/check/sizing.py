@@ -10,31 +10,39 @@ from kvlab.check.core import _run
 
 
 def _kv_bytes_cases():
+    """(num_layers, num_heads, num_kv_heads, head_dim, hidden_size, bytes_per_element) -> bytes. The first
+    case (Llama-3-8B in FP32: 32 layers and query heads, 8 KV heads, 4 bytes) keeps the factors a mistake
+    drops or adds (2, layers, KV heads, bytes, heads / KV heads) apart, so each gives its own number."""
     cases = []
-    for name in ("llama-2-7b", "llama-2-70b", "llama-3-8b", "qwen2.5-7b", "smollm2-135m"):
+    for name in ("llama-3-8b", "qwen2.5-7b", "llama-2-70b", "llama-2-7b", "smollm2-135m"):
         c = sizing.kv_config(name)
-        for dtype, nbytes in (("fp16", 2), ("fp32", 4), ("int8", 1)):
-            cases.append(((c.num_layers, c.num_kv_heads, c.head_dim, nbytes), sizing.kv_bytes_per_token(name, dtype)))
+        for dtype, nbytes in (("fp32", 4), ("fp16", 2), ("int8", 1)):  # fp32 first: 4 bytes is not the K-and-V 2
+            args = (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.num_heads * c.head_dim, nbytes)
+            cases.append((args, sizing.kv_bytes_per_token(name, dtype)))
     return cases
 
 
-def kv_token_bytes(fn: Callable[[int, int, int, int], int]) -> bool:
-    """``fn(num_layers, num_kv_heads, head_dim, bytes_per_element) -> bytes one token adds``."""
+def kv_token_bytes(fn: Callable[[int, int, int, int, int, int], int]) -> bool:
+    """``fn(num_layers, num_heads, num_kv_heads, head_dim, hidden_size, bytes_per_element) -> bytes one
+    token adds``. Two of the sizes do not belong in the answer; the hints name them when used."""
     def hint(args, got, expected):
-        layers, heads, _, nbytes = args
+        layers, heads, kv_heads, dim, hidden, nbytes = args
+        if heads != kv_heads and got == expected * heads / kv_heads:
+            return ("that counts query heads (num_heads, or hidden_size = num_heads x head_dim): K and V are "
+                    "stored per KV head (num_kv_heads); with GQA several query heads share one")
         if got == expected / 2:
             return "a key AND a value are stored per head"
         if got == expected * 2:
             return "the factor 2 is K and V, counted once"
         if got == expected / layers:
             return "every layer keeps its own K and V for the token"
-        if got == expected / heads:
+        if got == expected / kv_heads:
             return "every KV head stores its own head_dim values"
         if got == expected / nbytes:
             return "that counts values: multiply by the bytes per element"
         return None
 
-    return _run("kv_token_bytes", fn, _kv_bytes_cases(), hint=hint)  # a warm-up: its [todo] shows one case
+    return _run("kv_token_bytes", fn, _kv_bytes_cases(), hint=hint, reveal=False)
 
 
 def mla_bytes_per_token(fn: Callable[[int, int, int, int, int], int]) -> bool:

@@ -197,7 +197,7 @@ def c_k8v4_lower(lab, model: str = _7B, k8v4: float | None = None):
 
 def c_unfused_temp_fp32(lab, temp_bytes: int = 4):
     moved = 1 + temp_bytes + temp_bytes  # read INT8, write the temporary, read it back
-    return (f"`.float()` makes a {temp_bytes}-byte temporary: {moved} B moved per value against FP16's 2",
+    return (f"computed: `.float()` makes a {temp_bytes}-byte temporary: {moved} B moved per value against FP16's 2",
             truth(moved > 2), "understated: the temporary erases the gain, and more so than the article says, "
             "since .float() is FP32 (4 bytes), not the FP16 copy it names")
 

@@ -151,5 +151,6 @@ def c_unfused(lab, unfused: int | None = None):
     fp16 = step_bytes("fp16", 32, 16384, **shape)
     unfused = unfused or step_bytes("int8", 32, 16384, **shape, fused=False)
     fused = step_bytes("int8", 32, 16384, **shape)
-    return (f"unfused INT8 moves {unfused / fp16:.0%} of FP16's bytes, fused {fused / fp16:.0%}",
+    return (f"byte model (computed, Llama-3-8B shape, 32 x 16K): unfused INT8 moves {unfused / fp16:.0%} of "
+            f"FP16's bytes, fused {fused / fp16:.0%}",
             truth(unfused >= fp16 > fused), "read INT8 + write an FP16 copy + read it again")

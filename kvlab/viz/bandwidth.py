@@ -63,7 +63,7 @@ def bandwidth_figure(shape: str = "llama-3-8b", batch: int = 32, context: int = 
                         row=1, col=2, marker=dict(color=FORMAT_COLORS[f], size=11, symbol=FORMAT_SYMBOLS[f],
                                                   line=dict(width=1, color="black")))
     fig.add_vline(x=context, line=dict(color="black", width=1, dash="dash"), row=1, col=2)  # the chosen context
-    fig.update_layout(height=470, legend=dict(orientation="h", y=-0.2, x=0.0), margin=dict(t=90, b=60))
+    fig.update_layout(height=485, legend=dict(orientation="h", y=-0.2, x=0.0), margin=dict(t=105, b=60))
     fig.update_yaxes(title_text="GB", row=1, col=1)
     fig.update_xaxes(tickangle=0, row=1, col=1)
     fig.update_xaxes(title_text="context (tokens per sequence)", type="log", tickvals=CONTEXTS,
@@ -97,6 +97,10 @@ def update_bandwidth_figure(fig, shape: str, batch: int, context: int, gpu: str,
                       f"{', '.join(map(str, batches))}")
             if batch not in batches:
                 device += f" (none at batch {batch})"
+            else:
+                ctxs = sorted({r["context"] for r in bench["measured"] if r["batch"] == batch and r.get("shape") == shape})
+                where = f"at {', '.join(f'{c // 1024}K' for c in ctxs)} " if ctxs else ""
+                device += f"<br>the markers {where}are nudged sideways so that the formats do not hide each other"
         fig.layout.title = dict(text=f"{shape}, batch {batch}, {context:,} tokens per sequence<br><sup>lines: "
                                      f"bytes / {gpu} peak {bw / 1e12:.2f} TB/s (projection){device}</sup>",
                                 font=dict(size=14))
