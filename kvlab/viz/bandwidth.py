@@ -63,7 +63,7 @@ def bandwidth_figure(shape: str = "llama-3-8b", batch: int = 32, context: int = 
                         row=1, col=2, marker=dict(color=FORMAT_COLORS[f], size=11, symbol=FORMAT_SYMBOLS[f],
                                                   line=dict(width=1, color="black")))
     fig.add_vline(x=context, line=dict(color="black", width=1, dash="dash"), row=1, col=2)  # the chosen context
-    fig.update_layout(height=485, legend=dict(orientation="h", y=-0.2, x=0.0), margin=dict(t=105, b=60))
+    fig.update_layout(height=495, legend=dict(orientation="h", y=-0.2, x=0.0), margin=dict(t=115, b=60))
     fig.update_yaxes(title_text="GB", row=1, col=1)
     fig.update_xaxes(tickangle=0, row=1, col=1)
     fig.update_xaxes(title_text="context (tokens per sequence)", type="log", tickvals=CONTEXTS,
