@@ -70,8 +70,10 @@ class JupyterLab:
     """``jupyter lab`` (this Python's) on a free loopback port, serving ``root`` with a token.
 
     Config, data, runtime, settings and workspace folders are fresh temporary ones, so nothing the
-    user saved (layouts, kernelspecs, server config) changes what the test sees. ``$KVLAB_CACHE``
-    and ``$HOME`` are passed through: the kernels find the converted model where it already is.
+    user saved (layouts, kernelspecs, server config) changes what the test sees; so is the exercise
+    progress file (``$KVLAB_PROGRESS``), so that notebook 06's progress list shows no pass made outside
+    the run. ``$KVLAB_CACHE`` and ``$HOME`` are passed through: the kernels find the converted model
+    where it already is.
     """
 
     def __init__(self, root: Path, log_path: Path):
@@ -91,6 +93,7 @@ class JupyterLab:
         env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_DATA_DIR=str(home / "data"),
                    JUPYTER_RUNTIME_DIR=str(home / "runtime"), IPYTHONDIR=str(home / "ipython"),
                    JUPYTER_PREFER_ENV_PATH="1", PYTHONUNBUFFERED="1",
+                   KVLAB_PROGRESS=str(home / "progress.json"),  # a fresh progress list: not the learner's own
                    # the kernel's "python" is this environment's python
                    PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
         cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.allow_root=True",
