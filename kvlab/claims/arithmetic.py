@@ -61,8 +61,9 @@ def c_l2_threshold(lab, weights: int | None = None, l2: int = A100_L2):
     tokens = l2 / sizing.kv_bytes_per_token(_7B, "fp16")
     return (f"the A100's {l2 / 2**20:.0f} MiB L2 holds {tokens:.0f} tokens of 7B KV; the weights are "
             f"{weights / l2:.0f}x the L2", truth(weights < l2),
-            "every decode step reads HBM whatever the cache's size: the weights alone overflow the L2, so "
-            "there is no KV threshold to cross")
+            "true past the threshold and just as true before it: every decode step reads HBM whatever the "
+            "cache's size, since the weights alone overflow the L2, so the threshold the sentence draws marks "
+            "nothing")
 
 
 def c_no_cache_realtime(lab, context: int = 4096, interactive_tok_s: float = 10.0):
@@ -117,10 +118,12 @@ def c_saved_reads_sum(lab, step_ms: float = 22.0, reads_before: float = 12.0, re
 def c_long_context_fits(lab, context: int = 16384, card: int = 24 * GiB):
     need = sizing.weight_bytes(_7B) + _kv(tokens=context)
     a100_tokens = (A100_BYTES - sizing.weight_bytes(_7B)) // sizing.kv_bytes_per_token(_7B, "fp16")
+    at_once = a100_tokens // context
     return (f"7B FP16, one {context}-token request: {fmt_bytes(need)} of weights + KV; a 24 GB card has "
-            f"{fmt_bytes(card)}", truth(need > card),
-            f"the claim is that 8K-16K cannot run without quantization; at batch 1 it fits a 24 GB card (and an "
-            f"80 GB A100 holds {a100_tokens / 1000:.0f}K FP16 tokens beside the weights): only large batches do not fit")
+            f"{fmt_bytes(card)}; an 80 GB A100 serves {at_once} such requests at once", truth(need > card),
+            f"the claim is that 8K-16K cannot run without quantization; at batch 1 it fits a 24 GB card, and an "
+            f"80 GB A100 holds {a100_tokens / 1000:.0f}K FP16 tokens beside the weights ({at_once} requests of "
+            f"{context // 1024}K at once): quantization buys batch, not the ability to run")
 
 
 def c_int8_doubles_batch(lab, context: int = 16384, hbm: int = A100_BYTES, int8: int | None = None):

@@ -41,7 +41,7 @@ CLAIMS: tuple[Claim, ...] = (
           "00_memory_wall", "4. A decode step reads everything", c_7b_weights),
     Claim("kv-1mb", "000", "§1", "7B FP16: ~1 MB per token, 4 GB for one 4,096-token request",
           "00_memory_wall", "3. Checking the source articles", c_7b_1mb,
-          quote="FP16 精度下每个 token 的 KV Cache 占约 1MB 显存。序列长度到 4096 时单个请求的 KV Cache 就得 4GB"),
+          quote="拿 7B 模型来说FP16 精度下每个 token 的 KV Cache 占约 1MB 显存。序列长度到 4096 时单个请求的 KV Cache 就得 4GB"),
     Claim("a100-half", "000", "§1", "on an 80 GB A100, 10 such requests take half the memory",
           "00_memory_wall", "3. Checking the source articles", c_a100_half, quote="A100 80GB 显存配置下并发 10 个请求就占了一半"),
     Claim("kv-70b", "003", "§2", "Llama-2-70B: ~1.6 MB per token, ~6.5 GB at 4,096 tokens",

@@ -24,8 +24,17 @@ def _contexts(model: str) -> list[int]:
     return [c for c in CONTEXTS if c < top] + [top]
 
 
+def _dense_contexts(model: str, per_octave: int = 12) -> list[int]:
+    """Contexts spaced evenly on the log axis (``per_octave`` per doubling) up to the model's maximum:
+    a line through the powers of two alone shows kinks at each one that the arithmetic does not have."""
+    marks = _contexts(model)
+    lo, hi = marks[0], marks[-1]
+    n = max(2, round(per_octave * math.log2(hi / lo)))
+    return sorted({round(lo * (hi / lo) ** (i / n)) for i in range(n + 1)} | set(marks))
+
+
 def _memory_wall_traces(model: str, batch: int, kv_cache_dtype: str, weight_dtype: str):
-    xs = _contexts(model)
+    xs = _dense_contexts(model)
     w = sizing.weight_read_bytes(model, batch, weight_dtype)
     kv = [sizing.kv_size(model, kv_cache_dtype, tokens=c, batch=batch).total_bytes for c in xs]
     gib = 2**30
@@ -45,12 +54,8 @@ def _memory_wall_marks(model: str, context: int, batch: int, kv_cache_dtype: str
     if cross <= top:
         shapes.append(dict(type="line", xref="x", yref="paper", x0=cross, x1=cross, y0=0, y1=1,
                            line=dict(color=COLORS["kv"], width=2, dash="dot")))
-        # on a white box (a line passing under it does not run through the text), on the side with room:
-        # left of the line in the axis' right half, where the label would run off the plot
-        right_half = math.log(cross / CONTEXTS[0]) > 0.5 * math.log(top / CONTEXTS[0])
-        notes.append(dict(x=math.log10(cross), y=0.55, xref="x", yref="paper", showarrow=False,
-                          xanchor="right" if right_half else "left", bgcolor="rgba(255,255,255,0.9)",
-                          text=f" KV > weights from {cross:,} ", font=dict(color=COLORS["kv"], size=11)))
+        # named in the subtitle, not on the plot: a label beside the line would cross the context line
+        # whenever the slider puts the two close together
         where = f"red dotted line: KV > weights from {cross:,} tokens"
     else:
         where = f"KV would outweigh the weights only beyond {cross:,} tokens, past this model's {top:,}-token context"
@@ -86,7 +91,7 @@ def memory_wall_figure(model: str = "llama-2-7b", batch: int = 1, kv_cache_dtype
         ],
         layout=dict(
             title=_memory_wall_title(model, batch, kv_cache_dtype, weight_dtype, m["where"]),
-            xaxis=dict(title="context (tokens per sequence, log scale)", type="log", **_context_ticks(xs)),
+            xaxis=dict(title="context (tokens per sequence, log scale)", type="log", **_context_ticks(_contexts(model))),
             yaxis=dict(title="GiB read per step", rangemode="tozero"), height=460,
             legend=dict(orientation="h", y=-0.25), shapes=m["shapes"], annotations=m["annotations"],
             margin=dict(t=80),
@@ -119,7 +124,7 @@ def memory_wall_widget(model: str = "llama-2-7b"):
             fig.data[1].x, fig.data[1].y = xs, kv
             fig.data[2].x, fig.data[2].y = [m["point"][0]], [m["point"][1]]
             fig.layout.shapes, fig.layout.annotations = m["shapes"], m["annotations"]
-            fig.layout.xaxis.update(**_context_ticks(xs))
+            fig.layout.xaxis.update(**_context_ticks(_contexts(w_model.value)))
             fig.layout.title.text = _memory_wall_title(w_model.value, w_batch.value, w_kv.value, w_wt.value,
                                                        m["where"])["text"]
         step = m["step"]
