@@ -26,10 +26,22 @@ def _grid(runs_at_budget: dict, budget: int):
     return names, z, text
 
 
-def eviction_explorer(runs: dict, marks: dict | None = None):
+def _spans(marks: dict) -> list[tuple[int, int, str]]:
+    """Runs of consecutive marked blocks with the same label: (first, last, label)."""
+    out = []
+    for b in sorted(marks):
+        if out and out[-1][1] == b - 1 and out[-1][2] == marks[b]:
+            out[-1] = (out[-1][0], b, marks[b])
+        else:
+            out.append((b, b, marks[b]))
+    return out
+
+
+def eviction_explorer(runs: dict, marks: dict | None = None, prompt_tokens: int | None = None, block_size: int = 16):
     """A budget slider over :func:`kvlab.beyond.kept_blocks`' runs: one row per policy, one cell per
     logical block of the sequence (kept, dropped, being written); ``marks``: block index -> label drawn
-    above the grid (e.g. where the pass key sits)."""
+    above the grid (e.g. where the pass key sits; consecutive blocks with one label share it);
+    ``prompt_tokens``: a line where the prompt ends and the answer begins."""
     import ipywidgets as W  # ipywidgets loads only when a widget is built
 
     budgets = sorted(runs)
@@ -40,9 +52,14 @@ def eviction_explorer(runs: dict, marks: dict | None = None):
                                      colorscale=colorscale, showscale=False, xgap=1, ygap=3))
     fig.update_layout(height=330, margin=dict(t=80, b=50, l=110, r=20), xaxis_title="logical block (16 tokens each)",
                       yaxis_autorange="reversed")
-    for b, label in (marks or {}).items():
-        fig.add_vline(x=b, line_dash="dot", line_color="black")
-        fig.add_annotation(x=b, y=1.0, yref="paper", yanchor="bottom", text=label, showarrow=False)
+    for first, last, label in _spans(marks or {}):
+        fig.add_vrect(x0=first - 0.5, x1=last + 0.5, line_width=1.5, line_color="black", fillcolor="rgba(0,0,0,0)")
+        fig.add_annotation(x=(first + last) / 2, y=1.0, yref="paper", yanchor="bottom", text=label, showarrow=False)
+    if prompt_tokens is not None:
+        edge = prompt_tokens / block_size - 0.5  # the boundary between the prompt's last token and the answer's first
+        fig.add_vline(x=edge, line_dash="dash", line_color="black")
+        fig.add_annotation(x=edge, y=1.0, yref="paper", yanchor="bottom", text="prompt | answer", showarrow=False,
+                           font=dict(size=10))
     slider = W.SelectionSlider(options=budgets, value=budgets[0], description="budget (tokens)",
                                style={"description_width": "initial"}, layout=W.Layout(width="460px"))
 
@@ -90,20 +107,24 @@ def quantize_or_evict_figure(q: dict):
 
 
 def fleet_figure(rows: list[dict]):
-    """Prefix hit rate and TTFT p99 and p50 (log scale) against the number of replicas, a line per router
-    (round-robin dashed: where it equals least-loaded, both stay visible)."""
+    """Prefix hit rate and TTFT p99 and p50 (log scale) against the number of replicas: a colour and a
+    marker per router, a line style per metric (where round-robin equals least-loaded, the two
+    markers stay visible)."""
     fig = make_subplots(rows=1, cols=2, subplot_titles=("prefix hit rate (blocks found cached)",
-                                                        "TTFT, simulated (s, log scale): p99 solid, p50 dotted"))
+                                                        "TTFT, simulated (s, log scale)"))
     colors = dict(zip(("round-robin", "least-loaded", "prefix-affinity"), ("#7f8c8d", "#2980b9", "#27ae60")))
+    symbols = dict(zip(("round-robin", "least-loaded", "prefix-affinity"), ("square-open", "circle", "diamond")))
     for router in dict.fromkeys(r["router"] for r in rows):
         rs = [r for r in rows if r["router"] == router]
-        dash = "dash" if router == "round-robin" else "solid"
-        for col, key, style in ((1, "prefix_hit_rate", dash), (2, "ttft_p99_s", dash), (2, "ttft_p50_s", "dot")):
+        for col, key, style in ((1, "prefix_hit_rate", "solid"), (2, "ttft_p99_s", "solid"), (2, "ttft_p50_s", "dot")):
             fig.add_scatter(x=[r["replicas"] for r in rs], y=[r[key] for r in rs], mode="lines+markers", name=router,
                             legendgroup=router, line=dict(color=colors.get(router), dash=style),
+                            marker=dict(symbol=symbols.get(router, "circle"), size=9 if router == "round-robin" else 7),
                             showlegend=col == 1, row=1, col=col,
                             hovertemplate=f"{router}, {key.split('_')[-2] if col == 2 else 'hit rate'}: %{{y:.3~g}}"
                                           "<extra>%{x} replicas</extra>")
+    for style, label in (("solid", "TTFT p99 (solid)"), ("dot", "TTFT p50 (dotted)")):  # the metric's legend
+        fig.add_scatter(x=[None], y=[None], mode="lines", name=label, line=dict(color="black", dash=style), row=1, col=2)
     fig.update_xaxes(title_text="replicas", type="log", tickvals=sorted({r["replicas"] for r in rows}))
     fig.update_yaxes(tickformat=".0%", rangemode="tozero", row=1, col=1)
     ttft = [r[k] for r in rows for k in ("ttft_p99_s", "ttft_p50_s") if r[k] > 0]
