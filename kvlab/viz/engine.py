@@ -349,8 +349,8 @@ def step_time_figure(step_stats):
     if small:
         fig.add_bar(x=steps, y=[sum(v) for v in zip(*(ms[p] for p in small))], marker_color="#bdc3c7",
                     name=" + ".join(p.removesuffix("_s") for p in small) + f" ({sum(sum(ms[p]) for p in small) / total:.1%})")
-    fig.add_scatter(x=steps, y=[s.scheduled for s in step_stats], yaxis="y2", name="sequences in the batch",
-                    mode="lines+markers", line=dict(color=SHARED, width=1.5), marker_size=4,
+    fig.add_scatter(x=steps, y=[s.scheduled for s in step_stats], yaxis="y2", name="sequences in the batch (right axis)",
+                    mode="lines+markers", line=dict(color=SHARED, width=1.5, dash="dot"), marker_size=4,
                     customdata=[[s.prefill_tokens, s.decode_tokens] for s in step_stats],
                     hovertemplate="step %{x}: %{y} sequences, %{customdata[0]} prefill + %{customdata[1]} decode "
                                   "tokens<extra></extra>")
@@ -358,7 +358,8 @@ def step_time_figure(step_stats):
     fig.update_layout(barmode="stack", height=400, title=dict(text="Where each step's time goes, against batch size",
                                                               y=0.97, yanchor="top"),
                       xaxis_title="engine step", yaxis=dict(title="ms per step"),
-                      yaxis2=dict(title="sequences in the batch", overlaying="y", side="right", showgrid=False,
+                      yaxis2=dict(title=dict(text="sequences in the batch", font=dict(color=SHARED)), overlaying="y",
+                                  side="right", showgrid=False, tickfont=dict(color=SHARED),
                                   dtick=1 if most <= 16 else None, range=[0, most + 1], tickformat="d"),
                       legend=dict(orientation="h", y=1.02, yanchor="bottom", x=0), bargap=0.1, margin=dict(t=110))
     return fig
