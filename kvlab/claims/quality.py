@@ -171,5 +171,5 @@ def c_window_documents(lab):
             f"{window}/{n} with a 256-token sliding window (notebook 07)",
             elsewhere(truth(window >= full - 1), claimed_for="models trained with a window"),
             "a window imposed on a model trained without one forgets what fell out of it, the early facts a "
-            "document task asks for; the article names no model, and one trained with a window (Mistral-7B, "
-            "say) may carry information across its layers beyond one window, which the lab cannot measure")
+            "document task asks for; the article names no model, and one trained with a window (Mistral-7B "
+            "v0.1, say) may carry information across its layers beyond one window, which the lab cannot measure")
