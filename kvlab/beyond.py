@@ -115,6 +115,11 @@ DEPTHS = (0.1, 0.3, 0.5)  # where passkey_prompts() hides the key, in turn: a sh
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
+def _depth(i: int) -> float:
+    """The depth of pass-key prompt ``i``: :data:`DEPTHS` in turn."""
+    return DEPTHS[i % len(DEPTHS)]
+
+
 def passkey_prompts(tokenizer, n: int = 6, filler_repeats: int = 20, seed: int = 0,
                     haystack: str = "filler", question_starts: bool = False) -> tuple:
     """``n`` prompts, each hiding a five-digit pass key at a depth of 10, 30 and 50 % of a haystack in
@@ -136,7 +141,7 @@ def passkey_prompts(tokenizer, n: int = 6, filler_repeats: int = 20, seed: int =
     prompts, keys, starts = [], [], []
     for i in range(n):
         key = rng.randrange(10000, 100000)
-        depth = DEPTHS[i % len(DEPTHS)]
+        depth = _depth(i)
         if haystack == "filler":
             before = int(filler_repeats * depth)
             head, tail = FILLER * before, FILLER * (filler_repeats - before)
@@ -197,7 +202,7 @@ def passkey(model, tokenizer, policies: dict, n: int = 6, filler_repeats: int = 
         text = [tokenizer.decode(a) for a in ids]
         found = [str(k) in a for a, k in zip(text, keys)]
         out[name] = {"correct": sum(found), "n": n, "answers": text, "found": found,
-                     "depths": [DEPTHS[i % len(DEPTHS)] for i in range(n)],
+                     "depths": [_depth(i) for i in range(n)],
                      "prompt_tokens": longest, "cut": cut, "haystack": haystack}
     return out
 

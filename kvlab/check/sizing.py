@@ -20,7 +20,7 @@ def _kv_bytes_cases():
             args = (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.num_heads * c.head_dim, nbytes)
             cases.append((args, sizing.kv_bytes_per_token(name, dtype)))
     # a Gemma-7B-like shape, where hidden_size (3072) is not num_heads x head_dim (16 x 256 = 4096)
-    cases.insert(3, ((28, 16, 16, 256, 3072, 2), 2 * 28 * 16 * 256 * 2))
+    cases.insert(3, ((28, 16, 16, 256, 3072, 2), sizing.kv_token_bytes(28, 16, 256, 2)))
     return cases
 
 

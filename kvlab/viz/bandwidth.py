@@ -98,7 +98,7 @@ def update_bandwidth_figure(fig, shape: str, batch: int, context: int, gpu: str,
             if batch not in batches:
                 device += f" (none at batch {batch})"
             else:
-                ctxs = sorted({r["context"] for r in bench["measured"] if r["batch"] == batch and r.get("shape") == shape})
+                ctxs = measured_points(bench, shape, batch, "fp16")[0]
                 where = f"at {', '.join(f'{c // 1024}K' for c in ctxs)} " if ctxs else ""
                 device += f"<br>the markers {where}are nudged sideways so that the formats do not hide each other"
         fig.layout.title = dict(text=f"{shape}, batch {batch}, {context:,} tokens per sequence<br><sup>lines: "
