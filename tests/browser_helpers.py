@@ -66,6 +66,10 @@ LAB_SETTINGS = {
 }
 
 
+class PortTaken(RuntimeError):
+    """The port ``free_port()`` returned was bound by someone else before the server started."""
+
+
 class JupyterLab:
     """``jupyter lab`` (this Python's) on a free loopback port, serving ``root`` with a token.
 
@@ -82,7 +86,21 @@ class JupyterLab:
         self.base = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 120) -> "JupyterLab":
+    def start(self, timeout: float = 120, attempts: int = 5) -> "JupyterLab":
+        """Start the server; if the free port was taken between ``free_port()`` and the server's bind
+        (another xdist worker's kernel can grab it: CI lost a whole browser module to this once),
+        try again on a fresh port, up to ``attempts`` times."""
+        for attempt in range(attempts):
+            try:
+                return self._start(timeout)
+            except PortTaken:
+                if attempt == attempts - 1:
+                    raise
+                self.port = free_port()
+                self.base = f"http://127.0.0.1:{self.port}"
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> "JupyterLab":
         home = self._home = Path(tempfile.mkdtemp(prefix="kvlab-jupyter-"))
         for sub in ("config", "data", "runtime", "ipython", "workspaces"):
             (home / sub).mkdir()
@@ -111,7 +129,13 @@ class JupyterLab:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"jupyter lab exited with {self.proc.returncode}:\n{self.log_tail()}")
+                self._log.close()
+                tail = self.log_tail()
+                if "is already in use" in tail:
+                    self.proc = None
+                    shutil.rmtree(home, ignore_errors=True)
+                    raise PortTaken(f"port {self.port} was taken before jupyter lab could bind it")
+                raise RuntimeError(f"jupyter lab exited with {self.proc.returncode}:\n{tail}")
             try:
                 self.api("GET", "/api/status", timeout=5)
                 return self
