@@ -11,7 +11,7 @@ POLICY_COLORS = {"window": "#8e44ad", "sinks+window": "#2980b9", "h2o": "#d35400
 FORMAT_COLORS = {"int8": COLORS["tokens"], "k8v4": "#f1c40f", "int4": COLORS["kv"], "fp16": COLORS["weights"]}
 
 
-def _grid(runs_at_budget: dict, budget: int):
+def _grid(runs_at_budget: dict, budget: int, prompt_tokens: int | None = None):
     names = list(runs_at_budget)
     n = max(r["num_blocks"] for r in runs_at_budget.values())
     z, text = [], []
@@ -19,7 +19,10 @@ def _grid(runs_at_budget: dict, budget: int):
         r = runs_at_budget[name]
         kept = set(r["kept"])
         z.append([2 if b == r["num_blocks"] - 1 else 1 if b in kept else 0 for b in range(n)])
-        text.append([f"{name}, block {b} (positions {16 * b}-{16 * b + 15}): "
+        text.append([f"{name}, block {b} (positions {16 * b}-{16 * b + 15}"
+                     + (f"; the prompt ends at {prompt_tokens - 1}, the answer starts in this block"
+                        if prompt_tokens is not None and b == (prompt_tokens - 1) // 16 and prompt_tokens % 16 else "")
+                     + "): "
                      + ("being written" if b == r["num_blocks"] - 1 else "kept" if b in kept else "dropped")
                      + (f", score {r['scores'][b]:.1f}" if r["scores"] and b < len(r["scores"]) else "")
                      for b in range(n)])
@@ -45,33 +48,39 @@ def eviction_explorer(runs: dict, marks: dict | None = None, prompt_tokens: int 
     import ipywidgets as W  # ipywidgets loads only when a widget is built
 
     budgets = sorted(runs)
-    names, z, text = _grid(runs[budgets[0]], budgets[0])
+    names, z, text = _grid(runs[budgets[0]], budgets[0], prompt_tokens)
     colorscale = [[0, COLORS["empty"]], [0.33, COLORS["empty"]], [0.34, COLORS["tokens"]], [0.66, COLORS["tokens"]],
                   [0.67, COLORS["padding"]], [1, COLORS["padding"]]]
     fig = go.FigureWidget(go.Heatmap(z=z, y=names, text=text, hoverinfo="text", zmin=0, zmax=2,
                                      colorscale=colorscale, showscale=False, xgap=1, ygap=3))
-    fig.update_layout(height=330, margin=dict(t=80, b=50, l=110, r=20), xaxis_title="logical block (16 tokens each)",
+    # a widget in a box does not stretch its figure (the default 700 px squeezes 35 blocks): set the width
+    fig.update_layout(height=340, width=980, margin=dict(t=90, b=50, l=110, r=20), font=dict(size=13),
+                      xaxis_title="logical block (16 tokens each)",
                       yaxis_autorange="reversed")
     for first, last, label in _spans(marks or {}):
         fig.add_vrect(x0=first - 0.5, x1=last + 0.5, line_width=1.5, line_color="black", fillcolor="rgba(0,0,0,0)")
-        fig.add_annotation(x=(first + last) / 2, y=1.0, yref="paper", yanchor="bottom", text=label, showarrow=False)
+        fig.add_annotation(x=(first + last) / 2, y=1.0, yref="paper", yanchor="bottom", text=label, showarrow=False,
+                           font=dict(size=13))
     if prompt_tokens is not None:
         edge = prompt_tokens / block_size - 0.5  # the boundary between the prompt's last token and the answer's first
         fig.add_vline(x=edge, line_dash="dash", line_color="black")
         fig.add_annotation(x=edge, y=1.0, yref="paper", yanchor="bottom", text="prompt | answer", showarrow=False,
-                           font=dict(size=10))
+                           xanchor="center", font=dict(size=13))
     slider = W.SelectionSlider(options=budgets, value=budgets[0], description="budget (tokens)",
                                style={"description_width": "initial"}, layout=W.Layout(width="460px"))
 
     def refresh(_=None):
         at = runs[slider.value]
-        _, z, text = _grid(at, slider.value)
+        _, z, text = _grid(at, slider.value, prompt_tokens)
         kept = {n: len(r["kept"]) for n, r in at.items()}
         with fig.batch_update():
             fig.data[0].z, fig.data[0].text = z, text
             fig.layout.title = (f"Budget {slider.value} tokens: blocks kept per policy after {next(iter(at.values()))['tokens']} "
                                 f"tokens<br><sup>green kept, grey dropped (back in the pool), orange being written; "
-                                + ", ".join(f"{n} {k}" for n, k in kept.items()) + " blocks</sup>")
+                                + ", ".join(f"{n} {k}" for n, k in kept.items()) + " blocks"
+                                + (f"; boxed blocks kept: " + ", ".join(
+                                    f"{n} {sum(b in r['kept'] for b in marks)}/{len(marks)}" for n, r in at.items())
+                                   if marks else "") + "</sup>")
 
     slider.observe(refresh, names="value")
     refresh()
@@ -98,11 +107,17 @@ def quantize_or_evict_figure(q: dict):
                         marker=dict(symbol="diamond", size=13, color=FORMAT_COLORS.get(v["format"])),
                         text=[v["format"]], textposition="bottom center",
                         hovertemplate=f"{v['format']}: %{{x:.0%}} of the bytes, KL %{{y:.4f}}<extra></extra>")
-    fig.update_layout(height=430, title="Quantize or evict? Quality against the bytes held (SmolLM2, one held-out text)",
+        fig.add_annotation(x=c["bytes_share"], y=1.0, yref="paper", yanchor="bottom", showarrow=False,
+                           text=f"<b>{v['verdict']}</b>" + (f" ({v['factor']:.1f}x)" if v.get("factor") else ""),
+                           font=dict(size=12))
+    shares = sorted({round(c["bytes_share"], 3) for c in cs.values()})  # a tick where something was measured
+    fig.update_layout(height=450, title=dict(text="Quantize or evict? Quality against the bytes held (SmolLM2, one "
+                                                  "held-out text)<br><sup>above each format: the computed verdict "
+                                                  "and the best policy's KL over the format's</sup>", y=0.96),
                       xaxis=dict(title="bytes the cache holds at the end of the text (share of the full FP16 cache)",
-                                 tickformat=".0%"),
+                                 tickvals=shares, tickformat=".0%"),
                       yaxis=dict(title="next-token KL vs the full FP32 cache (log; lower is better)", type="log", dtick=1),
-                      legend=dict(orientation="h", y=-0.25), margin=dict(t=60, b=40))
+                      legend=dict(orientation="h", y=-0.25), margin=dict(t=100, b=40))
     return fig
 
 
