@@ -2,7 +2,7 @@
 
 A claim is the article's sentence, where it says it, and a function that measures it **now**: from
 kvlab's byte arithmetic, its simulators, or SmolLM2 on this machine (small, fast settings). The
-verdict is computed from that measurement by one of six rules (:mod:`kvlab.claims.rules`), never
+verdict is computed from that measurement by one of seven rules (:mod:`kvlab.claims.rules`), never
 typed in:
 
 * :func:`ratio` — a number: ``holds`` within a tolerance, else ``off by N×``;

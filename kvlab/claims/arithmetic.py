@@ -12,7 +12,7 @@ from __future__ import annotations
 from kvlab import sizing
 from kvlab.cache import simulate
 from kvlab.claims.memory import A100_BW, A100_BYTES, GiB, KiB
-from kvlab.claims.rules import margin, ratio, truth
+from kvlab.claims.rules import margin, ratio, readings, truth
 from kvlab.kernels.traffic import GPU_CORES
 from kvlab.sizing import fmt_bytes
 
@@ -61,9 +61,9 @@ def c_l2_threshold(lab, weights: int | None = None, l2: int = A100_L2):
     tokens = l2 / sizing.kv_bytes_per_token(_7B, "fp16")
     return (f"the A100's {l2 / 2**20:.0f} MiB L2 holds {tokens:.0f} tokens of 7B KV; the weights are "
             f"{weights / l2:.0f}x the L2", truth(weights < l2),
-            "true past the threshold and just as true before it: every decode step reads HBM whatever the "
-            "cache's size, since the weights alone overflow the L2, so the threshold the sentence draws marks "
-            "nothing")
+            "the sentence draws a threshold (「一旦超过…显存带宽瓶颈就来了」: once past it, the bandwidth "
+            "bottleneck arrives), and the threshold marks nothing: every decode step reads HBM whatever the "
+            "cache's size, since the weights alone overflow the L2")
 
 
 def c_no_cache_realtime(lab, context: int = 4096, interactive_tok_s: float = 10.0):
@@ -150,10 +150,15 @@ def c_pool_bytes_fixed(lab, budget: int = 16 * GiB, block_tokens: int = 16, size
     fp16 = budget // per_block["fp16"]
     int8 = budget // per_block["int8"] if sized_by == "bytes" else fp16
     bytes_fp16, bytes_int8 = fp16 * per_block["fp16"], int8 * per_block["int8"]
+    # 「这个池子的占用也减半」: 占用 is what the pool takes (its bytes) or how full the same requests leave it
+    same_requests = per_block["int8"] <= 0.55 * per_block["fp16"]  # a request's blocks take half the bytes
     return (f"a {fmt_bytes(budget)} pool: {fp16:,} FP16 blocks or {int8:,} INT8 blocks, {fmt_bytes(bytes_fp16)} vs "
-            f"{fmt_bytes(bytes_int8)}", truth(bytes_int8 <= 0.55 * bytes_fp16),
-            "vLLM sizes the pool by gpu_memory_utilization: an INT8 cache doubles the blocks (the tokens held), "
-            "the pool's bytes stay the same")
+            f"{fmt_bytes(bytes_int8)}",
+            readings(same_requests, bytes_int8 <= 0.55 * bytes_fp16, "the same requests fill half the pool",
+                     "the pool's reserved bytes halve"),
+            "「占用」 reads two ways. vLLM sizes the pool by gpu_memory_utilization: an INT8 cache doubles the "
+            "blocks (the tokens held) and the pool's bytes stay the same, so the same requests fill half of it, "
+            "but the memory the pool reserves does not halve")
 
 
 def c_sliding_window_cap(lab, window: int = 4096, context: int = 32768):
@@ -161,8 +166,9 @@ def c_sliding_window_cap(lab, window: int = 4096, context: int = 32768):
     full = _kv("mistral-7b", tokens=context, dtype="int8")
     return (f"Mistral-7B v0.1 (window {window}), INT8: {fmt_bytes(capped)} per sequence at {context:,} tokens "
             f"with the window, {fmt_bytes(full)} without", truth(capped < full),
-            "only for models trained with a window (Mistral); on others a window changes the model (and a paged "
-            "cache must also free the blocks that fall out of it, which kvlab's does not)")
+            "only for models trained with a window (Mistral); on others a window changes the model. The cap is "
+            "real only if the cache frees the blocks that fall out of the window: kvlab's paged cache does with "
+            "eviction=SlidingWindow (notebook 07), not by default")
 
 
 # ---- formats and scales ------------------------------------------------------------------------------
@@ -187,7 +193,10 @@ def c_finer_scales_cost(lab, model: str = "smollm2-135m", extra: float | None = 
     tok = sizing.kv_size(model, "int8", tokens=4096, scales="per-token-head").total_bytes
     extra = tok / head - 1 if extra is None else extra
     return (f"SmolLM2, INT8 at 4K: per-token-head scales add {extra:.1%} to the cache (one fp32 per 64 values)",
-            truth(extra == 0), "finer scales cost memory (and bandwidth) as well as code")
+            readings(True, extra == 0, "finer scales cost a finer implementation",
+                     "a finer implementation is their whole cost"),
+            "「代价是实现要更细」 names one cost and does not say it is the only one; the bytes add a second: finer "
+            "scales cost memory (and bandwidth) as well as code")
 
 
 def c_k8v4_lower(lab, model: str = _7B, k8v4: float | None = None):

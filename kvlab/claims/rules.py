@@ -1,4 +1,4 @@
-"""The six verdict rules of the claims table (notebook 06): a verdict is computed, never typed in.
+"""The seven verdict rules of the claims table (notebook 06): a verdict is computed, never typed in.
 
 Each rule turns a claimed figure and our measurement into one of ``holds``, ``off by N×``,
 ``wrong`` or ``not settled (...)``:
@@ -10,7 +10,10 @@ Each rule turns a claimed figure and our measurement into one of ``holds``, ``of
   overlap, ``off by N×`` when we measure more, ``not settled`` when we measure less on a smaller model;
 * :func:`shown` — a claimed gain: ``wrong`` when the bytes cannot allow it, ``holds`` when our run
   reaches it, ``not settled`` when the bytes allow it and our run did not reach it;
-* :func:`margin` — "it fits" / "it does not fit" against a limit, ``not settled`` within a margin.
+* :func:`margin` — "it fits" / "it does not fit" against a limit, ``not settled`` within a margin;
+* :func:`readings` — a sentence that reads two ways (the words allow a weak and a strong claim):
+  ``holds`` when both readings hold, ``wrong`` when neither does, ``not settled (ambiguous ...)``
+  when only the weak one does. The table does not pick the reading that suits a verdict.
 
 :func:`corrected` says whether a verdict corrects the article: ``not settled`` is neither a
 confirmation nor a correction, the lab's measurement cannot decide it.
@@ -125,6 +128,19 @@ def margin(value: float, limit: float, slack: float = 0.10) -> str:
     if value < limit * (1 - slack):
         return "wrong"
     return f"{UNSETTLED} (borderline: within {slack:.0%} of the limit)"
+
+
+def readings(weak: bool, strong: bool, weak_says: str, strong_says: str) -> str:
+    """A sentence with two readings, ``weak_says`` and ``strong_says`` (each true or not as measured):
+    ``holds`` when both hold, ``wrong`` when neither does, else ``not settled (ambiguous: ...)``
+    naming the reading that holds and the one that does not."""
+    _note("readings", f"both readings must hold: {weak_says}; {strong_says}")
+    if weak and strong:
+        return HOLDS
+    if not weak and not strong:
+        return "wrong"
+    good, bad = (weak_says, strong_says) if weak else (strong_says, weak_says)
+    return f"{UNSETTLED} (ambiguous: it holds if it means {good}, not if it means {bad})"
 
 
 def elsewhere(verdict: str, seen_on: str = "SmolLM2", claimed_for: str = "another model") -> str:
