@@ -54,7 +54,7 @@ def eviction_explorer(runs: dict, marks: dict | None = None, prompt_tokens: int 
     fig = go.FigureWidget(go.Heatmap(z=z, y=names, text=text, hoverinfo="text", zmin=0, zmax=2,
                                      colorscale=colorscale, showscale=False, xgap=1, ygap=3))
     # a widget in a box does not stretch its figure (the default 700 px squeezes 35 blocks): set the width
-    fig.update_layout(height=340, width=980, margin=dict(t=90, b=50, l=110, r=20), font=dict(size=13),
+    fig.update_layout(height=360, width=980, margin=dict(t=110, b=50, l=110, r=20), font=dict(size=13),
                       xaxis_title="logical block (16 tokens each)",
                       yaxis_autorange="reversed")
     for first, last, label in _spans(marks or {}):
@@ -78,7 +78,7 @@ def eviction_explorer(runs: dict, marks: dict | None = None, prompt_tokens: int 
             fig.layout.title = (f"Budget {slider.value} tokens: blocks kept per policy after {next(iter(at.values()))['tokens']} "
                                 f"tokens<br><sup>green kept, grey dropped (back in the pool), orange being written; "
                                 + ", ".join(f"{n} {k}" for n, k in kept.items()) + " blocks"
-                                + (f"; boxed blocks kept: " + ", ".join(
+                                + (f"<br>boxed ({marks[next(iter(marks))]}) blocks kept: " + ", ".join(
                                     f"{n} {sum(b in r['kept'] for b in marks)}/{len(marks)}" for n, r in at.items())
                                    if marks else "") + "</sup>")
 
