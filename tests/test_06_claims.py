@@ -197,6 +197,12 @@ def test_every_arithmetic_rule_flips_on_a_planted_measurement():
         assert c.quote and c.article in ("000", "003", "004"), c.id
 
 
+def test_every_claim_quotes_its_article():
+    # the seeds are not in the project: the quotes' text is checked against them outside the tests
+    for c in claims.CLAIMS:
+        assert c.quote and c.article in ("000", "003", "004"), c.id
+
+
 def test_claims_about_another_model_or_workload_follow_the_one_rule():
     from kvlab.claims.memory import c_int4_quarter
 
