@@ -23,7 +23,8 @@ def _grid(runs_at_budget: dict, budget: int, prompt_tokens: int | None = None):
                      + (f"; the prompt ends at {prompt_tokens - 1}, the answer starts in this block"
                         if prompt_tokens is not None and b == (prompt_tokens - 1) // 16 and prompt_tokens % 16 else "")
                      + "): "
-                     + ("being written" if b == r["num_blocks"] - 1 else "kept" if b in kept else "dropped")
+                     + ("the newest block, kept (it holds the latest token)" if b == r["num_blocks"] - 1
+                        else "kept" if b in kept else "dropped, back in the pool")
                      + (f", score {r['scores'][b]:.1f}" if r["scores"] and b < len(r["scores"]) else "")
                      for b in range(n)])
     return names, z, text
@@ -42,7 +43,7 @@ def _spans(marks: dict) -> list[tuple[int, int, str]]:
 
 def eviction_explorer(runs: dict, marks: dict | None = None, prompt_tokens: int | None = None, block_size: int = 16):
     """A budget slider over :func:`kvlab.beyond.kept_blocks`' runs: one row per policy, one cell per
-    logical block of the sequence (kept, dropped, being written); ``marks``: block index -> label drawn
+    logical block of the sequence (kept, dropped, the newest); ``marks``: block index -> label drawn
     above the grid (e.g. where the pass key sits; consecutive blocks with one label share it);
     ``prompt_tokens``: a line where the prompt ends and the answer begins."""
     import ipywidgets as W  # ipywidgets loads only when a widget is built
@@ -54,9 +55,15 @@ def eviction_explorer(runs: dict, marks: dict | None = None, prompt_tokens: int 
     fig = go.FigureWidget(go.Heatmap(z=z, y=names, text=text, hoverinfo="text", zmin=0, zmax=2,
                                      colorscale=colorscale, showscale=False, xgap=1, ygap=3))
     # a widget in a box does not stretch its figure (the default 700 px squeezes 35 blocks): set the width
-    fig.update_layout(height=360, width=980, margin=dict(t=110, b=50, l=110, r=20), font=dict(size=13),
-                      xaxis_title="logical block (16 tokens each)",
-                      yaxis_autorange="reversed")
+    n = len(z[0])
+    fig.update_layout(height=400, width=980, margin=dict(t=110, b=90, l=110, r=20), font=dict(size=13),
+                      xaxis=dict(title="logical block (16 tokens each)", range=[-0.5, n - 0.5]),
+                      yaxis_autorange="reversed", showlegend=True,
+                      legend=dict(orientation="h", x=0, y=-0.22, yanchor="top"))
+    for label, colour in (("kept", COLORS["tokens"]), ("dropped (back in the pool)", COLORS["empty"]),
+                          ("the newest block (holds the latest token)", COLORS["padding"])):
+        fig.add_scatter(x=[None], y=[None], mode="markers", name=label, hoverinfo="skip",
+                        marker=dict(symbol="square", size=13, color=colour, line=dict(width=1, color="#7f8c8d")))
     for first, last, label in _spans(marks or {}):
         fig.add_vrect(x0=first - 0.5, x1=last + 0.5, line_width=1.5, line_color="black", fillcolor="rgba(0,0,0,0)")
         fig.add_annotation(x=(first + last) / 2, y=1.0, yref="paper", yanchor="bottom", text=label, showarrow=False,
@@ -76,7 +83,7 @@ def eviction_explorer(runs: dict, marks: dict | None = None, prompt_tokens: int 
         with fig.batch_update():
             fig.data[0].z, fig.data[0].text = z, text
             fig.layout.title = (f"Budget {slider.value} tokens: blocks kept per policy after {next(iter(at.values()))['tokens']} "
-                                f"tokens<br><sup>green kept, grey dropped (back in the pool), orange being written; "
+                                f"tokens<br><sup>blocks kept: "
                                 + ", ".join(f"{n} {k}" for n, k in kept.items()) + " blocks"
                                 + (f"<br>boxed ({marks[next(iter(marks))]}) blocks kept: " + ", ".join(
                                     f"{n} {sum(b in r['kept'] for b in marks)}/{len(marks)}" for n, r in at.items())
@@ -115,7 +122,7 @@ def quantize_or_evict_figure(q: dict):
                                                   "held-out text)<br><sup>above each format: the computed verdict "
                                                   "and the best policy's KL over the format's</sup>", y=0.96),
                       xaxis=dict(title="bytes the cache holds at the end of the text (share of the full FP16 cache)",
-                                 tickvals=shares, tickformat=".0%"),
+                                 tickvals=shares, ticktext=[f"{x:.0%}" for x in shares]),  # as the table rounds
                       yaxis=dict(title="next-token KL vs the full FP32 cache (log; lower is better)", type="log", dtick=1),
                       legend=dict(orientation="h", y=-0.25), margin=dict(t=100, b=40))
     return fig
