@@ -71,8 +71,8 @@ def eviction_explorer(runs: dict, marks: dict | None = None, prompt_tokens: int 
     if prompt_tokens is not None:
         edge = prompt_tokens / block_size - 0.5  # the boundary between the prompt's last token and the answer's first
         fig.add_vline(x=edge, line_dash="dash", line_color="black")
-        fig.add_annotation(x=edge, y=1.0, yref="paper", yanchor="bottom", text="prompt | answer", showarrow=False,
-                           xanchor="center", font=dict(size=13))
+        fig.add_annotation(x=edge, y=1.0, yref="paper", yanchor="bottom", text="prompt ends here ", showarrow=False,
+                           xanchor="right", font=dict(size=13))  # right-aligned: centred, it ran off the plot
     slider = W.SelectionSlider(options=budgets, value=budgets[0], description="budget (tokens)",
                                style={"description_width": "initial"}, layout=W.Layout(width="460px"))
 
@@ -110,7 +110,7 @@ def quantize_or_evict_figure(q: dict):
                         hovertemplate="%{customdata}: %{x:.0%} of the bytes, KL %{y:.4f}<extra></extra>")
     for v in q["verdicts"]:
         c = cs[v["format"]]
-        fig.add_scatter(x=[c["bytes_share"]], y=[c["kl"]], mode="markers+text", name=f"{v['format']} (full cache)",
+        fig.add_scatter(x=[c["bytes_share"]], y=[c["kl"]], mode="markers+text", name=f"{v['format']} (every token kept)",
                         marker=dict(symbol="diamond", size=13, color=FORMAT_COLORS.get(v["format"])),
                         text=[v["format"]], textposition="bottom center",
                         hovertemplate=f"{v['format']}: %{{x:.0%}} of the bytes, KL %{{y:.4f}}<extra></extra>")
