@@ -57,6 +57,17 @@ def test_static_utilization_agrees_with_the_cache(tiny):
     assert not check.static_utilization(lambda lens, b, t: sum(lens) / (len(lens) * t))
 
 
+def test_static_utilization_names_the_mistake_and_hides_the_answer(capsys):
+    capsys.readouterr()
+    assert not check.static_utilization(lambda lens, b, t: sum(lens) / (len(lens) * t))
+    assert "an empty row is reserved too" in capsys.readouterr().out
+    assert not check.static_utilization(lambda lens, b, t: 1 - sum(lens) / (b * t))
+    assert "the share wasted" in capsys.readouterr().out
+    assert not check.static_utilization(stub)
+    out = capsys.readouterr().out
+    assert out.startswith("[todo]") and "the answer is" not in out
+
+
 def test_checker_rejects_non_callables():
     with pytest.raises(TypeError, match="pass your function"):
         check.kv_token_bytes(sizing.PRESETS)

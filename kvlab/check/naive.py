@@ -41,8 +41,21 @@ def static_utilization(fn: Callable[[Sequence[int], int, int], float]) -> bool:
     """``fn(tokens_per_sequence, max_batch, max_seq_len) -> tokens stored / slots reserved``."""
     cases = [((lens, b, t), ref_static_utilization(lens, b, t))
              for lens, b, t in (([10], 1, 10), ([10, 20], 2, 40), ([5, 50, 500], 4, 2048), ([100] * 8, 8, 4096))]
+
+    def hint(args, got, expected):
+        lens, b, t = args
+        if not isinstance(got, (int, float)):
+            return "return one number, the share (a float between 0 and 1)"
+        if math.isclose(got, sum(lens) / (len(lens) * t), rel_tol=1e-9):
+            return "the cache reserves max_batch rows, filled or not: an empty row is reserved too"
+        if math.isclose(got, 1 - expected, rel_tol=1e-9):
+            return "that is the share wasted; the question asks for the share used"
+        if math.isclose(got, 100 * expected, rel_tol=1e-9):
+            return "a share, not a percentage"
+        return None
+
     return _run("static_utilization", fn, cases, same=lambda a, b: isinstance(a, (int, float))
-                and math.isclose(a, b, rel_tol=1e-9))
+                and math.isclose(a, b, rel_tol=1e-9), hint=hint, reveal=False)
 
 
 def tokens_stored(fn: Callable[[Sequence[int], Sequence[int]], list]) -> bool:
