@@ -118,7 +118,9 @@ def copy_or_recompute(fn: Callable) -> bool:
         if close((r, c), expected):
             return "the order is (copy seconds, recompute seconds)"
         # (ratio yours / expected, the mistake behind it); the first that fits is named
-        copy_why = [(0.5, "a token stores K and V: two tensors per layer"), (2.0, "FP16 is 2 bytes per element, not 4"),
+        copy_why = [(0.5, "a factor of 2 is missing: a token stores K and V (two tensors per layer), each element "
+                          "2 bytes in FP16"),
+                    (2.0, "a factor of 2 too many: FP16 is 2 bytes per element (not 4), and K and V count once each"),
                     (8.0, "the link is in bytes per second already (PCIe 4.0 x16: 32 GB/s), not bits"),
                     (1 / cfg.num_layers, "every layer stores its own K and V: multiply by the layers"),
                     (cfg.num_heads / cfg.num_kv_heads, "the cache holds num_kv_heads heads (GQA), not num_heads"),

@@ -56,12 +56,12 @@ def eviction_explorer(runs: dict, marks: dict | None = None, prompt_tokens: int 
                                      colorscale=colorscale, showscale=False, xgap=1, ygap=3))
     # a widget in a box does not stretch its figure (the default 700 px squeezes 35 blocks): set the width
     n = len(z[0])
-    fig.update_layout(height=400, width=980, margin=dict(t=110, b=90, l=110, r=20), font=dict(size=13),
+    fig.update_layout(height=415, width=980, margin=dict(t=125, b=90, l=110, r=20), font=dict(size=13),
                       xaxis=dict(title="logical block (16 tokens each)", range=[-0.5, n - 0.5]),
                       yaxis_autorange="reversed", showlegend=True,
                       legend=dict(orientation="h", x=0, y=-0.22, yanchor="top"))
     for label, colour in (("kept", COLORS["tokens"]), ("dropped (back in the pool)", COLORS["empty"]),
-                          ("the newest block (holds the latest token)", COLORS["padding"])):
+                          ("the newest block (kept: it holds the latest token)", COLORS["padding"])):
         fig.add_scatter(x=[None], y=[None], mode="markers", name=label, hoverinfo="skip",
                         marker=dict(symbol="square", size=13, color=colour, line=dict(width=1, color="#7f8c8d")))
     for first, last, label in _spans(marks or {}):
