@@ -453,8 +453,8 @@ def test_sinks_window_blocks(capsys):
     assert not check.sinks_window_blocks(stub)
     assert "[todo]" in capsys.readouterr().out
 
-    def formula(n, bs, budget, sinks, sink_blocks=None, window=None, positions=False):
-        total, b = cdiv(n, bs), budget // bs
+    def formula(n, bs, budget, sinks, sink_blocks=None, window=None, positions=False, span=cdiv):
+        total, b = span(n, bs), budget // bs
         s = cdiv(sinks, bs) if sink_blocks is None else sink_blocks(sinks, bs)
         keep = list(range(total)) if total <= b else sorted(set(range(min(s, total))) | set(
             range(total - ((b - s) if window is None else window(b, s)), total)))
@@ -464,7 +464,8 @@ def test_sinks_window_blocks(capsys):
     capsys.readouterr()
     for wrong, why in [(lambda *a: formula(*a, sink_blocks=lambda s, bs: s), "ceil(sinks / block_size) blocks"),
                        (lambda *a: formula(*a, window=lambda b, s: b - s + 1), "the block being written counts"),
-                       (lambda *a: formula(*a, positions=True), "not token positions")]:
+                       (lambda *a: formula(*a, positions=True), "not token positions"),
+                       (lambda *a: formula(*a, span=lambda n, bs: n // bs), "partly filled last block")]:
         assert not check.sinks_window_blocks(wrong)
         assert why in capsys.readouterr().out
 
@@ -488,16 +489,19 @@ def test_copy_or_recompute(capsys):
     out = capsys.readouterr().out
     assert "[todo]" in out and "answer is" not in out  # a task to work out: the [todo] line reveals nothing
 
-    def planted(tokens, cfg, link, flops, kv=2, nbytes=2, all_heads=False, flop_factor=2, layers=True, swap=False):
+    def planted(tokens, cfg, link, flops, kv=2, nbytes=2, all_heads=False, flop_factor=2, layers=True, swap=False,
+                per_token_only=False):
         heads = cfg.num_heads if all_heads else cfg.num_kv_heads
         per_token = kv * (cfg.num_layers if layers else 1) * heads * cfg.head_dim * nbytes
         out = (tokens * per_token / link, flop_factor * cfg.num_params * tokens / flops)
+        out = out if per_token_only is False else (per_token / link, out[1])
         return out[::-1] if swap else out
 
     for wrong, why in [(lambda *a: planted(*a, kv=1), "K and V"), (lambda *a: planted(*a, nbytes=4), "2 bytes"),
                        (lambda *a: planted(*a, all_heads=True), "num_kv_heads"),
                        (lambda *a: planted(*a, layers=False), "layers"),
                        (lambda *a: planted(*a, flop_factor=6), "training"),
-                       (lambda *a: planted(*a, flop_factor=1), "2 FLOPs"), (lambda *a: planted(*a, swap=True), "order")]:
+                       (lambda *a: planted(*a, flop_factor=1), "2 FLOPs"), (lambda *a: planted(*a, swap=True), "order"),
+                       (lambda *a: planted(*a, per_token_only=True), "multiply the bytes per token by tokens")]:
         assert not check.copy_or_recompute(wrong)
         assert why in capsys.readouterr().out, why

@@ -44,9 +44,9 @@ def sinks_window_blocks(fn: Callable[[int, int, int, int], list]) -> bool:
     keeps once the sequence holds ``num_tokens`` tokens, the policy acting after every token."""
     cases = _cases()
 
-    def rule(sink_blocks, budget_blocks, window_adjust=0, blocks=True):
+    def rule(sink_blocks, budget_blocks, window_adjust=0, blocks=True, span=cdiv):
         def f(n, bs, budget, sinks):
-            total = cdiv(n, bs)
+            total = span(n, bs)
             b, s = budget_blocks(budget, bs), sink_blocks(sinks, bs)
             keep = list(range(total)) if total <= b else sorted(set(range(min(s, total))) | set(
                 range(max(0, total - (b - s) - window_adjust), total)))
@@ -66,6 +66,9 @@ def sinks_window_blocks(fn: Callable[[int, int, int, int], list]) -> bool:
          "including it"),
         (rule(ceil_sinks, floor_budget, window_adjust=-1), "the window is budget_blocks - sink_blocks blocks, "
                                                            "the one being written among them"),
+        (rule(ceil_sinks, floor_budget, span=lambda n, bs: n // bs),
+         "a sequence of num_tokens tokens spans ceil(num_tokens / block_size) blocks: its partly filled last block "
+         "is held too (it is the block being written)"),
         (rule(ceil_sinks, floor_budget, blocks=False),
          "return logical block indices (position // block_size), not token positions"),
     ]
@@ -125,6 +128,7 @@ def copy_or_recompute(fn: Callable) -> bool:
                     (1 / cfg.num_layers, "every layer stores its own K and V: multiply by the layers"),
                     (cfg.num_heads / cfg.num_kv_heads, "the cache holds num_kv_heads heads (GQA), not num_heads"),
                     (1 / cfg.head_dim, "each head stores head_dim numbers per token"),
+                    (1 / n, "every one of the tokens crosses the link: multiply the bytes per token by tokens"),
                     (0.25, "K and V, 2 bytes each: the factor is 2 x 2")]
         recompute_why = [(0.5, "a multiply-add is 2 FLOPs: 2 x parameters per token"),
                          (3.0, "6 x parameters is training (forward + backward); a prefill is the forward only, 2 x"),

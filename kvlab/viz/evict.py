@@ -41,11 +41,13 @@ def _spans(marks: dict) -> list[tuple[int, int, str]]:
     return out
 
 
-def eviction_explorer(runs: dict, marks: dict | None = None, prompt_tokens: int | None = None, block_size: int = 16):
+def eviction_explorer(runs: dict, marks: dict | None = None, prompt_tokens: int | None = None, block_size: int = 16,
+                      start: int | None = None):
     """A budget slider over :func:`kvlab.beyond.kept_blocks`' runs: one row per policy, one cell per
     logical block of the sequence (kept, dropped, the newest); ``marks``: block index -> label drawn
     above the grid (e.g. where the pass key sits; consecutive blocks with one label share it);
-    ``prompt_tokens``: a line where the prompt ends and the answer begins."""
+    ``prompt_tokens``: a line where the prompt ends and the answer begins; ``start``: the budget the slider opens at
+    (the smallest by default)."""
     import ipywidgets as W  # ipywidgets loads only when a widget is built
 
     budgets = sorted(runs)
@@ -73,7 +75,9 @@ def eviction_explorer(runs: dict, marks: dict | None = None, prompt_tokens: int 
         fig.add_vline(x=edge, line_dash="dash", line_color="black")
         fig.add_annotation(x=edge, y=1.0, yref="paper", yanchor="bottom", text="prompt ends here ", showarrow=False,
                            xanchor="right", font=dict(size=13))  # right-aligned: centred, it ran off the plot
-    slider = W.SelectionSlider(options=budgets, value=budgets[0], description="budget (tokens)",
+    if start is not None and start not in budgets:
+        raise ValueError(f"start: {start!r} is not one of the budgets run, {budgets}")
+    slider = W.SelectionSlider(options=budgets, value=budgets[0] if start is None else start, description="budget (tokens)",
                                style={"description_width": "initial"}, layout=W.Layout(width="460px"))
 
     def refresh(_=None):
