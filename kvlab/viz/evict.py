@@ -151,11 +151,13 @@ def fleet_figure(rows: list[dict]):
                                           "<extra>%{x} replicas</extra>")
     for style, label in (("solid", "TTFT p99 (solid)"), ("dot", "TTFT p50 (dotted)")):  # the metric's legend
         fig.add_scatter(x=[None], y=[None], mode="lines", name=label, line=dict(color="black", dash=style), row=1, col=2)
-    fig.update_xaxes(title_text="replicas", type="log", tickvals=sorted({r["replicas"] for r in rows}))
-    fig.update_yaxes(tickformat=".0%", rangemode="tozero", row=1, col=1)
+    fig.update_xaxes(title_text="replicas (log scale: each step doubles)", type="log",
+                     tickvals=sorted({r["replicas"] for r in rows}))
+    fig.update_yaxes(title_text="prefix hit rate", tickformat=".0%", rangemode="tozero", row=1, col=1)
     ttft = [r[k] for r in rows for k in ("ttft_p99_s", "ttft_p50_s") if r[k] > 0]
     ticks = [m * 10.0 ** e for e in range(-3, 4) for m in (1, 2, 5)]
     ticks = [t for t in ticks if min(ttft, default=1) / 2 <= t <= max(ttft, default=1) * 2]
-    fig.update_yaxes(type="log", tickvals=ticks, ticktext=[f"{t:g}" for t in ticks], row=1, col=2)  # 1-2-5 ticks
+    fig.update_yaxes(title_text="time to first token (s)", type="log", tickvals=ticks, ticktext=[f"{t:g}" for t in ticks],
+                     row=1, col=2)  # 1-2-5 ticks
     fig.update_layout(height=380, legend=dict(orientation="h", y=-0.25), margin=dict(t=60, b=40))
     return fig
