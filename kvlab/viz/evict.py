@@ -8,7 +8,8 @@ from plotly.subplots import make_subplots
 from kvlab.viz import COLORS
 
 POLICY_COLORS = {"window": "#8e44ad", "sinks+window": "#2980b9", "h2o": "#d35400", "snapkv": "#16a085"}
-FORMAT_COLORS = {"int8": COLORS["tokens"], "k8v4": "#f1c40f", "int4": COLORS["kv"], "fp16": COLORS["weights"]}
+# diamonds in colours no policy line uses (green and red sat too close to snapkv and h2o)
+FORMAT_COLORS = {"int8": "#17202a", "k8v4": "#f1c40f", "int4": "#95a5a6", "fp16": COLORS["weights"]}
 
 
 def _grid(runs_at_budget: dict, budget: int, prompt_tokens: int | None = None):
