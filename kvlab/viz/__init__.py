@@ -184,7 +184,7 @@ def speedup_figure(rows: list[dict]):
                 text=[f"cache {r['speedup']:.1f}x faster" for r in rows], textposition="outside", cliponaxis=False)
     fig.add_bar(x=x, y=[r["cache_s"] for r in rows], name="KV cache", marker_color=COLORS["tokens"])
     fig.update_layout(barmode="group", xaxis=dict(title="prompt tokens", type="category"),
-                      yaxis_title=f"seconds: prefill + {rows[0]['new_tokens']} new tokens", height=400,
+                      yaxis_title=f"seconds to generate {rows[0]['new_tokens']} tokens (prefill included)", height=400,
                       title=f"Recompute vs KV cache: {rows[0]['new_tokens']} new tokens after prompts of each length",
                       yaxis_range=[0, 1.15 * max(r["no_cache_s"] for r in rows)], legend=dict(x=0.02, y=0.98))
     return fig
