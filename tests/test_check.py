@@ -41,6 +41,11 @@ def test_token_forwards(capsys):
     assert not check.token_forwards(stub)
     out = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in out] == ["[ok]", "[fail]", "[todo]"]
+    uncached = lambda p, n: sum(p + i for i in range(n))  # noqa: E731
+    assert not check.token_forwards(lambda p, n, cached: uncached(p, n))  # the no-cache count for both
+    assert "feeds ONE token" in capsys.readouterr().out
+    assert not check.token_forwards(lambda p, n, cached: p + n - 1 if cached else sum(p + i for i in range(1, n + 1)))
+    assert "the first step is the prompt alone" in capsys.readouterr().out
 
 
 def test_static_utilization_agrees_with_the_cache(tiny):
@@ -408,6 +413,7 @@ def test_tokens_stored_names_the_mistakes(capsys):
         "never fed back": lambda p, a: [x + y for x, y in zip(p, a)],
         "only receives pads": lambda p, a: [x + max(a) - 1 for x in p],
         "did feed back its last token": lambda p, a: [x + y - 1 for x, y in zip(p, a)],
+        "the left padding is written too": lambda p, a: [max(p) + max(a) - 1 for _ in p],
     }
     for why, fn in mistakes.items():
         assert not check.tokens_stored(fn)

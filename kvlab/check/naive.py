@@ -28,6 +28,8 @@ def token_forwards(fn: Callable[[int, int, bool], int]) -> bool:
             return "the last token is sampled, never fed back: there is no step after it"
         if cached and got == n:
             return "the prompt itself goes through the model once (prefill) before the first new token"
+        if cached and got == ref_token_forwards(p, n, False) and n > 1:
+            return "with a cache each step feeds ONE token; re-running the whole sequence is the no-cache count"
         if cached and got == p + n - 1 + (n - 1):
             return "with a cache each step feeds ONE token, not the whole sequence so far"
         if not cached and got == expected + n:
@@ -75,6 +77,8 @@ def tokens_stored(fn: Callable[[Sequence[int], Sequence[int]], list]) -> bool:
         early = [i for i, n in enumerate(a) if n < max(a)]
         if any(got[i] == p[i] + a[i] for i in longest):
             return "the longest row's last token is sampled from the final step and never fed back"
+        if len(set(p)) > 1 and all(g == max(p) + max(a) - 1 for g in got):
+            return "the left padding is written too, but it is padding: a row's real tokens start with its own prompt"
         if early and all(got[i] == p[i] + max(a) - 1 for i in early):
             return "after its end-of-sequence token a row only receives pads: written, but not tokens"
         if early and all(got[i] == p[i] + a[i] - 1 for i in early):
