@@ -125,7 +125,7 @@ def quantize_or_evict_figure(q: dict):
     shares = sorted({round(c["bytes_share"], 3) for c in cs.values()})  # a tick where something was measured
     fig.update_layout(height=450, title=dict(text="Quantize or evict? Quality against the bytes held (SmolLM2, one "
                                                   "held-out text)<br><sup>above each format: the computed verdict "
-                                                  "and how many times the format's KL the best policy's is</sup>", y=0.96),
+                                                  "and the ratio: the best policy's KL / the format's KL</sup>", y=0.96),
                       xaxis=dict(title="bytes the cache holds at the end of the text (share of the full FP16 cache)",
                                  tickvals=shares, ticktext=[f"{x:.0%}" for x in shares]),  # as the table rounds
                       yaxis=dict(title="next-token KL vs the full FP32 cache (log; lower is better)", type="log", dtick=1),
