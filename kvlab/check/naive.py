@@ -33,7 +33,8 @@ def token_forwards(fn: Callable[[int, int, bool], int]) -> bool:
         if cached and got == p + n - 1 + (n - 1):
             return "with a cache each step feeds ONE token, not the whole sequence so far"
         if not cached and got == expected + n:
-            return "without a cache step i runs prompt_len + i positions for i = 0 .. new_tokens - 1 (the first step is the prompt alone)"
+            return ("without a cache step i runs prompt_len + i positions for i = 0 .. new_tokens - 1 "
+                    "(the first step is the prompt alone)")
         if not cached and got == p * n:
             return "without a cache step i re-runs the prompt AND the i tokens generated so far"
         return None

@@ -78,7 +78,8 @@ def eviction_explorer(runs: dict, marks: dict | None = None, prompt_tokens: int 
                            xanchor="right", font=dict(size=13))  # right-aligned: centred, it ran off the plot
     if start is not None and start not in budgets:
         raise ValueError(f"start: {start!r} is not one of the budgets run, {budgets}")
-    slider = W.SelectionSlider(options=budgets, value=budgets[0] if start is None else start, description="budget (tokens)",
+    slider = W.SelectionSlider(options=budgets, value=budgets[0] if start is None else start,
+                               description="budget (tokens)",
                                style={"description_width": "initial"}, layout=W.Layout(width="460px"))
 
     def refresh(_=None):
@@ -158,7 +159,7 @@ def fleet_figure(rows: list[dict]):
     ttft = [r[k] for r in rows for k in ("ttft_p99_s", "ttft_p50_s") if r[k] > 0]
     ticks = [m * 10.0 ** e for e in range(-3, 4) for m in (1, 2, 5)]
     ticks = [t for t in ticks if min(ttft, default=1) / 2 <= t <= max(ttft, default=1) * 2]
-    fig.update_yaxes(title_text="time to first token (s)", type="log", tickvals=ticks, ticktext=[f"{t:g}" for t in ticks],
-                     row=1, col=2)  # 1-2-5 ticks
+    fig.update_yaxes(title_text="time to first token (s)", type="log", tickvals=ticks,
+                     ticktext=[f"{t:g}" for t in ticks], row=1, col=2)  # 1-2-5 ticks
     fig.update_layout(height=380, legend=dict(orientation="h", y=-0.25), margin=dict(t=60, b=40))
     return fig
