@@ -52,6 +52,8 @@ def eviction_explorer(runs: dict, marks: dict | None = None, prompt_tokens: int 
     import ipywidgets as W  # ipywidgets loads only when a widget is built
 
     budgets = sorted(runs)
+    if start is not None and start not in budgets:
+        raise ValueError(f"start: {start!r} is not one of the budgets run, {budgets}")
     names, z, text = _grid(runs[budgets[0]], budgets[0], prompt_tokens)
     colorscale = [[0, COLORS["empty"]], [0.33, COLORS["empty"]], [0.34, COLORS["tokens"]], [0.66, COLORS["tokens"]],
                   [0.67, COLORS["padding"]], [1, COLORS["padding"]]]
@@ -76,8 +78,6 @@ def eviction_explorer(runs: dict, marks: dict | None = None, prompt_tokens: int 
         fig.add_vline(x=edge, line_dash="dash", line_color="black")
         fig.add_annotation(x=edge, y=1.0, yref="paper", yanchor="bottom", text="prompt ends here ", showarrow=False,
                            xanchor="right", font=dict(size=13))  # right-aligned: centred, it ran off the plot
-    if start is not None and start not in budgets:
-        raise ValueError(f"start: {start!r} is not one of the budgets run, {budgets}")
     slider = W.SelectionSlider(options=budgets, value=budgets[0] if start is None else start,
                                description="budget (tokens)",
                                style={"description_width": "initial"}, layout=W.Layout(width="460px"))
