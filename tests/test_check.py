@@ -159,6 +159,20 @@ def test_quantize_per_head_and_pack_int4(capsys):
     assert [line.split()[0] for line in out] == ["[ok]", "[fail]", "[todo]", "[ok]", "[fail]"]
     assert all(len(line) < 600 for line in out)  # tensors are summarised, not dumped
 
+    def half_away(x):  # rounds ties away from zero: the checker's tie case tells it apart, and says so
+        s = core.scale_from_absmax(core.absmax(x, "per-head"))
+        r = x / s
+        return (r.sign() * (r.abs() + 0.5).floor()).clamp(-127, 127).to(torch.int8), s
+
+    def per_tensor(x):  # one scale for every head
+        s = torch.full((1, x.shape[1], 1), max(float(x.abs().max()), 1e-6) / 127)
+        return torch.round(x / s).clamp(-127, 127).to(torch.int8), s
+
+    assert not check.quantize_per_head(half_away)
+    assert "half away from zero" in capsys.readouterr().out
+    assert not check.quantize_per_head(per_tensor)
+    assert "whole tensor" in capsys.readouterr().out
+
 
 def test_mla_bytes_per_token_names_the_mistakes_that_matter(capsys):
     assert check.mla_bytes_per_token(lambda L, H, r, rope, b: L * (r + rope) * b)

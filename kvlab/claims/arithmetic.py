@@ -118,12 +118,13 @@ def c_saved_reads_sum(lab, step_ms: float = 22.0, reads_before: float = 12.0, re
 def c_long_context_fits(lab, context: int = 16384, card: int = 24 * GiB):
     need = sizing.weight_bytes(_7B) + _kv(tokens=context)
     a100_tokens = (A100_BYTES - sizing.weight_bytes(_7B)) // sizing.kv_bytes_per_token(_7B, "fp16")
-    at_once = a100_tokens // context
-    return (f"7B FP16, one {context}-token request: {fmt_bytes(need)} of weights + KV; a 24 GB card has "
-            f"{fmt_bytes(card)}; an 80 GB A100 serves {at_once} such requests at once", truth(need > card),
-            f"the claim is that 8K-16K cannot run without quantization; at batch 1 it fits a 24 GB card, and an "
-            f"80 GB A100 holds {a100_tokens / 1000:.0f}K FP16 tokens beside the weights ({at_once} requests of "
-            f"{context // 1024}K at once): quantization buys batch, not the ability to run")
+    roomy = int(0.9 * A100_BYTES - sizing.weight_bytes(_7B)) // _kv(tokens=context)
+    return (f"7B FP16, one {context}-token request: {fmt_bytes(need)} of weights + KV ({need / card:.0%} of a "
+            f"{fmt_bytes(card)} card); an 80 GB A100 holds {a100_tokens // context} such requests to the last byte, "
+            f"{roomy} with 10 % left for activations and the runtime", margin(need, card),
+            f"the claim is that 8K-16K cannot run without quantization; at batch 1 it fits a 24 GB card with room to "
+            f"spare, and an 80 GB A100 holds {a100_tokens / 1000:.0f}K FP16 tokens beside the weights: quantization "
+            f"buys batch, not the ability to run")
 
 
 def c_int8_doubles_batch(lab, context: int = 16384, hbm: int = A100_BYTES, int8: int | None = None):
@@ -233,9 +234,11 @@ def c_zero_fragmentation(lab, lengths=None, block: int = 16, refused: dict | Non
     return (f"requests refused although the free memory would have held them (400 ShareGPT-like requests "
             f"coming and going, 4,096 slots): paged {ext['paged']}, contiguous first-fit {ext['contiguous']}; "
             f"inside each sequence's last block {waste:.1f} slots stay empty on average (lengths 1-2048)",
-            truth(ext["paged"] == 0), "read as the sentence's second half says, blocks of different requests "
-            "interleave: no free memory is lost between allocations. Internal fragmentation, the partial last "
-            "block, remains, as the article's own 5-10 % (§4.3) says")
+            readings(ext["paged"] == 0, ext["paged"] == 0 and waste == 0,
+                     "no free memory lost between requests (external fragmentation)",
+                     "no empty slot at all (internal fragmentation too)"),
+            "the sentence's second half, blocks of different requests interleave, is the first reading, and it "
+            "holds; the partial last block stays, as the article's own 5-10 % (§4.3) says")
 
 
 def c_deferred_quant(lab, hbm_saving: float = 0.0, claimed: float = 0.5):

@@ -99,8 +99,9 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("round-even", "004", "§4.3", "round half to even, never truncate: truncation biases the cache",
           "03_int8_quantization", "2. The per-head quantizer, step by step", c_rounding,
           quote="这里的 round 要采用 round-half-to-even不能用 truncate否则会有统计偏差"),
-    Claim("granularity", "004", "§3.2", "per-head beats per-channel beats per-tensor",
-          "03_int8_quantization", "Granularities compared", c_granularity, quote="Per-Head 是性价比最优解"),
+    Claim("granularity", "004", "§3.2", "precision, the article's table: per-head \"better\", per-channel \"medium\", "
+          "per-tensor \"poor\"", "03_int8_quantization", "Granularities compared", c_granularity,
+          quote="Per-Channel中中等一般场景可接受精度损失Per-Head较好中等偏低推荐"),
     Claim("3-bits", "000", "§4.1", "long-tailed key heads keep fewer than 3 effective bits after INT8",
           "03_int8_quantization", "Granularities compared", c_three_bits, quote="长尾分布量化后的有效位数不足 3 bit"),
     Claim("p999", "004", "§4.1", "99.9th-percentile scales work much better than abs-max",

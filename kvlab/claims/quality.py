@@ -93,7 +93,9 @@ def c_granularity(lab):
     ok = all(s["per-head"] > s["per-channel"] > s["per-tensor"] for s in snr.values())
     return ("SNR dB K/V: " + ", ".join(f"{g} {snr['K'][g]:.1f}/{snr['V'][g]:.1f}" for g in snr["K"]), truth(ok),
             "the granularities are nested: a per-channel scale is never coarser than its head's, so with the data's "
-            "own abs-max the article's order cannot hold; keys' outlier channels make the gap large")
+            "own abs-max the table's precision order cannot hold; keys' outlier channels make the gap large. The "
+            "heading's \"best value\" (性价比最优解) also weighs cost, where per-head wins: one scale per head, not "
+            "one per channel")
 
 
 def c_p999(lab):
