@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -135,31 +137,30 @@ def quantize_or_evict_figure(q: dict):
 
 
 def fleet_figure(rows: list[dict]):
-    """Prefix hit rate and TTFT p99 and p50 (log scale) against the number of replicas: a colour and a
-    marker per router, a line style per metric (where round-robin equals least-loaded, the two
-    markers stay visible)."""
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("prefix hit rate (blocks found cached)",
-                                                        "TTFT, simulated (s, log scale)"))
+    """Prefix hit rate, TTFT p50 and TTFT p99 (log scale) against the number of replicas, one panel each: a
+    colour and a marker per router (where round-robin equals least-loaded, the two markers stay visible;
+    at one replica every router sends everything to the same engine, so the three coincide)."""
+    fig = make_subplots(rows=1, cols=3, shared_yaxes=False, horizontal_spacing=0.08,
+                        subplot_titles=("prefix hit rate (blocks found cached)", "TTFT p50, simulated (s)",
+                                        "TTFT p99, simulated (s)"))
     colors = dict(zip(("round-robin", "least-loaded", "prefix-affinity"), ("#7f8c8d", "#2980b9", "#27ae60")))
     symbols = dict(zip(("round-robin", "least-loaded", "prefix-affinity"), ("square-open", "circle", "diamond")))
     for router in dict.fromkeys(r["router"] for r in rows):
         rs = [r for r in rows if r["router"] == router]
-        for col, key, style in ((1, "prefix_hit_rate", "solid"), (2, "ttft_p99_s", "solid"), (2, "ttft_p50_s", "dot")):
+        for col, key, what in ((1, "prefix_hit_rate", "hit rate"), (2, "ttft_p50_s", "TTFT p50"), (3, "ttft_p99_s", "TTFT p99")):
             fig.add_scatter(x=[r["replicas"] for r in rs], y=[r[key] for r in rs], mode="lines+markers", name=router,
-                            legendgroup=router, line=dict(color=colors.get(router), dash=style),
+                            legendgroup=router, line=dict(color=colors.get(router)),
                             marker=dict(symbol=symbols.get(router, "circle"), size=9 if router == "round-robin" else 7),
                             showlegend=col == 1, row=1, col=col,
-                            hovertemplate=f"{router}, {key.split('_')[-2] if col == 2 else 'hit rate'}: %{{y:.3~g}}"
-                                          "<extra>%{x} replicas</extra>")
-    for style, label in (("solid", "TTFT p99 (solid)"), ("dot", "TTFT p50 (dotted)")):  # the metric's legend
-        fig.add_scatter(x=[None], y=[None], mode="lines", name=label, line=dict(color="black", dash=style), row=1, col=2)
-    fig.update_xaxes(title_text="replicas (log scale: each step doubles)", type="log",
-                     tickvals=sorted({r["replicas"] for r in rows}))
+                            hovertemplate=f"{router}, {what}: %{{y:.3~g}}<extra>%{{x}} replicas</extra>")
+    fig.update_xaxes(title_text="replicas (log scale)", type="log", tickvals=sorted({r["replicas"] for r in rows}))
     fig.update_yaxes(title_text="prefix hit rate", tickformat=".0%", rangemode="tozero", row=1, col=1)
     ttft = [r[k] for r in rows for k in ("ttft_p99_s", "ttft_p50_s") if r[k] > 0]
     ticks = [m * 10.0 ** e for e in range(-3, 4) for m in (1, 2, 5)]
     ticks = [t for t in ticks if min(ttft, default=1) / 2 <= t <= max(ttft, default=1) * 2]
-    fig.update_yaxes(title_text="time to first token (s)", type="log", tickvals=ticks,
-                     ticktext=[f"{t:g}" for t in ticks], row=1, col=2)  # 1-2-5 ticks
+    lo, hi = math.log10(min(ttft, default=1) / 1.5), math.log10(max(ttft, default=1) * 1.5)
+    for col in (2, 3):  # one log scale for both TTFT panels, so p50 and p99 compare by height
+        fig.update_yaxes(title_text="time to first token (s)" if col == 2 else None, type="log", tickvals=ticks,
+                         ticktext=[f"{t:g}" for t in ticks], range=[lo, hi], row=1, col=col)  # 1-2-5 ticks
     fig.update_layout(height=380, legend=dict(orientation="h", y=-0.25), margin=dict(t=60, b=40))
     return fig
