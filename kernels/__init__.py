@@ -36,6 +36,11 @@ CELL_MARKER = "# needs triton"
 #: what such a cell prints instead of running, where triton is missing
 SKIPPED_CELL = ("skipped: this cell needs triton, which installs on Linux only (run it on Linux or in a Linux "
                 "container; README, 'On a Mac or Windows')")
+#: a cell that counts bytes through Triton's interpreter (``traffic.count_traffic``); it also needs triton
+INTERPRETER_MARKER = "# needs triton's interpreter"
+#: what such a cell prints instead of running, where the kernels run compiled (a GPU)
+SKIPPED_COMPILED = ("skipped: this cell counts bytes through Triton's interpreter, and here the kernels run "
+                    "compiled; restart with TRITON_INTERPRET=1 set to count them (the byte model needs no kernel)")
 
 
 @functools.cache
@@ -72,21 +77,25 @@ def triton_version() -> str | None:
 
 def _skip_if_marked(lines: list[str]) -> list[str]:
     """IPython input transformer: a cell whose leading comments include ``# needs triton`` prints why it
-    is skipped instead of running."""
+    is skipped instead of running, where triton is missing; one marked ``# needs triton's interpreter``
+    also where the kernels run compiled (only the interpreter can count their bytes)."""
     for line in lines:
-        text = line.strip()
+        text = line.strip().lower()
         if text and not text.startswith("#"):
             break  # only the comments above the first statement count
-        if text.lower().startswith(CELL_MARKER):
+        if text.startswith(CELL_MARKER) and not available():
             return [f"print({SKIPPED_CELL!r})\n"]
+        if text.startswith(INTERPRETER_MARKER) and triton_mode() == "compiled":
+            return [f"print({SKIPPED_COMPILED!r})\n"]
     return lines
 
 
 def skip_cells_without_triton(shell=None) -> bool:
     """Where triton is missing, make every notebook cell marked ``# needs triton`` print one line saying
     why it is skipped and where it runs, instead of failing on ``import triton``; the cells after it
-    that do not need the kernels run as usual. ``kvlab.setup()`` calls this; returns whether it is on."""
-    if available():
+    that do not need the kernels run as usual. Where the kernels run compiled (a GPU), the same for the
+    cells marked ``# needs triton's interpreter``. ``kvlab.setup()`` calls this; returns whether it is on."""
+    if available() and triton_mode() == "interpreter":
         return False
     if shell is None:
         try:

@@ -122,7 +122,7 @@ def no_triton(monkeypatch):
     monkeypatch.setattr(kernels, "available", lambda: False)
 
 
-def test_marked_cells_print_why_they_are_skipped():
+def test_marked_cells_print_why_they_are_skipped(no_triton):
     skip = kernels._skip_if_marked
     printed = [f"print({kernels.SKIPPED_CELL!r})\n"]
     assert skip(["# needs triton\n", "out = K.cast_demo(x)\n"]) == printed
@@ -130,6 +130,31 @@ def test_marked_cells_print_why_they_are_skipped():
     for cell in (["x = 1\n", "# needs triton\n"], ["# NBVAL_CHECK_OUTPUT\n", "x = 1\n"], []):
         assert skip(cell) == cell  # unmarked: unchanged
     assert "Linux" in kernels.SKIPPED_CELL and "container" in kernels.SKIPPED_CELL
+
+
+def test_cells_that_count_through_the_interpreter_are_skipped_where_kernels_run_compiled(monkeypatch):
+    skip = kernels._skip_if_marked
+    cell = ["# needs triton's interpreter\n", "# NBVAL_CHECK_OUTPUT\n", "with count_traffic() as n:\n", "    pass\n"]
+    monkeypatch.setattr(kernels, "triton_mode", lambda: "interpreter")
+    if kernels.available():
+        assert skip(cell) == cell  # the interpreter counts: the cell runs
+    monkeypatch.setattr(kernels, "triton_mode", lambda: "compiled")
+    printed = [f"print({kernels.SKIPPED_CELL if not kernels.available() else kernels.SKIPPED_COMPILED!r})\n"]
+    assert skip(cell) == printed
+    assert skip(["# needs triton\n", "out = K.cast_demo(x)\n"]) == (
+        ["# needs triton\n", "out = K.cast_demo(x)\n"] if kernels.available() else [f"print({kernels.SKIPPED_CELL!r})\n"])
+    shell = SimpleNamespace(input_transformers_cleanup=[])
+    assert kernels.skip_cells_without_triton(shell)  # compiled kernels: the skipper is on for the counting cells
+
+
+@pytest.mark.parametrize("book", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.stem)
+def test_cells_that_count_bytes_say_they_need_the_interpreter(book):
+    """count_traffic() raises where the kernels run compiled: a cell that calls it carries the interpreter
+    marker (it prints why it is skipped on a GPU instead of failing)."""
+    for cell in json.loads(book.read_text())["cells"]:
+        code = "".join(cell["source"])
+        if cell["cell_type"] == "code" and "count_traffic()" in code:
+            assert code.startswith(kernels.INTERPRETER_MARKER), f"{book.name}: mark this cell:\n{code[:300]}"
 
 
 def test_setup_installs_the_cell_skipper_only_without_triton(monkeypatch):

@@ -14,7 +14,8 @@ import plotly.graph_objects as go
 from kvlab.validate import cdiv
 from kvlab.viz import COLORS
 
-PALETTE = ["#2e86c1", "#28b463", "#af7ac5", "#e67e22", "#16a085", "#d4ac0d", "#e59866", "#76d7c4"]  # none dark or grey: those mean shared and cached
+PALETTE = ["#2e86c1", "#28b463", "#af7ac5", "#e67e22", "#ec7063", "#d4ac0d", "#76d7c4", "#e59866", "#f7dc6f",
+           "#a9cce3", "#abebc6"]  # eleven, none dark or grey: those mean shared and cached
 FREE, CACHED, SHARED = "#ffffff", "#d5d8dc", "#1b2631"
 
 
@@ -137,7 +138,8 @@ def block_table_figure(frame: dict, columns: int = 8, widget: bool = False):
                       title="physical blocks (colour = owner, dark = shared, grey = cached, white = free)"
                             + ("<br><sup>each block labelled with its owner; c = cached, ×n = shared by n"
                                "</sup>" if columns > COMPACT_COLUMNS else ""),
-                      xaxis=dict(visible=False), yaxis=dict(visible=False, autorange="reversed"))
+                      xaxis=dict(visible=False), yaxis=dict(visible=False, autorange="reversed"),
+                      plot_bgcolor="white")  # the grid's unused last cells: blank, not a grey that reads as cached
     return fig
 
 
