@@ -83,8 +83,9 @@ def _lab(kl_absmax, kl_p999, kl_k4v8=0.02, kl_k8v4=0.003, delta=0.3, top1=0.995)
 
 def test_verdicts_are_computed_from_the_measurements_not_typed_in():
     by_id = {c.id: c for c in claims.CLAIMS}
-    assert by_id["p999"].measure(_lab(0.002, 0.001))[1] == "holds"
-    assert by_id["p999"].measure(_lab(0.001, 0.002))[1] == "wrong"
+    # the article's own measurement on its own model: SmolLM2 cannot settle it, and says what it saw
+    assert by_id["p999"].measure(_lab(0.002, 0.001))[1] == "not settled (holds on SmolLM2)"
+    assert by_id["p999"].measure(_lab(0.001, 0.002))[1] == "not settled (does not hold on SmolLM2)"
     assert by_id["k-over-v"].measure(_lab(0.001, 0.002))[1] == "holds"
     assert by_id["k-over-v"].measure(_lab(0.001, 0.002, kl_k4v8=0.001, kl_k8v4=0.01))[1] == "wrong"
     # claims made for a 7B, measured on SmolLM2: not settled either way, saying what SmolLM2 showed (the rule)
@@ -106,6 +107,12 @@ def test_model_free_claims_run_and_count():
     c = claims.counts(rows)
     assert c["holds"] + c["corrected"] + c["unsettled"] == c["claims"] == len(NO_MODEL)
     assert c["off"] + c["wrong"] == c["corrected"]
+    index = claims.format_index(rows).splitlines()
+    assert len(index) == len(rows) and all(len(line) <= 110 for line in index)
+    assert index[0].startswith(" 1. ") and index[0][4] in "✓✗?"
+    with pytest.raises(ValueError, match="numbers"):
+        claims.format_table(rows, numbers=[1])
+    assert claims.format_table(rows[:1], numbers=[7]).startswith(" 7. ")
     text = claims.format_table(rows)
     assert text.count("verdict") == len(NO_MODEL) and "claims:" in text.splitlines()[-1]
 

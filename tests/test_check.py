@@ -260,6 +260,8 @@ def test_admission_rule(capsys):
     assert check.admission_rule(ref)
     assert capsys.readouterr().out.startswith("[ok] admission_rule")
     assert not check.admission_rule(stub)
+    todo = capsys.readouterr().out
+    assert todo.startswith("[todo] admission_rule") and "answer" not in todo  # the stub is not told an answer
     assert "[todo]" in capsys.readouterr().out
 
     def no_alone_exception(r, m, b, n, f, w):  # keeps the watermark even with nothing running

@@ -30,7 +30,8 @@ def admission_rule(fn: Callable[[int, int, int, int, int, int], "str | None"]) -
         try:
             got = fn(*args)
         except NotImplementedError:
-            print(f"[todo] admission_rule: not written yet - for ({call}) the answer is {ref_admission_rule(*args)!r}")
+            print(f"[todo] admission_rule: not written yet - {len(cases)} decisions (the first: {call}) and a "
+                  "scheduler trace wait for it")
             return False
         except Exception as e:  # noqa: BLE001 - the learner's bug, shown rather than raised
             print(f"[fail] admission_rule({call}) raised {type(e).__name__}: {e}")

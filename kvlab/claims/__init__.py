@@ -36,7 +36,7 @@ from kvlab.claims.catalog import CLAIMS, Claim
 from kvlab.claims.lab import Lab
 from kvlab.claims.memory import A100_BW, A100_BYTES, GiB, KiB
 from kvlab.claims.rules import HOLDS, UNSETTLED, corrected, cost_range, in_range, margin, ratio, shown, truth
-from kvlab.claims.table import counts, format_table, run
+from kvlab.claims.table import counts, format_index, format_table, run
 
 __all__ = ["A100_BW", "A100_BYTES", "CLAIMS", "Claim", "GiB", "HOLDS", "KiB", "Lab", "UNSETTLED", "corrected",
-           "cost_range", "counts", "format_table", "in_range", "margin", "ratio", "run", "shown", "truth"]
+           "cost_range", "counts", "format_index", "format_table", "in_range", "margin", "ratio", "run", "shown", "truth"]

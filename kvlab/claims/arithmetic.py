@@ -99,7 +99,7 @@ def c_bandwidth_linear(lab, batches=(1, 2, 8, 32), context: int = 4096, steps=No
 
 def c_kv_linear_batch(lab, batches=(1, 4, 16, 64), tokens: int = 2048, sizes=None):
     sizes = sizes or [_kv(tokens=tokens, batch=b) for b in batches]
-    return (", ".join(f"batch {b}: {s / GiB:g} GiB" for b, s in zip(batches, sizes)),
+    return (f"7B FP16 at {tokens:,} tokens each: " + ", ".join(f"batch {b}: {s / GiB:g} GiB" for b, s in zip(batches, sizes)),
             truth(all(s == b * sizes[0] for b, s in zip(batches, sizes))),
             "each sequence holds its own cache (without prefix sharing)")
 

@@ -140,7 +140,8 @@ def c_39pct(lab, context: int = 16384, batch: int | None = None, attention_speed
     step = 1 / ((1 - share) + share / attention_speedup)  # the whole step, weights unchanged (Amdahl)
     return (f"at the biggest batch that fits ({batch} x {context // 1024}K on 80 GB, FP16) the bytes allow up to "
             f"{bound:.2f}x; our H200 attention kernel measured {attention_speedup:.2f}x at 8 x 16K (Llama-3-8B "
-            f"shape), which, mixed into this step by Amdahl's law (KV {share:.0%} of its bytes), would make it "
+            f"shape), which, mixed into this step by Amdahl's law (only the KV part, {share:.0%} of its bytes, "
+            f"speeds up), would make it "
             f"{step:.2f}x; no kernel was timed on the article's A100 or its 7B shape", shown(claimed <= bound, step >= claimed),
             f"claimed {claimed:.2f}x. The article's 32 x 16K cannot fit, so the bound is taken where the benchmark "
             f"could run. The {step:.2f}x mixes an H200 kernel on another shape into an A100 step, so it is an "

@@ -101,7 +101,9 @@ def c_granularity(lab):
 def c_p999(lab):
     c = lab.quality["configs"]
     return (f"KL p99.9 {c['int8 p99.9']['kl']:.4f} vs abs-max {c['int8']['kl']:.4f}",
-            truth(c["int8 p99.9"]["kl"] < c["int8"]["kl"]), "clipping outliers hurts when the outliers matter")
+            elsewhere(truth(c["int8 p99.9"]["kl"] < c["int8"]["kl"]), claimed_for="the article's own model"),
+            "the article reports its own measurement (我实测, 'I measured'), on a model and data it does not name; on "
+            "SmolLM2, clipping the outliers hurts, because they are a channel the model uses on every token")
 
 
 def c_ppl_004(lab):

@@ -2,7 +2,8 @@
 
 :func:`run` measures every claim of the catalog (or some of them) with one shared
 :class:`~kvlab.claims.lab.Lab`; :func:`counts` says how many hold, are corrected or are not
-settled; :func:`format_table` is the plain-text table the notebook and the CLI print.
+settled; :func:`format_table` is the plain-text table the notebook and the CLI print, and
+:func:`format_index` the same at one line per claim.
 """
 
 from __future__ import annotations
@@ -46,13 +47,34 @@ def counts(rows: list[dict]) -> dict:
             "off": sum(r["verdict"].startswith("off") for r in rows), "wrong": sum(r["verdict"] == "wrong" for r in rows)}
 
 
-def format_table(rows: list[dict], width: int = 64, brief: bool = False) -> str:
-    """The table as plain text: one block per claim (the notebook and the CLI print this).
-    ``brief``: the claim, what was measured and the verdict with its reason (a notebook's own rows,
-    printed where they are checked: rule and section are then known)."""
+def _mark(verdict: str) -> str:
+    return "✓" if verdict == HOLDS else "?" if verdict.startswith(UNSETTLED) else "✗"
+
+
+def format_index(rows: list[dict], width: int = 110) -> str:
+    """One line per claim: its number, mark, article and section, the claim in English and the verdict
+    (cut to ``width``): the whole table at a glance; :func:`format_table` has every row in full."""
     out = []
     for i, r in enumerate(rows, 1):
-        mark = "✓" if r["verdict"] == HOLDS else "?" if r["verdict"].startswith(UNSETTLED) else "✗"
+        verdict = r["verdict"].split(" (")[0]  # the verdict's word; its reasons are in format_table
+        line = f"{i:>2}. {_mark(r['verdict'])} {r['article']} {r['where']:<11} {r['claim']}"
+        tail = f"  [{verdict}]"
+        if len(line) + len(tail) > width:
+            line = line[:width - len(tail) - 1] + "…"
+        out.append(line + tail)
+    return "\n".join(out)
+
+
+def format_table(rows: list[dict], width: int = 64, brief: bool = False, numbers: list[int] | None = None) -> str:
+    """The table as plain text: one block per claim (the notebook and the CLI print this).
+    ``brief``: the claim, what was measured and the verdict with its reason (a notebook's own rows,
+    printed where they are checked: rule and section are then known). ``numbers``: the rows' own
+    numbers (e.g. their places in the whole table, as :func:`format_index` numbers them), else 1, 2, ..."""
+    if numbers is not None and len(numbers) != len(rows):
+        raise ValueError(f"numbers must give one number per row ({len(rows)}), got {len(numbers)}")
+    out = []
+    for i, r in zip(numbers or range(1, len(rows) + 1), rows):
+        mark = _mark(r["verdict"])
         quote = f" 「{r['quote']}」" if r.get("quote") else ""
         out.append(f"{i:>2}. {mark} [{r['article']} {r['where']}{quote}] {r['claim']}")
         parts = [("measured", r["measured"]), ("verdict", f"{r['verdict']} — {r['why']}")]
