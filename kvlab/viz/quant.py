@@ -53,8 +53,11 @@ def value_histogram(values, clip_lines: dict, qmax: int = 127, bins: int = 120, 
 
 
 def per_layer_figure(values: list[float], title: str, yaxis: str, highlight: list[int] | None = None,
-                     highlight_name: str = "highlighted", other_name: str = "other layers"):
-    """One bar per layer; ``highlight`` layers in a second colour, each group named in the legend."""
+                     highlight_name: str = "highlighted", other_name: str = "other layers", log: bool = False):
+    """One bar per layer; ``highlight`` layers in a second colour, each group named in the legend.
+    ``log``: a log y axis, for values that span orders of magnitude (the small bars stay readable)."""
+    if log and any(v <= 0 for v in values):
+        raise ValueError("log=True needs every value > 0")
     marked = set(highlight or ())
     fig = go.Figure()
     for name, color, keep in ((other_name, COLORS["weights"], False), (highlight_name, COLORS["kv"], True)):
@@ -62,7 +65,8 @@ def per_layer_figure(values: list[float], title: str, yaxis: str, highlight: lis
         if layers:
             fig.add_bar(x=layers, y=[values[i] for i in layers], marker_color=color, name=name, width=0.8)
     fig.update_layout(height=360, title=title, xaxis=dict(title="layer", dtick=1 if len(values) <= 40 else None),
-                      yaxis=dict(title=yaxis, rangemode="tozero"), barmode="overlay",
+                      yaxis=dict(title=yaxis, type="log") if log else dict(title=yaxis, rangemode="tozero"),
+                      barmode="overlay",
                       legend=dict(orientation="h", y=-0.3), showlegend=bool(marked))
     return fig
 
