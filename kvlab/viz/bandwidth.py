@@ -122,11 +122,20 @@ def bandwidth_widget(shape: str = "llama-3-8b", batch: int = 32, context: int = 
     def refresh(_=None):
         nums = update_bandwidth_figure(fig, w_shape.value, w_batch.value, w_ctx.value, w_gpu.value, bench)
         f16, i8, kv4, unf = (nums[f] for f in ("fp16", "int8", "k8v4", "int8_unfused"))
+        here = [r for r in (bench or {}).get("measured", []) if (r["shape"], r["batch"], r["context"])
+                == (w_shape.value, w_batch.value, w_ctx.value)]
+        measured = ""
+        if here:  # the measured kernels at exactly this point: the result the lines alone do not show
+            us, layers = here[0]["us"], SHAPES[w_shape.value][0]
+            ms = {f: us[f] * layers / 1e3 for f in ("fp16", "int8", "k8v4")}
+            measured = (f"<br><b>Measured</b> on {bench['device']} at this point: FP16 {ms['fp16']:.2f} ms, INT8 "
+                        f"{ms['int8']:.2f} ms (<b>{ms['fp16'] / ms['int8']:.2f}x</b> FP16's speed), K8V4 "
+                        f"{ms['k8v4']:.2f} ms ({ms['fp16'] / ms['k8v4']:.2f}x).")
         out.value = (f"FP16 moves <b>{f16['bytes'] / 1e9:,.1f} GB</b> per step: at least "
                      f"<b>{f16['projected_ms']:.2f} ms</b> on {w_gpu.value}. INT8 fused: {i8['projected_ms']:.2f} ms "
                      f"({f16['bytes'] / i8['bytes']:.2f}x fewer bytes); K8V4: {kv4['projected_ms']:.2f} ms; INT8 "
                      f"through a dequantized FP16 copy: {unf['projected_ms']:.2f} ms "
-                     f"({unf['bytes'] / f16['bytes']:.1f}x the bytes of FP16).")
+                     f"({unf['bytes'] / f16['bytes']:.1f}x the bytes of FP16).{measured}")
 
     for c in (w_shape, w_gpu, w_batch, w_ctx):
         c.observe(refresh, names="value")
