@@ -138,8 +138,9 @@ def block_table_figure(frame: dict, columns: int = 8, widget: bool = False):
                       title="physical blocks (colour = owner, dark = shared, grey = cached, white = free)"
                             + ("<br><sup>each block labelled with its owner; c = cached, ×n = shared by n"
                                "</sup>" if columns > COMPACT_COLUMNS else ""),
-                      xaxis=dict(visible=False), yaxis=dict(visible=False, autorange="reversed"),
-                      plot_bgcolor="white")  # the grid's unused last cells: blank, not a grey that reads as cached
+                      xaxis=dict(visible=False), yaxis=dict(visible=False, autorange="reversed"))
+    if len(frame["blocks"]) % columns:  # the grid's last row runs past the pool: say what those cells are
+        fig.layout.title.text += " · blue-grey: past the pool's last block"
     return fig
 
 
