@@ -262,7 +262,11 @@ def test_admission_rule(capsys):
     assert not check.admission_rule(stub)
     todo = capsys.readouterr().out
     assert todo.startswith("[todo] admission_rule") and "answer" not in todo  # the stub is not told an answer
-    assert "[todo]" in capsys.readouterr().out
+
+    def zero_only(r, m, budget, n, f, w):  # "no tokens left" read as exactly 0: a negative budget slips through
+        return "token budget" if budget == 0 else ref(r, m, budget, n, f, w) if budget > 0 else None
+    assert not check.admission_rule(zero_only)
+    assert "can be negative" in capsys.readouterr().out
 
     def no_alone_exception(r, m, b, n, f, w):  # keeps the watermark even with nothing running
         return "token budget" if b <= 0 else "seq limit" if r >= m else "no blocks" if n > f - w else None

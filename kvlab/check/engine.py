@@ -45,6 +45,8 @@ def admission_rule(fn: Callable[[int, int, int, int, int, int], "str | None"]) -
                         "waits (admitting it would break the pool)")
             elif r == 0 and want is None and got == "no blocks" and n <= f:
                 hint = " - with nothing running there is nobody to preempt, so the watermark does not apply"
+            elif args[2] < 0 and want == "token budget":
+                hint = " - budget_left can be negative (a step's budget overdrawn): no tokens left means <= 0"
             elif got not in ("token budget", "seq limit", "no blocks", None):
                 hint = " - return one of 'token budget', 'seq limit', 'no blocks', or None to admit"
             print(f"[fail] admission_rule({call}): yours {got!r}, expected {want!r}{hint}")

@@ -171,14 +171,16 @@ def engine_dashboard(llm, columns: int = 32, title: str = ""):
     return Dashboard(llm, columns, title).widget
 
 
-def comparison_figure(rows: dict[str, dict], title: str = "", modelled: tuple[str, ...] = ("static FP16",)):
+def comparison_figure(rows: dict[str, dict], title: str = "", modelled: tuple[str, ...] = ("static FP16",),
+                      bounds: dict[str, int] | None = None):
     """The configurations side by side (notebook 06): requests held at once, output tokens/s, KV KiB read
     per generated token. Bars in ``modelled`` for the KV read are hatched and say so: the static cache's
-    read is computed from its slab (every row, whole length), not counted by the engine."""
+    read is computed from its slab (every row, whole length), not counted by the engine. ``bounds``: each
+    configuration's to-completion bound (notebook 06, section 1), drawn as a marker over its held bar."""
 
     names = [n for n in CONFIGS if n in rows]
     colors = ["#7f8c8d", "#2980b9", "#27ae60", "#16a085"][:len(names)]
-    fig = make_subplots(rows=1, cols=3, subplot_titles=("requests held at once (at the limit)", "output tokens / s",
+    fig = make_subplots(rows=1, cols=3, subplot_titles=("requests held at once (where the budget limits)", "output tokens / s",
                                                         "KV KiB read per generated token"))
     for col, key, scale, fmt in ((1, "held_at_limit", 1, "{:.1f}"), (2, "output_tok_s", 1, "{:.0f}"),
                                  (3, "kv_read_per_token", 2**-10, "{:,.0f}")):
@@ -187,6 +189,12 @@ def comparison_figure(rows: dict[str, dict], title: str = "", modelled: tuple[st
                              marker=dict(color=colors, pattern=dict(shape=["/" if h else "" for h in hatched])),
                              text=[fmt.format(rows[n][key] * scale) + (" (modelled)" if h else "")
                                    for n, h in zip(names, hatched)], textposition="outside", cliponaxis=False), 1, col)
+    if bounds:
+        shown = [n for n in names if n in bounds]
+        fig.add_trace(go.Scatter(x=shown, y=[bounds[n] for n in shown], mode="markers", name="bound (section 1)",
+                                 marker=dict(symbol="line-ew-open", size=34, line=dict(width=3, color="black")),
+                                 hovertemplate="to-completion bound: %{y}<extra></extra>"), 1, 1)
+        fig.update_layout(legend=dict(orientation="h", y=-0.25, x=0))
     fig.update_yaxes(rangemode="tozero")
     for col, label in ((1, "requests"), (2, "tokens / s"), (3, "KiB")):
         fig.update_yaxes(title_text=label, row=1, col=col)
