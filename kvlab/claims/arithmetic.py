@@ -18,7 +18,7 @@ from kvlab.sizing import fmt_bytes
 
 A100_FLOPS = GPU_CORES["A100"][2]  # dense fp16 tensor-core FLOP/s
 A100_L2 = 40 * 2**20  # bytes of L2 (datasheet)
-H200_HBM = 141e9  # bytes (141 GB)
+H200_HBM = 143_771 * 2**20  # bytes: the "141 GB" card reports 143,771 MiB (140.4 GiB)
 _7B = "llama-2-7b"
 
 
@@ -138,8 +138,8 @@ def c_int8_doubles_batch(lab, context: int = 16384, hbm: int = A100_BYTES, int8:
 def c_70b_needs_tp(lab, weights: int | None = None, hbm: float = 80 * GiB, utilization: float = 0.9):
     weights = sizing.weight_bytes("llama-2-70b") if weights is None else weights
     budget = utilization * hbm
-    return (f"Llama-2-70B FP16 weights {weights / 1e9:.0f} GB; --gpu-memory-utilization {utilization} of one "
-            f"80 GB card is {budget / 1e9:.0f} GB (of an H200, {utilization * H200_HBM / 1e9:.0f} GB)",
+    return (f"Llama-2-70B FP16 weights {weights / GiB:.0f} GiB; --gpu-memory-utilization {utilization} of one "
+            f"80 GB card is {budget / GiB:.0f} GiB (of an H200, {utilization * H200_HBM / GiB:.0f} GiB)",
             margin(budget, weights),
             "the command has no --tensor-parallel-size: the weights alone do not fit one card; it needs TP >= 2")
 
