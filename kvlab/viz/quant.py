@@ -62,10 +62,13 @@ def per_layer_figure(values: list[float], title: str, yaxis: str, highlight: lis
     fig = go.Figure()
     for name, color, keep in ((other_name, COLORS["weights"], False), (highlight_name, COLORS["kv"], True)):
         layers = [i for i in range(len(values)) if (i in marked) == keep]
-        if layers:
+        if layers and log:  # on a log axis a bar's height depends on where the axis starts: points instead
+            fig.add_scatter(x=layers, y=[values[i] for i in layers], mode="markers", name=name,
+                            marker=dict(color=color, size=11, line=dict(width=1, color="black")))
+        elif layers:
             fig.add_bar(x=layers, y=[values[i] for i in layers], marker_color=color, name=name, width=0.8)
     fig.update_layout(height=360, title=title, xaxis=dict(title="layer", dtick=1 if len(values) <= 40 else None),
-                      yaxis=dict(title=yaxis, type="log") if log else dict(title=yaxis, rangemode="tozero"),
+                      yaxis=dict(title=yaxis, type="log", dtick=1) if log else dict(title=yaxis, rangemode="tozero"),
                       barmode="overlay",
                       legend=dict(orientation="h", y=-0.3), showlegend=bool(marked))
     return fig
