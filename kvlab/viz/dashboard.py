@@ -188,11 +188,12 @@ def comparison_figure(rows: dict[str, dict], title: str = "", modelled: tuple[st
         fig.add_trace(go.Bar(x=names, y=[rows[n][key] * scale for n in names], showlegend=False,
                              marker=dict(color=colors, pattern=dict(shape=["/" if h else "" for h in hatched])),
                              text=[fmt.format(rows[n][key] * scale) + (" (modelled)" if h else "")
-                                   for n, h in zip(names, hatched)], textposition="outside", cliponaxis=False), 1, col)
+                                   for n, h in zip(names, hatched)], cliponaxis=False,
+                             textposition="inside" if col == 1 and bounds else "outside"), 1, col)  # not under a bound
     if bounds:
         shown = [n for n in names if n in bounds]
         fig.add_trace(go.Scatter(x=shown, y=[bounds[n] for n in shown], mode="markers", name="bound (section 1)",
-                                 marker=dict(symbol="line-ew-open", size=34, line=dict(width=3, color="black")),
+                                 marker=dict(symbol="line-ew-open", size=34, color="black", line=dict(width=3, color="black")),
                                  hovertemplate="to-completion bound: %{y}<extra></extra>"), 1, 1)
         fig.update_layout(legend=dict(orientation="h", y=-0.25, x=0))
     fig.update_yaxes(rangemode="tozero")
