@@ -160,7 +160,7 @@ def fleet_figure(rows: list[dict]):
     ticks = [t for t in ticks if min(ttft, default=1) / 2 <= t <= max(ttft, default=1) * 2]
     lo, hi = math.log10(min(ttft, default=1) / 1.5), math.log10(max(ttft, default=1) * 1.5)
     for col in (2, 3):  # one log scale for both TTFT panels, so p50 and p99 compare by height
-        fig.update_yaxes(title_text="time to first token (s)" if col == 2 else None, type="log", tickvals=ticks,
+        fig.update_yaxes(title_text="time to first token (s)", type="log", tickvals=ticks,
                          ticktext=[f"{t:g}" for t in ticks], range=[lo, hi], row=1, col=col)  # 1-2-5 ticks
     fig.update_layout(height=380, legend=dict(orientation="h", y=-0.25), margin=dict(t=60, b=40))
     return fig
