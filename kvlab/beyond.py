@@ -278,9 +278,9 @@ def fit_step_time(step_stats) -> StepTimeModel:
     return model
 
 
-#: the clock notebook 07 simulates on: the fit its first reader's machine printed (AMD EPYC, 2 cores, 2026-12-04, on
-#: 161 measured steps of SmolLM2), kept so that every run tells the same simulated story; a run's own fit is printed
-#: beside it, and passing that one instead shows this machine's
+#: the clock notebook 07 simulates on: the fit made on the lab's machine when the notebook was written (AMD EPYC,
+#: 2 cores, 2026-12-04, 161 measured steps of SmolLM2), kept so that every run tells the same simulated story; each
+#: run's own fit is printed beside it, and passing that one instead simulates on this machine
 RECORDED_STEP_TIME = StepTimeModel(fixed=0.0196, per_prefill_token=0.000776, per_decode=0.00129, error=0.07, steps=161)
 
 ROUTERS = ("round-robin", "least-loaded", "prefix-affinity")
