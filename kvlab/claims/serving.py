@@ -108,10 +108,10 @@ def c_5_20x(lab):
     longest = max(rows, key=lambda r: r["prompt_tokens"])
     shortest = min(rows, key=lambda r: r["prompt_tokens"])
     spread = lambda r: f" ({r['speedup_min']:.1f}-{r['speedup_max']:.1f}x)" if "speedup_min" in r else ""  # noqa: E731
-    at = lambda r: in_range(5, 20, r["speedup"]) == HOLDS  # noqa: E731
+    inside = [in_range(5, 20, r["speedup"]) == HOLDS for r in rows]
     return (", ".join(f"{r['speedup']:.1f}x{spread(r)} at {r['prompt_tokens']} tokens" for r in rows)
             + " (medians of 3 runs, their range in brackets)",
-            readings(at(longest), all(at(r) for r in rows),
+            readings(inside[rows.index(longest)], all(inside),
                      f"at long prompts ({longest['prompt_tokens']} tokens)",
                      f"at every prompt length (also {shortest['prompt_tokens']} tokens)"),
             "16 new tokens each, batch 1; the gain grows with both lengths (quadratic work becomes linear), so "

@@ -122,12 +122,13 @@ def bandwidth_widget(shape: str = "llama-3-8b", batch: int = 32, context: int = 
     def refresh(_=None):
         nums = update_bandwidth_figure(fig, w_shape.value, w_batch.value, w_ctx.value, w_gpu.value, bench)
         f16, i8, kv4, unf = (nums[f] for f in ("fp16", "int8", "k8v4", "int8_unfused"))
-        here = [r for r in (bench or {}).get("measured", []) if (r["shape"], r["batch"], r["context"])
-                == (w_shape.value, w_batch.value, w_ctx.value)]
+        ms = {}  # the measured kernels at exactly this point: the result the lines alone do not show
+        for f in ("fp16", "int8", "k8v4"):
+            xs, ys = measured_points(bench, w_shape.value, w_batch.value, f)
+            if w_ctx.value in xs:
+                ms[f] = ys[xs.index(w_ctx.value)]
         measured = ""
-        if here:  # the measured kernels at exactly this point: the result the lines alone do not show
-            us, layers = here[0]["us"], SHAPES[w_shape.value][0]
-            ms = {f: us[f] * layers / 1e3 for f in ("fp16", "int8", "k8v4")}
+        if len(ms) == 3:
             measured = (f"<br><b>Measured</b> on {bench['device']} at this point: FP16 {ms['fp16']:.2f} ms, INT8 "
                         f"{ms['int8']:.2f} ms (<b>{ms['fp16'] / ms['int8']:.2f}x</b> FP16's speed), K8V4 "
                         f"{ms['k8v4']:.2f} ms ({ms['fp16'] / ms['k8v4']:.2f}x).")

@@ -140,7 +140,7 @@ def fleet_figure(rows: list[dict]):
     """Prefix hit rate, TTFT p50 and TTFT p99 (log scale) against the number of replicas, one panel each: a
     colour and a marker per router (where round-robin equals least-loaded, the two markers stay visible;
     at one replica every router sends everything to the same engine, so the three coincide)."""
-    fig = make_subplots(rows=1, cols=3, shared_yaxes=False, horizontal_spacing=0.08,
+    fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.08,
                         subplot_titles=("prefix hit rate (blocks found cached)", "TTFT p50, simulated (s)",
                                         "TTFT p99, simulated (s)"))
     colors = dict(zip(("round-robin", "least-loaded", "prefix-affinity"), ("#7f8c8d", "#2980b9", "#27ae60")))

@@ -55,14 +55,15 @@ def value_histogram(values, clip_lines: dict, qmax: int = 127, bins: int = 120, 
 def per_layer_figure(values: list[float], title: str, yaxis: str, highlight: list[int] | None = None,
                      highlight_name: str = "highlighted", other_name: str = "other layers", log: bool = False):
     """One bar per layer; ``highlight`` layers in a second colour, each group named in the legend.
-    ``log``: a log y axis, for values that span orders of magnitude (the small bars stay readable)."""
+    ``log``: a log y axis with one point per layer instead of a bar (on a log axis a bar's height
+    depends on where the axis starts), for values that span orders of magnitude."""
     if log and any(v <= 0 for v in values):
         raise ValueError("log=True needs every value > 0")
     marked = set(highlight or ())
     fig = go.Figure()
     for name, color, keep in ((other_name, COLORS["weights"], False), (highlight_name, COLORS["kv"], True)):
         layers = [i for i in range(len(values)) if (i in marked) == keep]
-        if layers and log:  # on a log axis a bar's height depends on where the axis starts: points instead
+        if layers and log:
             fig.add_scatter(x=layers, y=[values[i] for i in layers], mode="markers", name=name,
                             marker=dict(color=color, size=11, line=dict(width=1, color="black")))
         elif layers:
