@@ -179,6 +179,8 @@ def measure(llm, ids, reads: DecodeReads, p: Plan, max_len: int = 512) -> dict:
                limit_steps=len(held), deferred=dict(deferred), preemptions=s["preemptions"],
                output_tok_s=s["output_tok_s"], ttft_p50_s=s["ttft_p50_s"], tpot_p50_s=s["tpot_p50_s"],
                steps=s["steps"], wall_s=s["wall_s"],
+               running=[st.running for st in steps],  # requests holding KV memory after each step's scheduling
+               limited=[st.step in bound for st in steps],  # whether the budget turned a request away that step
                kv_read_per_decode_step=statistics.mean(kv_read) if kv_read else 0.0,
                kv_read_per_token=sum(kv_read) / max(sum(reads.rows.values()), 1),  # per generated token
                tokens=[llm.seqs[i].output_token_ids for i in ids])

@@ -81,6 +81,11 @@ def test_four_configs_one_budget(tiny, cal):
     assert C.agreement(static["tokens"], fp16["tokens"]) == {"identical": 10, "requests": 10, "prefix_share": 1.0}
     assert "k_clip_rate" in int8 and "k_clip_rate" not in fp16
     assert "seq limit" in C.limit(static) and "no blocks" in C.limit(fp16)
+    for r in rows.values():  # "held" is the average of the per-step series over the steps the budget turned one away
+        assert len(r["running"]) == len(r["limited"]) == r["steps"] and max(r["running"]) == r["peak_running"]
+        at = [n for n, hit in zip(r["running"], r["limited"]) if hit]
+        assert len(at) == r["limit_steps"]
+        assert r["held_at_limit"] == (pytest.approx(sum(at) / len(at)) if at else r["requests"])
 
 
 def test_kv_read_per_step_is_the_decode_contexts(tiny, cal):
@@ -185,3 +190,16 @@ def test_comparison_figure_marks_the_modelled_read():
     assert list(held.x) == ["static FP16", "paged FP16", "paged INT8"] and list(held.y) == [4.0, 5.0, 6.0]
     assert list(kv.marker.pattern.shape) == ["/", "", ""] and kv.text[0] == "2 (modelled)"
     assert list(held.marker.pattern.shape) == ["", "", ""]  # counted numbers are plain bars
+
+
+def test_held_figure_marks_the_limited_steps():
+    """One line per configuration; markers only on the steps the budget turned a request away; the dotted
+    line sits at their average, the table's "held"."""
+    from kvlab.viz.dashboard import held_figure
+
+    rows = {"static FP16": dict(running=[1, 2, 2, 2, 1], limited=[False, True, True, False, False], held_at_limit=2.0),
+            "paged FP16": dict(running=[3, 4, 2], limited=[False, False, False], held_at_limit=3.0)}
+    fig = held_figure(rows, "t")
+    line, marks, avg, other = fig.data
+    assert list(line.y) == [1, 2, 2, 2, 1] and list(marks.x) == [2, 3] and list(avg.y) == [2.0, 2.0]
+    assert other.name == "paged FP16" and len(fig.data) == 4  # no limited step: no markers, no average line

@@ -201,3 +201,31 @@ def comparison_figure(rows: dict[str, dict], title: str = "", modelled: tuple[st
         fig.update_yaxes(title_text=label, row=1, col=col)
     fig.update_layout(height=420, margin=dict(t=100), title=title)
     return fig
+
+
+def held_figure(rows: dict[str, dict], title: str = ""):
+    """Requests holding KV memory after each step's scheduling, one line per configuration (notebook 06).
+    Thick markers: the steps in which the budget turned a request away; the dotted line at their
+    average is the table's "held"."""
+    names = [n for n in CONFIGS if n in rows and "running" in rows[n]]
+    colors = dict(zip(CONFIGS, ["#7f8c8d", "#2980b9", "#27ae60", "#16a085"]))
+    fig = go.Figure()
+    for n in names:
+        r = rows[n]
+        steps = list(range(1, len(r["running"]) + 1))
+        fig.add_trace(go.Scatter(x=steps, y=r["running"], mode="lines", name=n, legendgroup=n,
+                                 line=dict(color=colors[n], width=1.5)))
+        at = [(s, y) for s, y, hit in zip(steps, r["running"], r["limited"]) if hit]
+        if at:
+            fig.add_trace(go.Scatter(x=[s for s, _ in at], y=[y for _, y in at], mode="markers", legendgroup=n,
+                                     showlegend=False, marker=dict(color=colors[n], size=5),
+                                     hovertemplate=f"{n}: step %{{x}}, %{{y}} held, a request turned away<extra></extra>"))
+            fig.add_trace(go.Scatter(x=[at[0][0], at[-1][0]], y=[r["held_at_limit"]] * 2, mode="lines+text",
+                                     legendgroup=n, showlegend=False, line=dict(color=colors[n], dash="dot", width=2),
+                                     text=["", f"held {r['held_at_limit']:.1f}"], textposition="top right",
+                                     textfont=dict(color=colors[n]), cliponaxis=False, hoverinfo="skip"))
+    fig.update_xaxes(title_text="engine step")
+    fig.update_yaxes(title_text="requests holding KV memory", rangemode="tozero")
+    fig.update_layout(height=380, title=title, margin=dict(t=70, r=90),
+                      legend=dict(orientation="h", y=-0.2, x=0))
+    return fig
