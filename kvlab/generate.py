@@ -189,6 +189,54 @@ def _greedy_loop(model, prompts, max_new_tokens, store, kind, ids, mask, eos_tok
                       cache_stats=store.stats() if store is not None else {})
 
 
+class Stepper:
+    """One model step through a kvlab store, for one sequence (notebook 01, Task 2).
+
+    ``step(token_ids) -> logits`` (vocab,) of the last token fed: the tokens go in at the next
+    positions and the model attends over them and over everything the store already holds. The
+    decode loop is the caller's: prefill the prompt once, then feed one token a step. Counts the
+    calls and the token positions fed (``calls``, ``forwards``).
+    """
+
+    def __init__(self, model, store):
+        if not all(hasattr(store, a) for a in ("update", "seq_len", "reset", "num_layers")):
+            raise TypeError(f"store must be a kvlab store (ContiguousCache, StaticCache), got {type(store).__name__}")
+        if store.seq_len(0):
+            raise ValueError(f"store already holds {store.seq_len(0)} tokens: pass an empty one (store.reset())")
+        self.model, self.store = model, store
+        self.hf_cache = KVLabCache(store)
+        self.calls = self.forwards = 0
+
+    @torch.inference_mode()
+    def __call__(self, token_ids) -> torch.Tensor:
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.flatten().tolist()
+        if is_int(token_ids):
+            token_ids = [token_ids]
+        if not isinstance(token_ids, (list, tuple)) or not token_ids or not all(is_int(t) for t in token_ids):
+            raise TypeError(f"step takes a non-empty list of token ids, got {token_ids!r}")
+        start = self.store.seq_len(0)  # the next position: what the store holds so far
+        device = next(self.model.parameters()).device
+        ids = torch.tensor([list(token_ids)], device=device)  # (1, q_len)
+        positions = torch.arange(start, start + len(token_ids), device=device)[None]
+        out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **{CACHE_KWARG: self.hf_cache})
+        self.calls += 1
+        self.forwards += len(token_ids)
+        return out.logits[0, -1]  # (vocab,)
+
+
+def cached_generate(step, prompt_ids, new_tokens: int) -> list[int]:
+    """Greedy decoding with a cache (notebook 01, Task 2): the prompt goes through once (prefill), then
+    each step feeds only the token just chosen. The last token is chosen, never fed back."""
+    logits = step(list(prompt_ids))  # prefill: every prompt token once
+    out = []
+    for i in range(new_tokens):
+        out.append(int(logits.argmax()))
+        if i < new_tokens - 1:
+            logits = step([out[-1]])  # decode: one token; the cache holds the rest
+    return out
+
+
 @torch.inference_mode()
 def hf_generate(model, prompts, max_new_tokens: int, eos_token_id: int | None = None, pad_token_id: int = 0,
                 cache=None) -> list[list[int]]:

@@ -34,45 +34,6 @@ def test_kv_token_bytes(capsys):
     assert "[todo]" in out and "262144" not in out  # no answer revealed
 
 
-def test_token_forwards(capsys):
-    ref = lambda p, n, cached: p + n - 1 if cached else sum(p + i for i in range(n))  # noqa: E731
-    assert check.token_forwards(ref)
-    assert not check.token_forwards(lambda p, n, cached: p + n)
-    assert not check.token_forwards(stub)
-    out = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in out] == ["[ok]", "[fail]", "[todo]"]
-    uncached = lambda p, n: sum(p + i for i in range(n))  # noqa: E731
-    assert not check.token_forwards(lambda p, n, cached: uncached(p, n))  # the no-cache count for both
-    assert "feeds ONE token" in capsys.readouterr().out
-    assert not check.token_forwards(lambda p, n, cached: p + n - 1 if cached else sum(p + i for i in range(1, n + 1)))
-    assert "the first step is the prompt alone" in capsys.readouterr().out
-
-
-def test_static_utilization_agrees_with_the_cache(tiny):
-    from kvlab.cache import StaticCache
-    from kvlab.generate import greedy_generate
-
-    model, _ = tiny
-    prompts = [[5] * 3, [6] * 9]
-    cache = StaticCache.from_model(model, max_batch=4, max_seq_len=30)
-    greedy_generate(model, prompts, 6, cache=cache)
-    ours = lambda lens, b, t: sum(lens) / (b * t)  # noqa: E731
-    assert check.static_utilization(ours)
-    assert ours([3 + 5, 9 + 5], 4, 30) == pytest.approx(cache.stats()["utilization"])
-    assert not check.static_utilization(lambda lens, b, t: sum(lens) / (len(lens) * t))
-
-
-def test_static_utilization_names_the_mistake_and_hides_the_answer(capsys):
-    capsys.readouterr()
-    assert not check.static_utilization(lambda lens, b, t: sum(lens) / (len(lens) * t))
-    assert "an empty row is reserved too" in capsys.readouterr().out
-    assert not check.static_utilization(lambda lens, b, t: 1 - sum(lens) / (b * t))
-    assert "the share wasted" in capsys.readouterr().out
-    assert not check.static_utilization(stub)
-    out = capsys.readouterr().out
-    assert out.startswith("[todo]") and "the answer is" not in out
-
-
 def test_checker_rejects_non_callables():
     with pytest.raises(TypeError, match="pass your function"):
         check.kv_token_bytes(sizing.PRESETS)
@@ -390,13 +351,13 @@ def test_progress_survives_a_corrupt_file_and_an_unwritable_folder(tmp_path, mon
     check.progress_file().write_text("{half-writ")
     assert all(v is None for v in check.progress().values())  # starts over instead of failing
 
-    def token_forwards(prompt_len, new_tokens, cached):
-        return prompt_len + new_tokens - 1 if cached else sum(prompt_len + i for i in range(new_tokens))
+    def slot_mapping(block_table, block_size, start, end):
+        return [block_table[t // block_size] * block_size + t % block_size for t in range(start, end)]
 
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     monkeypatch.setenv("KVLAB_PROGRESS", str(blocker / "progress.json"))
-    assert check.token_forwards(token_forwards)  # still passes; says why it could not save
+    assert check.slot_mapping(slot_mapping)  # still passes; says why it could not save
     assert "progress not saved" in capsys.readouterr().out
 
 
@@ -412,11 +373,11 @@ def test_progress_knows_every_notebooks_exercise():
                 import re
 
                 calls |= set(re.findall(r"check\.(\w+)\(", "".join(cell["source"])))
-    assert calls - {"progress"} == set(check.EXERCISES)
+    assert calls - {"progress", "use", "solution"} == set(check.EXERCISES)
 
 
 def test_thinking_exercises_do_not_show_an_answer_while_unsolved(capsys):
-    for checker in (check.mla_bytes_per_token, check.tokens_stored, check.blocks_after_fork, check.quantize_static):
+    for checker in (check.mla_bytes_per_token, check.grow, check.decode_loop, check.static_write, check.blocks_after_fork, check.quantize_static):
         assert not checker(stub)
         out = capsys.readouterr().out
         assert out.startswith("[todo]") and "the answer is" not in out, out
@@ -424,29 +385,11 @@ def test_thinking_exercises_do_not_show_an_answer_while_unsolved(capsys):
     assert "the answer is" not in capsys.readouterr().out
 
 
-def test_tokens_stored_names_the_mistakes(capsys):
-    from kvlab.cache import static_tokens_stored
-
-    assert check.tokens_stored(static_tokens_stored)
-    capsys.readouterr()
-    mistakes = {
-        "never fed back": lambda p, a: [x + y for x, y in zip(p, a)],
-        "only receives pads": lambda p, a: [x + max(a) - 1 for x in p],
-        "did feed back its last token": lambda p, a: [x + y - 1 for x, y in zip(p, a)],
-        "the left padding is written too": lambda p, a: [max(p) + max(a) - 1 for _ in p],
-    }
-    for why, fn in mistakes.items():
-        assert not check.tokens_stored(fn)
-        out = capsys.readouterr().out
-        assert out.startswith("[fail]") and why in out, out
-
-
 def test_checkers_name_the_mistakes_the_notebooks_warn_about(capsys):
     """Notebooks 01-03: the mistake the text itself warns about gets its worded hint."""
     from kvlab.quant.core import int8_roundtrip
 
     cases = [
-        (check.token_forwards, lambda p, n, c: p + n if c else sum(p + i for i in range(n + 1)), "never fed back"),
         (check.slot_mapping, lambda t, bs, s, e: [t[i // bs] + i % bs for i in range(s, e)], "x block_size"),
         (check.quantize_per_head, lambda x: (int8_roundtrip(x)[0].float(), int8_roundtrip(x)[1]), "must be torch.int8"),
         (check.quantize_static, lambda x, sc: int8_roundtrip(x)[0], "scale computed from x"),

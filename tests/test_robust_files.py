@@ -371,10 +371,10 @@ def test_corrupt_progress_file_warns_once_and_is_rewritten(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "progress file" in err[0] and "starting a new one" in err[0]
 
-    def token_forwards(prompt_len, new_tokens, cached):
-        return prompt_len + new_tokens - 1 if cached else sum(prompt_len + i for i in range(new_tokens))
+    def slot_mapping(block_table, block_size, start, end):
+        return [block_table[t // block_size] * block_size + t % block_size for t in range(start, end)]
 
-    assert check.token_forwards(token_forwards)  # passing an exercise writes a new file
-    assert json.loads(check.progress_file().read_text())["token_forwards"]["function"] == "token_forwards"
+    assert check.slot_mapping(slot_mapping)  # passing an exercise writes a new file
+    assert json.loads(check.progress_file().read_text())["slot_mapping"]["function"] == "slot_mapping"
     capsys.readouterr()
-    assert check.progress()["token_forwards"] and capsys.readouterr().err == ""  # healed: silent
+    assert check.progress()["slot_mapping"] and capsys.readouterr().err == ""  # healed: silent

@@ -61,21 +61,54 @@ class CacheShape:
         return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
 
 
+def grow(cached: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    """The growing cache's append (notebook 01, Task 1): the layer's tokens so far, then the new ones,
+    along the token axis. ``cached`` (B, H_kv, T, D) or None before the first append; ``new``
+    (B, H_kv, q_len, D). ``torch.cat`` makes a fresh tensor: the whole old cache is copied."""
+    return new if cached is None else torch.cat([cached, new], dim=2)  # (B, H_kv, T + q_len, D)
+
+
+def static_write(buffer: torch.Tensor, new: torch.Tensor, start: int) -> torch.Tensor:
+    """The static cache's write (notebook 01, Task 3): put ``new`` (B, H_kv, q_len, D) into the reserved
+    ``buffer`` (B_max, H_kv, T_max, D) at slots ``start .. start + q_len`` of the first B rows, in place,
+    and return a view of every filled slot (B, H_kv, start + q_len, D): attention must never read the
+    reserved slots that hold nothing yet."""
+    b, q = new.shape[0], new.shape[2]
+    buffer[:b, :, start:start + q] = new
+    return buffer[:b, :, :start + q]
+
+
+def _check_hook(name: str, fn) -> None:
+    if fn is not None and not callable(fn):
+        raise TypeError(f"{name} must be a function (or None for kvlab's own), got {type(fn).__name__}")
+
+
+def _check_result(who: str, got, shape: tuple) -> None:
+    """A plugged-in function's result must have the shape attention expects: say so before attention fails."""
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != shape:
+        found = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+        raise ValueError(f"{who} returned {found}, expected a tensor of shape {shape} (B, H_kv, tokens, D)")
+
+
 class ContiguousCache:
-    """Growing contiguous cache: ``torch.cat`` on every append (what HF's DynamicCache does)."""
+    """Growing contiguous cache: ``torch.cat`` on every append (what HF's DynamicCache does).
+
+    ``append(cached, new) -> tensor`` replaces kvlab's :func:`grow` (notebook 01 plugs the participant's in)."""
 
     kind = "dynamic"
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, append=None):
         self.num_layers = check_int("num_layers", num_layers)
+        _check_hook("append", append)
+        self.append = append or grow
         self.keys: list[torch.Tensor | None] = [None] * num_layers  # each (B, H_kv, T, D)
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.bytes_copied = 0  # bytes moved by torch.cat into new tensors, over all layers
         self.appends = 0
 
     @classmethod
-    def from_model(cls, model) -> "ContiguousCache":
-        return cls(CacheShape.from_model(model).num_layers)
+    def from_model(cls, model, append=None) -> "ContiguousCache":
+        return cls(CacheShape.from_model(model).num_layers, append=append)
 
     def _check_layer(self, layer_idx: int) -> None:
         if not is_int(layer_idx) or not 0 <= layer_idx < self.num_layers:
@@ -86,17 +119,20 @@ class ContiguousCache:
         self._check_layer(layer_idx)
         _check_kv("ContiguousCache.update", k, v)
         old_k, old_v = self.keys[layer_idx], self.values[layer_idx]
-        if old_k is None:
-            new_k, new_v = k.contiguous(), v.contiguous()
-        else:
+        if old_k is not None:
             if old_k.shape[0] != k.shape[0] or old_k.shape[1] != k.shape[1] or old_k.shape[3] != k.shape[3]:
                 raise ValueError(
                     f"ContiguousCache.update: new keys {tuple(k.shape)} do not match the cached {tuple(old_k.shape)} "
                     "in batch, heads or head_dim"
                 )
-            new_k = torch.cat([old_k, k], dim=2)  # (B, H_kv, T + q_len, D): a fresh tensor each time
-            new_v = torch.cat([old_v, v], dim=2)
-            self.bytes_copied += old_k.nbytes + old_v.nbytes
+        shape = (*k.shape[:2], (0 if old_k is None else old_k.shape[2]) + k.shape[2], k.shape[3])
+        new_k, new_v = self.append(old_k, k), self.append(old_v, v)  # (B, H_kv, T + q_len, D)
+        _check_result("append", new_k, shape)
+        _check_result("append", new_v, shape)
+        if old_k is None:
+            new_k, new_v = new_k.contiguous(), new_v.contiguous()
+        else:
+            self.bytes_copied += old_k.nbytes + old_v.nbytes  # torch.cat copies the old cache into a new tensor
         self.keys[layer_idx], self.values[layer_idx] = new_k, new_v
         self.appends += 1
         return new_k, new_v
@@ -140,12 +176,14 @@ class StaticCache:
     kind = "static"
 
     def __init__(self, num_layers: int, max_batch: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", write=None):
         for name, value in (("num_layers", num_layers), ("max_batch", max_batch), ("num_kv_heads", num_kv_heads),
                             ("max_seq_len", max_seq_len), ("head_dim", head_dim)):
             check_int(name, value)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        _check_hook("write", write)
+        self.write = write or static_write  # write(buffer, new, start) -> view of the filled slots
         self.num_layers, self.max_batch, self.num_kv_heads = num_layers, max_batch, num_kv_heads
         self.max_seq_len, self.head_dim, self.dtype = max_seq_len, head_dim, dtype
         shape = (max_batch, num_kv_heads, max_seq_len, head_dim)  # (B_max, H_kv, T_max, D)
@@ -157,11 +195,11 @@ class StaticCache:
 
     @classmethod
     def from_model(cls, model, max_batch: int, max_seq_len: int, dtype: torch.dtype | None = None,
-                   device=None) -> "StaticCache":
+                   device=None, write=None) -> "StaticCache":
         shape = CacheShape.from_model(model)
         p = next(model.parameters())
         return cls(shape.num_layers, max_batch, shape.num_kv_heads, max_seq_len, shape.head_dim,
-                   dtype=dtype or p.dtype, device=device or p.device)
+                   dtype=dtype or p.dtype, device=device or p.device, write=write)
 
     def set_real_tokens(self, tokens_per_row: list[int]) -> None:
         """Tell the cache how many of each row's filled slots hold real tokens.
@@ -196,12 +234,14 @@ class StaticCache:
             raise ValueError(
                 f"static cache full: {start} + {q_len} tokens exceed max_seq_len={self.max_seq_len}"
             )
-        self.k_cache[layer_idx][:b, :, start:start + q_len] = k
-        self.v_cache[layer_idx][:b, :, start:start + q_len] = v
-        self._len[layer_idx] = start + q_len
-        self.batch = b
         end = start + q_len
-        return self.k_cache[layer_idx][:b, :, :end], self.v_cache[layer_idx][:b, :, :end]
+        k_all = self.write(self.k_cache[layer_idx], k, start)  # (B, H_kv, end, D): a view of the filled slots
+        v_all = self.write(self.v_cache[layer_idx], v, start)
+        _check_result("write", k_all, (b, h, end, d))
+        _check_result("write", v_all, (b, h, end, d))
+        self._len[layer_idx] = end
+        self.batch = b
+        return k_all, v_all
 
     def seq_len(self, layer_idx: int = 0) -> int:
         return self._len[layer_idx]

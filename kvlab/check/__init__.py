@@ -4,7 +4,8 @@ Each exercise in a notebook is a spec in prose, a stub that raises ``NotImplemen
 call here. A checker runs the learner's function on fixed cases, compares with kvlab's own answer
 and prints ONE stable line: ``[ok]``, ``[todo]`` (stub not written yet: shows the target, so the
 notebook still runs top to bottom) or ``[fail]`` (shows yours vs expected for the first mismatch).
-It returns True only on ``[ok]``.
+It returns True only on ``[ok]``. ``use(name, fn)`` then plugs ``fn`` into the real system once it
+passes (kvlab's own until then); ``solution(name)`` prints kvlab's answer.
 
 One module per notebook (``sizing`` 00, ``naive`` 01, ``paged`` 02, ``quant`` 03, ``engine`` 04,
 ``kernels`` 05, ``capstone`` 06, ``evict`` 07), the machinery they share in ``core``, and the record of passed exercises in
@@ -15,12 +16,14 @@ from kvlab.check.capstone import max_held
 from kvlab.check.engine import admission_rule
 from kvlab.check.evict import copy_or_recompute, sinks_window_blocks
 from kvlab.check.kernels import online_softmax_update
-from kvlab.check.naive import static_utilization, token_forwards, tokens_stored
+from kvlab.check.naive import decode_loop, grow, static_write
 from kvlab.check.paged import blocks_after_fork, slot_mapping
 from kvlab.check.progress import EXERCISES, progress, progress_file
 from kvlab.check.quant import pack_int4, quantize_per_head, quantize_static
+from kvlab.check.solutions import solution, use
 from kvlab.check.sizing import kv_token_bytes, mla_bytes_per_token
 
-__all__ = ["kv_token_bytes", "mla_bytes_per_token", "token_forwards", "static_utilization", "tokens_stored",
+__all__ = ["kv_token_bytes", "mla_bytes_per_token", "grow", "decode_loop", "static_write",
            "slot_mapping", "blocks_after_fork", "quantize_per_head", "quantize_static", "pack_int4", "admission_rule",
-           "online_softmax_update", "max_held", "sinks_window_blocks", "copy_or_recompute", "EXERCISES", "progress", "progress_file"]
+           "online_softmax_update", "max_held", "sinks_window_blocks", "copy_or_recompute", "EXERCISES", "progress", "progress_file",
+           "solution", "use"]

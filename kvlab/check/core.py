@@ -51,15 +51,16 @@ def _run(name: str, fn: Callable, cases: Sequence[tuple[tuple, Any]], same=None,
                   else f"[todo] {name}: not written yet - the checker will name the usual mistakes")
             return False
         except Exception as e:  # the learner's bug, shown rather than raised
-            print(f"[fail] {name}{_short(args)} raised {type(e).__name__}: {e}")
+            print(f"[fail] {name}: your function raised {type(e).__name__}: {e}. For {_short(args)}")
             return False
         if not same(got, expected):
             try:
                 why = hint(args, got, expected) if hint else None
             except Exception:  # a hint must never hide the verdict
                 why = None
-            print(f"[fail] {name}{_short(args)}: yours {_short(got)}, expected {_short(expected)}"
-                  f"{_first_difference(got, expected)}" + (f" - {why}" if why else ""))
+            # the hint first (what to try next), then the case and the two results
+            print(f"[fail] {name}: " + (f"{why}. " if why else "") + f"For {_short(args)}: yours {_short(got)}, "
+                  f"expected {_short(expected)}{_first_difference(got, expected)}")
             return False
     print(f"[ok] {name}: {len(cases)} cases match")
     _record(exercise, learner if learner is not None else fn)

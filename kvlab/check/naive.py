@@ -1,90 +1,152 @@
-"""Notebook 01's exercises: work with and without a cache, what a static cache really uses."""
+"""Notebook 01's build tasks: the growing cache's append, the decode loop that uses a cache, and the
+static cache's write. Each is then plugged into the real cache and an unmodified HF model."""
 
 from __future__ import annotations
 
-import math
-from typing import Callable, Sequence
+import random
+from typing import Callable
+
+import torch
+
+from kvlab.cache.naive import grow as ref_grow
+from kvlab.cache.naive import static_write as ref_static_write
+from kvlab.check.core import _run, _tensor_same
+from kvlab.generate import cached_generate
 
 
-from kvlab.bench.caches import token_forwards as ref_token_forwards
-from kvlab.cache.naive import static_tokens_stored
-from kvlab.cache.naive import static_utilization as ref_static_utilization
-from kvlab.check.core import _run
+def _kv(b, h, t, d, seed):
+    return torch.randn(b, h, t, d, generator=torch.Generator().manual_seed(seed))
 
 
-def token_forwards(fn: Callable[[int, int, bool], int]) -> bool:
-    """``fn(prompt_len, new_tokens, cached) -> token positions pushed through the model``.
-
-    Without a cache, step i re-runs the whole prefix (prompt_len + i positions); with one, the
-    prompt goes through once and each later step feeds one token. The last token is sampled,
-    never fed back.
-    """
-    cases = [((p, n, c), ref_token_forwards(p, n, c)) for p, n in ((1, 1), (4, 3), (16, 16), (128, 16), (512, 64))
-             for c in (False, True)]
-
-    def hint(args, got, expected):
-        p, n, cached = args
-        if got == expected + (1 if cached else p + n):
-            return "the last token is sampled, never fed back: there is no step after it"
-        if cached and got == n:
-            return "the prompt itself goes through the model once (prefill) before the first new token"
-        if cached and got == ref_token_forwards(p, n, False) and n > 1:
-            return "with a cache each step feeds ONE token; re-running the whole sequence is the no-cache count"
-        if cached and got == p + n - 1 + (n - 1):
-            return "with a cache each step feeds ONE token, not the whole sequence so far"
-        if not cached and got == expected + n:
-            return ("without a cache step i runs prompt_len + i positions for i = 0 .. new_tokens - 1 "
-                    "(the first step is the prompt alone)")
-        if not cached and got == p * n:
-            return "without a cache step i re-runs the prompt AND the i tokens generated so far"
-        return None
-
-    return _run("token_forwards", fn, cases, hint=hint, reveal=False)  # the cases are the exercise: no answer shown
-
-
-def static_utilization(fn: Callable[[Sequence[int], int, int], float]) -> bool:
-    """``fn(tokens_per_sequence, max_batch, max_seq_len) -> tokens stored / slots reserved``."""
-    cases = [((lens, b, t), ref_static_utilization(lens, b, t))
-             for lens, b, t in (([10], 1, 10), ([10, 20], 2, 40), ([5, 50, 500], 4, 2048), ([100] * 8, 8, 4096))]
+def grow(fn: Callable) -> bool:
+    """``fn(cached, new) -> cached then new along the token axis``; ``cached`` is None at the first append."""
+    first = _kv(1, 2, 3, 4, 0)
+    cases = [((None, first), first)]
+    for b, h, t, q, d, seed in ((1, 2, 3, 1, 4, 1), (2, 3, 5, 2, 4, 2), (1, 2, 4, 4, 8, 3)):
+        old, new = _kv(b, h, t, d, seed), _kv(b, h, q, d, seed + 10)
+        cases.append(((old, new), ref_grow(old, new)))
 
     def hint(args, got, expected):
-        lens, b, t = args
-        if not isinstance(got, (int, float)):
-            return "return one number, the share (a float between 0 and 1)"
-        if math.isclose(got, sum(lens) / (len(lens) * t), rel_tol=1e-9):
-            return "the cache reserves max_batch rows, filled or not: an empty row is reserved too"
-        if math.isclose(got, 1 - expected, rel_tol=1e-9):
-            return "that is the share wasted; the question asks for the share used"
-        if math.isclose(got, 100 * expected, rel_tol=1e-9):
-            return "a share, not a percentage"
+        old, new = args
+        if not isinstance(got, torch.Tensor):
+            return "return one tensor: the layer's whole cache after the append"
+        if old is None:
+            return "the first append finds no cache (None): the new tokens are the whole cache"
+        if got.shape == new.shape:
+            return "return the whole cache, old tokens and new, not only the new ones: attention reads all of it"
+        if got.shape == expected.shape and torch.equal(got, torch.cat([new, old], dim=2)):
+            return "old tokens first: position t of the cache must be token t of the sequence"
+        for dim, name in ((0, "the batch"), (1, "the KV heads"), (3, "the head dimension")):
+            if got.shape[dim] == old.shape[dim] + new.shape[dim] and got.shape[2] == old.shape[2]:
+                return f"dim {dim} is {name}; tokens are dim 2 of (B, H_kv, T, D)"
         return None
 
-    return _run("static_utilization", fn, cases, same=lambda a, b: isinstance(a, (int, float))
-                and math.isclose(a, b, rel_tol=1e-9), hint=hint, reveal=False)
+    def raised(old, new):
+        try:
+            return fn(old, new)
+        except TypeError as e:
+            if old is None:
+                raise TypeError(f"the first append finds no cache (None): the new tokens are the whole cache ({e})") from e
+            raise
+        except RuntimeError as e:
+            if "must match" in str(e):
+                raise RuntimeError(f"tokens are dim 2 of (B, H_kv, T, D): concatenate along it ({e})") from e
+            raise
+
+    return _run("grow", raised, cases, same=_tensor_same, hint=hint, learner=fn, reveal=False)
 
 
-def tokens_stored(fn: Callable[[Sequence[int], Sequence[int]], list]) -> bool:
-    """``fn(prompt_lens, answer_lens) -> real tokens per row`` of a static cache after one padded greedy
-    batch (answers cut after their end-of-sequence token)."""
-    shapes = [([5], [3]), ([37, 38, 40, 46], [8, 64, 64, 64]), ([10, 10], [1, 4]), ([4, 9, 2], [6, 6, 2]),
-              ([7, 7, 7], [5, 5, 5])]
-    cases = [((p, a), static_tokens_stored(p, a)) for p, a in shapes]
+class _ToyModel:
+    """A stand-in for ``Stepper`` with a cache: it keeps every token it was fed (its "cache") and returns
+    logits that depend on that whole history, so feeding a token twice or skipping the prompt changes
+    the next token, as it would in the real model."""
+
+    def __init__(self, vocab: int = 64):
+        self.vocab, self.history, self.calls = vocab, [], []
+
+    def __call__(self, token_ids):
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.flatten().tolist()
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        token_ids = [int(t) for t in token_ids]
+        self.calls.append(token_ids)
+        self.history += token_ids
+        rng = random.Random(hash(tuple(self.history)))
+        return torch.tensor([rng.random() for _ in range(self.vocab)])
+
+
+def _toy_reference(prompt, n):
+    toy = _ToyModel()
+    return cached_generate(toy, prompt, n), toy.calls
+
+
+def decode_loop(fn: Callable) -> bool:
+    """``fn(step, prompt_ids, new_tokens) -> the new token ids``, greedy, where ``step(tokens)`` feeds
+    tokens through the model with its cache and returns the last one's logits."""
+    shapes = [([5, 9, 2], 1), ([3, 1, 4, 1, 5], 4), ([7], 6), (list(range(20)), 3)]
+    cases = [((p, n), _toy_reference(p, n)) for p, n in shapes]
+
+    def run(prompt, n):
+        toy = _ToyModel()
+        got = fn(toy, list(prompt), n)
+        got = got.flatten().tolist() if isinstance(got, torch.Tensor) else got
+        return (list(got) if isinstance(got, (list, tuple)) else got), toy.calls
 
     def hint(args, got, expected):
-        p, a = args
-        if not isinstance(got, (list, tuple)) or len(got) != len(p):
-            return "one number per row"
-        longest = [i for i, n in enumerate(a) if n == max(a)]
-        early = [i for i, n in enumerate(a) if n < max(a)]
-        if any(got[i] == p[i] + a[i] for i in longest):
-            return "the longest row's last token is sampled from the final step and never fed back"
-        if len(set(p)) > 1 and all(g == max(p) + max(a) - 1 for g in got):
-            return "the left padding is written too, but it is padding: a row's real tokens start with its own prompt"
-        if early and all(got[i] == p[i] + max(a) - 1 for i in early):
-            return "after its end-of-sequence token a row only receives pads: written, but not tokens"
-        if early and all(got[i] == p[i] + a[i] - 1 for i in early):
-            return "a row that ended early did feed back its last token (the loop went on for the others)"
+        (prompt, n), (tokens, calls), (want, want_calls) = args, got, expected
+        if not isinstance(tokens, list):
+            return "return a list of the new token ids"
+        if not calls or calls[0] != list(prompt):
+            return "prefill first: the first step takes the whole prompt, once"
+        if len(tokens) != n:
+            return f"return exactly new_tokens ids ({n} here)"
+        if any(len(c) > 1 for c in calls[1:]):
+            return "with a cache each step feeds ONE token, the one just chosen: the cache already holds the rest"
+        if len(calls) == len(want_calls) + 1:
+            return "the last token is chosen, never fed back: there is no step after it"
+        if len(calls) < len(want_calls):
+            return "each new token except the last must be fed back, or the model never sees it"
+        if calls[1:] != want_calls[1:]:
+            return "feed back the token you just chose (the argmax of the last step's logits)"
+        return "choose greedily: the id with the largest logit"
+
+    return _run("decode_loop", run, cases, same=lambda a, b: a == b, hint=hint, learner=fn, reveal=False)
+
+
+def static_write(fn: Callable) -> bool:
+    """``fn(buffer, new, start) -> view of the filled slots``, writing ``new`` into ``buffer`` in place."""
+    shapes = [((2, 2, 8, 4), 1, 0, 3), ((2, 2, 8, 4), 2, 3, 1), ((3, 1, 6, 2), 3, 5, 1), ((2, 2, 8, 4), 1, 0, 8)]
+    cases = []
+    for i, (shape, b, start, q) in enumerate(shapes):
+        buf = _kv(*shape, 20 + i)  # the reserved buffer: old contents before start, garbage after
+        new = _kv(b, shape[1], q, shape[3], 30 + i)
+        want = buf.clone()
+        view = ref_static_write(want, new, start)
+        cases.append(((buf, new, start), (view.clone(), want)))
+
+    def run(buf, new, start):
+        buf = buf.clone()  # each run writes into its own copy
+        got = fn(buf, new, start)
+        return got, buf
+
+    def hint(args, got, expected):
+        buf, new, start = args
+        view, written = got
+        want_view, want_buf = expected
+        if not isinstance(view, torch.Tensor):
+            return "return the view of the filled slots (a tensor)"
+        if not torch.equal(written, want_buf):
+            if torch.equal(written, buf):
+                return ("write into the reserved buffer itself (buffer[...] = new): a static cache never allocates, "
+                        "the returned view must show the buffer's own memory")
+            return "write at slots start .. start + q_len of the first B rows (the new tokens' batch), nowhere else"
+        if view.shape == new.shape:
+            return "return every filled slot, from slot 0, not only the new ones: attention reads the whole sequence"
+        if view.shape[2] == buf.shape[2]:
+            return "return only the filled slots: past start + q_len the buffer holds nothing yet, and attention would read it"
+        if view.shape[0] == buf.shape[0] != new.shape[0]:
+            return "return the batch's own rows (the first B), not every reserved row"
         return None
 
-    return _run("tokens_stored", fn, cases, same=lambda x, y: list(x) == list(y) if isinstance(x, (list, tuple)) else False,
-                hint=hint, reveal=False)
+    return _run("static_write", run, cases, same=_tensor_same, hint=hint, learner=fn, reveal=False)

@@ -16,9 +16,9 @@ from kvlab.models import cache_dir
 EXERCISES = {
     "kv_token_bytes": ("00_memory_wall", "Task 1", "bytes one token adds to a model's KV cache"),
     "mla_bytes_per_token": ("00_memory_wall", "Task 2", "what DeepSeek's MLA caches per token"),
-    "token_forwards": ("01_naive_cache", "Task 1", "work with and without a cache"),
-    "static_utilization": ("01_naive_cache", "Task 2", "what a static cache really uses"),
-    "tokens_stored": ("01_naive_cache", "Task 3", "the tokens each row of a padded batch stores"),
+    "grow": ("01_naive_cache", "Task 1", "the growing cache's append, plugged into HF generate()"),
+    "decode_loop": ("01_naive_cache", "Task 2", "the decode loop: prefill once, then one token a step"),
+    "static_write": ("01_naive_cache", "Task 3", "the static cache's in-place write and the view attention reads"),
     "slot_mapping": ("02_paged_blocks", "Task 1", "block table -> slots"),
     "blocks_after_fork": ("02_paged_blocks", "Task 2", "blocks held by forked samples (copy-on-write)"),
     "quantize_per_head": ("03_int8_quantization", "Task 1", "INT8 per-head quantizer"),

@@ -1,0 +1,59 @@
+"""The reference answers to every build task, and the switch that plugs a participant's function into
+the real system (Triton-Puzzles style: the notebook runs top to bottom whether or not a task is done).
+
+* :func:`use` returns the participant's function once its checker passes, else kvlab's own, and says
+  which one runs. The notebooks call it right before plugging a task into a cache, engine or kernel.
+* :func:`solution` prints kvlab's own implementation of a task: for instructors, and for a participant
+  who is stuck and wants to read the answer before moving on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import io
+from typing import Callable
+
+# exercise -> "module:function", kvlab's own implementation with the task's signature; the code the
+# system runs where the task is a layer of it
+REFERENCES = {
+    "grow": "kvlab.cache.naive:grow",
+    "decode_loop": "kvlab.generate:cached_generate",
+    "static_write": "kvlab.cache.naive:static_write",
+}
+
+
+def _name(name: str) -> str:
+    if not isinstance(name, str) or name not in REFERENCES:
+        raise ValueError(f"name must be one of the build tasks {sorted(REFERENCES)}, got {name!r}")
+    return name
+
+
+def reference(name: str) -> Callable:
+    """kvlab's own function for the build task ``name``."""
+    module, attr = REFERENCES[_name(name)].split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def solution(name: str) -> None:
+    """Print kvlab's own answer to the build task ``name`` (``check.solution("grow")``)."""
+    fn = reference(name)
+    module = REFERENCES[name].split(":")[0]
+    print(f"# kvlab's answer to {name!r}: {module}.{fn.__name__} ({inspect.getsourcefile(fn).rsplit('kvlab/', 1)[-1]})")
+    print(inspect.getsource(fn))
+
+
+def use(name: str, fn: Callable) -> Callable:
+    """``fn`` if it passes its checker, else kvlab's reference; prints one line saying which runs."""
+    from kvlab import check
+
+    _name(name)
+    with contextlib.redirect_stdout(io.StringIO()):  # the checker's own line was printed by the task's cell
+        ok = callable(fn) and getattr(check, name)(fn)
+    if ok:
+        print(f"[yours] {name}: your function runs in the system below")
+        return fn
+    print(f"[reference] {name}: yours does not pass check.{name} yet, so kvlab's own runs below "
+          f"(check.solution({name!r}) prints it)")
+    return reference(name)

@@ -1,0 +1,87 @@
+"""Every notebook fits a workshop slot (issue 44): a main path of at most 1,500 words of prose before
+`## Going deeper`, at most 3,500 in all, and at least three build tasks (00 and 06: two), each a
+`### Task N` heading on the main path whose checker is listed in `kvlab.check.EXERCISES` and has a
+reference answer for `check.solution`."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from kvlab.check import EXERCISES
+from kvlab.check.solutions import REFERENCES
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+MAIN_WORDS, TOTAL_WORDS = 1500, 3500
+MIN_TASKS = {"00_memory_wall": 2, "06_putting_it_together": 2}  # the rest: 3
+# notebooks whose build tasks are still being written (issue 44): strict, so finishing one fails here
+# until it leaves this set
+TASKS_PENDING = {"00_memory_wall", "02_paged_blocks", "03_int8_quantization", "04_continuous_batching",
+                 "05_fused_triton_kernel", "06_putting_it_together", "07_beyond_one_engine"}
+WORDS_PENDING = {"00_memory_wall", "06_putting_it_together", "07_beyond_one_engine", "04_continuous_batching",
+                 "05_fused_triton_kernel"}
+
+
+def words(path: Path) -> tuple[int, int]:
+    """(main-path words, total words) of a notebook's markdown; the main path ends at `## Going deeper`."""
+    main = total = 0
+    deeper = False
+    for cell in json.loads(path.read_text())["cells"]:
+        if cell["cell_type"] != "markdown":
+            continue
+        text = "".join(cell["source"])
+        deeper = deeper or bool(re.search(r"^## Going deeper", text, re.M))
+        n = len(text.split())
+        total += n
+        main += 0 if deeper else n
+    return main, total
+
+
+def tasks(path: Path) -> list[tuple[str, str]]:
+    """(task heading, checker called by the next code cell) for every `### Task` on the main path."""
+    out, heading = [], None
+    for cell in json.loads(path.read_text())["cells"]:
+        text = "".join(cell["source"])
+        if cell["cell_type"] == "markdown":
+            if re.search(r"^## Going deeper", text, re.M):
+                break
+            m = re.search(r"^### (Task \d+)", text, re.M)
+            heading = m.group(1) if m else heading
+        elif heading:
+            calls = [c for c in re.findall(r"check\.(\w+)\(", text) if c not in ("use", "solution", "progress")]
+            out.append((heading, calls[0] if calls else ""))
+            heading = None
+    return out
+
+
+def _pending(names: set, why: str):
+    return [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=why)) if p.stem in names else p
+            for p in NOTEBOOKS]
+
+
+@pytest.mark.parametrize("path", _pending(WORDS_PENDING, "prose not cut yet (issue 44)"), ids=lambda p: p.stem)
+def test_the_main_path_fits_a_slot(path):
+    main, total = words(path)
+    assert main <= MAIN_WORDS and total <= TOTAL_WORDS, f"{path.stem}: {main} main-path words, {total} in all"
+    cells = json.loads(path.read_text())["cells"]
+    last = [i for i, c in enumerate(cells) if c["cell_type"] == "markdown" and "## Going deeper" in "".join(c["source"])]
+    assert last and all(c["cell_type"] == "markdown" for c in cells[last[0]:]), "Going deeper closes the notebook"
+
+
+@pytest.mark.parametrize("path", _pending(TASKS_PENDING, "build tasks not written yet (issue 44)"), ids=lambda p: p.stem)
+def test_the_participant_builds_the_layer(path):
+    found = tasks(path)
+    assert len(found) >= MIN_TASKS.get(path.stem, 3), f"{path.stem}: {found}"
+    for heading, checker in found:
+        assert checker in EXERCISES, f"{path.stem} {heading}: its cell calls no listed checker ({checker!r})"
+        assert EXERCISES[checker][:2] == (path.stem, heading), (checker, EXERCISES[checker])
+        assert checker in REFERENCES, f"{checker}: no reference answer for check.solution"
+
+
+def test_words_counts_the_main_path_and_the_whole(tmp_path):
+    nb = {"cells": [{"cell_type": "markdown", "source": ["one two three"]}, {"cell_type": "code", "source": ["x = 1"]},
+                    {"cell_type": "markdown", "source": ["## Going deeper\n", "- four five"]}]}
+    path = tmp_path / "x.ipynb"
+    path.write_text(json.dumps(nb))
+    assert words(path) == (3, 9)  # "##" and "-" count as words: a stable, slightly strict count
