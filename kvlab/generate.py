@@ -276,7 +276,8 @@ def encode_prompts(tokenizer, prompts) -> list[list[int]]:
     return out
 
 
-def _pool_for(prompts: list[list[int]], max_new_tokens: int, block_size: int) -> int:
+def pool_for(prompts: list[list[int]], max_new_tokens: int, block_size: int) -> int:
+    """Blocks for every prompt and its whole answer at once: what paged_generate's pool holds by default."""
     return sum(cdiv(len(p) + max_new_tokens, block_size) for p in prompts)
 
 
@@ -301,7 +302,7 @@ def paged_generate(model, prompts, max_new_tokens: int, block_size: int = 16, nu
     if num_blocks is not None and (not is_int(num_blocks) or num_blocks < 1):
         raise ValueError(f"num_blocks must be a positive integer or None (enough for every prompt), got {num_blocks!r}")
     if manager is None:
-        num_blocks = num_blocks or _pool_for(prompts, max_new_tokens, block_size)
+        num_blocks = num_blocks or pool_for(prompts, max_new_tokens, block_size)
         manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
     llm = LLM(model, None, block_manager=manager, cache=cache, max_num_seqs=len(prompts),
               max_num_batched_tokens=max(sum(map(len, prompts)), len(prompts)), attn_backend=attn_backend,

@@ -23,6 +23,8 @@ global layer reads them all).
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import hashlib
 import math
 import operator
@@ -50,6 +52,41 @@ def block_hash(parent: bytes | None, token_ids) -> bytes:
     h.update(parent or b"\0" * 16)
     h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in token_ids))
     return h.digest()
+
+
+def append_slot(block_table: list[int], num_tokens: int, block_size: int, ref_count, take_block):
+    """Room for one more token of a sequence (notebook 02, Task 2): returns ``(slot, copy)``.
+
+    ``block_table`` (physical block ids, changed in place) holds ``num_tokens`` tokens. A new block is
+    taken (``take_block()``) only when the last one is full; a last block other sequences share too
+    (``ref_count(block) > 1``, after a fork) is replaced by a fresh one first, and ``copy`` is the
+    ``(src, dst)`` pair the storage must copy before the write (copy-on-write); else ``copy`` is None.
+    """
+    copy = None
+    if num_tokens % block_size == 0:  # the last block is full (or there is none yet)
+        block_table.append(take_block())
+    elif ref_count(block_table[-1]) > 1:  # shared partial block: copy it, then write into the copy
+        copy = (block_table[-1], take_block())
+        block_table[-1] = copy[1]
+    return block_table[-1] * block_size + num_tokens % block_size, copy
+
+
+def prefix_hits(token_ids: list[int], block_size: int, cached, block_hash=block_hash) -> list[int]:
+    """Physical blocks that already hold this prompt's leading full blocks (notebook 02, Task 3).
+
+    Each full block's key is ``block_hash(parent_key, its tokens)``, chained from ``None``: the same
+    tokens after a different prefix have other K/V. ``cached`` maps keys to blocks. The walk stops at
+    the first miss, and never covers the last prompt token: its logits are needed to sample the first
+    new token, so at least that token goes through the model.
+    """
+    hits, parent = [], None
+    for i in range((len(token_ids) - 1) // block_size):
+        key = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
+        if key not in cached:
+            break
+        hits.append(cached[key])
+        parent = key
+    return hits
 
 
 @dataclass
@@ -123,7 +160,18 @@ class BlockManager:
     """Free pool, block tables, refcounts and the prefix cache. Knows token ids, never tensors."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 host_blocks: int = 0):
+                 host_blocks: int = 0, slot_mapping=None, append=None, prefix_match=None):
+        """``slot_mapping``, ``append`` and ``prefix_match`` replace kvlab's :meth:`slot_mapping_of`,
+        :func:`append_slot` and :func:`prefix_hits` (notebook 02 plugs the participant's in)."""
+        for name, fn in (("slot_mapping", slot_mapping), ("append", append), ("prefix_match", prefix_match)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be a function (or None for kvlab's own), got {type(fn).__name__}")
+        if prefix_match is not None and host_blocks:
+            raise ValueError("prefix_match cannot be combined with host_blocks: the host tier's hits are kvlab's own")
+        if slot_mapping is not None:
+            self.slot_mapping_of = slot_mapping  # the model runner calls block_manager.slot_mapping_of
+        self._append = append or append_slot
+        self._prefix_match = prefix_match
         self.num_blocks = check_int("num_blocks", num_blocks)
         self.block_size = check_block_size(block_size)
         self.enable_prefix_caching = enable_prefix_caching
@@ -219,6 +267,8 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
+        if self._prefix_match is not None:
+            return self._checked_hits(token_ids)
         hits, parent, bs = [], None, self.block_size
         for i in range((len(token_ids) - 1) // bs):
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])
@@ -233,6 +283,21 @@ class BlockManager:
             hits.append(bid)
             parent = h
         return hits
+
+    def _checked_hits(self, token_ids: list[int]) -> list[int]:
+        """The plugged-in prefix match, held to what a hit must be: the prompt's leading full blocks,
+        in order, each a cached block holding exactly those tokens, the last prompt token left out."""
+        bs = self.block_size
+        hits = self._prefix_match(list(token_ids), bs, MappingProxyType(self.hash_to_block), block_hash)
+        if not isinstance(hits, (list, tuple)) or len(hits) > (len(token_ids) - 1) // bs:
+            raise ValueError(f"prefix_match must return a list of at most {(len(token_ids) - 1) // bs} block ids "
+                             f"(the full blocks before the last prompt token), got {hits!r}")
+        for i, bid in enumerate(hits):
+            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            if not is_int(bid) or not 0 <= bid < self.num_blocks or self.blocks[bid].token_ids != chunk:
+                raise ValueError(f"prefix_match returned block {bid!r} for the prompt's block {i}, which does not "
+                                 "hold those tokens after that prefix")
+        return list(hits)
 
     # ---- allocation ------------------------------------------------------------------------------
 
@@ -409,29 +474,44 @@ class BlockManager:
         (token_id,) = check_token_ids([token_id], "token_id")  # before anything changes
         bs = self.block_size
         n = len(seq.token_ids)
-        if n % bs == 0:  # last block full (or no block yet): a fresh block
+        table, taken = list(seq.block_table), []
+
+        def take_block() -> int:
             if self.num_free_blocks == 0:
-                raise OutOfBlocksError(1, 0, f"sequence {seq_id} growing to {n + 1} tokens")
-            seq.block_table.append(self._take_block())
-            if seq.logical is not None:
-                seq.logical.append(n // bs)
-        else:
-            last = self.blocks[seq.block_table[-1]]
-            if last.ref_count > 1:  # shared partial block: copy on write
-                if self.num_free_blocks == 0:
-                    raise OutOfBlocksError(1, 0, f"copy-on-write for sequence {seq_id}")
-                new = self._take_block()
-                self.blocks[new].num_tokens = last.num_tokens
-                last.ref_count -= 1
-                seq.block_table[-1] = new
-                self.blocks_to_copy.append((last.block_id, new))
-                self.counters["cow_copies"] += 1
+                raise OutOfBlocksError(1, 0, f"sequence {seq_id} growing to {n + 1} tokens"
+                                       if n % bs == 0 else f"copy-on-write for sequence {seq_id}")
+            taken.append(self._take_block())
+            return taken[-1]
+
+        try:
+            slot, copy = self._append(table, n, bs, lambda b: self.blocks[b].ref_count, take_block)
+            grew = len(table) - len(seq.block_table)
+            ok = (grew == (n % bs == 0) and table[:len(seq.block_table) - 1] == seq.block_table[:-1]
+                  and slot == table[-1] * bs + n % bs and len(taken) == grew + (copy is not None)
+                  and (copy is None or (copy == (seq.block_table[-1], table[-1]) and grew == 0)))
+            if not ok:
+                raise ValueError(f"append returned slot {slot!r}, copy {copy!r} and table {table} for a sequence of "
+                                 f"{n} tokens with table {seq.block_table} (block size {bs}): not a consistent append")
+        except BaseException:
+            for bid in taken:  # the pool as it was: the blocks taken go back
+                self.blocks[bid].ref_count = 0
+                self.free_ids.appendleft(bid)
+            raise
+        if grew and seq.logical is not None:
+            seq.logical.append(n // bs)
+        if copy is not None:
+            last = self.blocks[copy[0]]
+            self.blocks[copy[1]].num_tokens = last.num_tokens
+            last.ref_count -= 1
+            self.blocks_to_copy.append(copy)
+            self.counters["cow_copies"] += 1
+        seq.block_table[:] = table
         seq.token_ids.append(token_id)
         block = self.blocks[seq.block_table[-1]]
         block.num_tokens += 1
         if block.num_tokens == bs:  # registers every full block not registered yet, in chain order
             self.mark_computed(seq_id, len(seq.token_ids))
-        return seq.block_table[-1] * bs + n % bs
+        return slot
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (parallel sampling); the first write to the

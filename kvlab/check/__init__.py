@@ -17,13 +17,13 @@ from kvlab.check.engine import admission_rule
 from kvlab.check.evict import copy_or_recompute, sinks_window_blocks
 from kvlab.check.kernels import online_softmax_update
 from kvlab.check.naive import decode_loop, grow, static_write
-from kvlab.check.paged import blocks_after_fork, slot_mapping
+from kvlab.check.paged import append_slot, blocks_after_fork, prefix_hits, slot_mapping
 from kvlab.check.progress import EXERCISES, progress, progress_file
 from kvlab.check.quant import pack_int4, quantize_per_head, quantize_static
 from kvlab.check.solutions import solution, use
 from kvlab.check.sizing import kv_token_bytes, mla_bytes_per_token
 
 __all__ = ["kv_token_bytes", "mla_bytes_per_token", "grow", "decode_loop", "static_write",
-           "slot_mapping", "blocks_after_fork", "quantize_per_head", "quantize_static", "pack_int4", "admission_rule",
+           "slot_mapping", "append_slot", "prefix_hits", "blocks_after_fork", "quantize_per_head", "quantize_static", "pack_int4", "admission_rule",
            "online_softmax_update", "max_held", "sinks_window_blocks", "copy_or_recompute", "EXERCISES", "progress", "progress_file",
            "solution", "use"]

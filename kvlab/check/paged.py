@@ -1,4 +1,5 @@
-"""Notebook 02's exercises: block table -> slots, blocks held by forked samples."""
+"""Notebook 02's build tasks: block table -> slots, a block table's growth with copy-on-write, the prefix
+hash chain's lookup; and blocks held by forked samples."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from typing import Callable, Sequence
 
 
 from kvlab.cache import BlockManager
+from kvlab.cache.paged import append_slot as ref_append_slot
+from kvlab.cache.paged import block_hash, prefix_hits as ref_prefix_hits
 from kvlab.cache.simulate import fork_blocks
 from kvlab.validate import cdiv
 from kvlab.check.core import _run
@@ -79,3 +82,101 @@ def blocks_after_fork(fn: Callable[[int, int, int, int], int]) -> bool:
         return None
 
     return _run("blocks_after_fork", fn, cases, hint=hint, reveal=False)
+
+
+def _append_run(fn):
+    def run(table, n, bs, shared, free):
+        table, free, taken = list(table), list(free), []
+
+        def take_block():
+            taken.append(free.pop(0))
+            return taken[-1]
+
+        out = fn(table, n, bs, lambda b: 2 if b in shared else 1, take_block)
+        slot, copy = out if isinstance(out, tuple) and len(out) == 2 else (out, "?")
+        return slot, copy, table, len(taken)
+    return run
+
+
+def append_slot(fn: Callable) -> bool:
+    """``fn(block_table, num_tokens, block_size, ref_count, take_block) -> (slot, copy)``, ``block_table``
+    changed in place; ``copy`` is the (src, dst) copy-on-write pair, or None."""
+    shapes = [([3], 2, 4, (), [7, 1]), ([3], 4, 4, (), [7, 1]), ([], 0, 4, (), [5, 1]), ([3, 8], 6, 4, {8}, [9, 1]),
+              ([3, 8], 8, 4, {8}, [9, 1]), ([3, 8], 5, 4, {3}, [9, 1]), ([12, 4, 6], 40, 16, (), [2, 1]),
+              ([12, 4, 6], 33, 16, {6}, [2, 1])]  # (table, num_tokens, block_size, shared blocks, free blocks)
+    cases = [(a, _append_run(ref_append_slot)(*a)) for a in shapes]
+
+    def hint(args, got, expected):
+        table, n, bs, shared, free = args
+        slot, copy, after, taken = got
+        full = n % bs == 0
+        if copy == "?":
+            return "return two things: (slot, copy), copy being None or the (src, dst) pair"
+        if full and copy is not None:
+            return "a full block is never written again, so sharing it is fine: take a fresh block, copy nothing"
+        if full and taken == 0:
+            return "the last block is full (num_tokens % block_size == 0): take a new block with take_block()"
+        if not full and table[-1] not in shared and taken:
+            return "there is room in the last block: no new block"
+        if not full and table[-1] in shared and copy is None:
+            return ("the last block is shared (ref_count > 1): writing into it would change the other sequence's "
+                    "tokens; take a fresh block, return (old, new) as copy, and write there")
+        if after == list(table) and expected[2] != list(table):
+            return "change block_table itself (append, or replace the last entry): the manager reads it after your call"
+        if slot != expected[0]:
+            return "slot = the last block's id x block_size + the offset inside it (num_tokens % block_size)"
+        return None
+
+    return _run("append_slot", _append_run(fn), cases, hint=hint, learner=fn, reveal=False)
+
+
+def _cached(bs: int, *prompts, start: int = 100) -> dict:
+    """A prefix cache holding every full block of these prompts: chained key -> block id."""
+    cached = {}
+    for p in prompts:
+        parent = None
+        for i in range(len(p) // bs):
+            parent = block_hash(parent, p[i * bs:(i + 1) * bs])
+            cached.setdefault(parent, start + len(cached))
+    return cached
+
+
+def prefix_hits(fn: Callable) -> bool:
+    """``fn(token_ids, block_size, cached, block_hash) -> the cached blocks of the prompt's leading full blocks``."""
+    a = list(range(1, 41))  # 40 tokens: 10 blocks of 4
+    c = [50, 51, 52, 53] + a[4:20]  # a's blocks 1-4 after another first block
+    cases = []
+    for bs, cached, query in ((4, _cached(4, a), a), (4, _cached(4, a), a + [99]), (4, _cached(4, a), a[:22] + [7] * 9),
+                              (4, _cached(4, a), c), (4, _cached(4, a, c), c + [1, 2]),
+                              (4, _cached(4, a), a[:8] + [0, 0, 0, 0] + a[12:]), (16, _cached(16, a), a[:33]),
+                              (4, {}, a)):
+        cases.append(((query, bs, cached), ref_prefix_hits(query, bs, cached, block_hash)))
+
+    def run(query, bs, cached):
+        return fn(list(query), bs, dict(cached), block_hash)
+
+    def unchained(query, bs, cached):
+        out = []
+        for i in range((len(query) - 1) // bs):
+            k = block_hash(None, query[i * bs:(i + 1) * bs])
+            if k not in cached:
+                break
+            out.append(cached[k])
+        return out
+
+    def hint(args, got, expected):
+        query, bs, cached = args
+        if not isinstance(got, (list, tuple)):
+            return "return a list of block ids"
+        got = list(got)
+        if len(got) > len(expected) and got[:len(expected)] == expected and len(query) % bs == 0 \
+                and len(got) == len(query) // bs:
+            return ("leave the last prompt token out: its logits are needed for the first new token, so a prompt "
+                    "that ends on a block boundary cannot take its last block from the cache")
+        if got == unchained(query, bs, cached):
+            return ("chain the keys: block i's key is block_hash(block i-1's key, its tokens), starting from None "
+                    "- the same tokens after another prefix have other K/V")
+        return None
+
+    return _run("prefix_hits", run, cases, same=lambda x, y: isinstance(x, (list, tuple)) and list(x) == y,
+                hint=hint, learner=fn, reveal=False)

@@ -21,6 +21,10 @@ REFERENCES = {
     "grow": "kvlab.cache.naive:grow",
     "decode_loop": "kvlab.generate:cached_generate",
     "static_write": "kvlab.cache.naive:static_write",
+    "slot_mapping": "kvlab.cache.paged:BlockManager.slot_mapping_of",
+    "append_slot": "kvlab.cache.paged:append_slot",
+    "prefix_hits": "kvlab.cache.paged:prefix_hits",
+    "blocks_after_fork": "kvlab.cache.simulate:fork_blocks",
 }
 
 
@@ -33,14 +37,18 @@ def _name(name: str) -> str:
 def reference(name: str) -> Callable:
     """kvlab's own function for the build task ``name``."""
     module, attr = REFERENCES[_name(name)].split(":")
-    return getattr(importlib.import_module(module), attr)
+    obj = importlib.import_module(module)
+    for part in attr.split("."):  # "Class.method" too
+        obj = getattr(obj, part)
+    return obj
 
 
 def solution(name: str) -> None:
     """Print kvlab's own answer to the build task ``name`` (``check.solution("grow")``)."""
     fn = reference(name)
     module = REFERENCES[name].split(":")[0]
-    print(f"# kvlab's answer to {name!r}: {module}.{fn.__name__} ({inspect.getsourcefile(fn).rsplit('kvlab/', 1)[-1]})")
+    where = inspect.getsourcefile(fn).replace("\\", "/").rsplit("/kvlab/", 1)[-1]
+    print(f"# kvlab's answer to {name!r}: {module}.{fn.__qualname__} (kvlab/{where})")
     print(inspect.getsource(fn))
 
 
@@ -54,6 +62,6 @@ def use(name: str, fn: Callable) -> Callable:
     if ok:
         print(f"[yours] {name}: your function runs in the system below")
         return fn
-    print(f"[reference] {name}: yours does not pass check.{name} yet, so kvlab's own runs below "
-          f"(check.solution({name!r}) prints it)")
+    print(f"[reference] {name}: kvlab's own runs here until yours passes check.{name} "
+          f"(check.solution({name!r}) shows it)")
     return reference(name)
