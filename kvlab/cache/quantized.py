@@ -28,8 +28,9 @@ class _Store:
     (:mod:`kvlab.formats`: the page dtype, how values become codes, qmax)."""
 
     def __init__(self, fmt: TensorFormat, num_blocks: int, block_size: int, h: int, d: int, device,
-                 static_scale: torch.Tensor | None):
+                 static_scale: torch.Tensor | None, hooks: dict | None = None):
         self.fmt, self.h, self.d = fmt, h, d
+        self.hooks = hooks or {}  # notebook 03's tasks: quantize_per_head, quantize_static, pack_int4
         self.element = el = fmt.element
         shape = (num_blocks, block_size, h, d)
         self.scale = None  # static scale (broadcasts over (T, H, D)) or None
@@ -81,7 +82,7 @@ class _Store:
             flat[slots] = x.to(self.data.dtype)
             return
         if self.element.kind == "packed":
-            t = core.quantize_int4(x, self.fmt.group_size, self.fmt.symmetric)
+            t = core.quantize_int4(x, self.fmt.group_size, self.fmt.symmetric, pack=self.hooks.get("pack_int4", core.pack_int4))
             flat[slots] = t.packed
             self.token_scale.view(-1, *self.token_scale.shape[2:])[slots] = t.scale
             if t.zero is not None:
@@ -91,11 +92,27 @@ class _Store:
             scale = core.scale_from_absmax(core.absmax(x, self.fmt.granularity), self.qmax)
             q = self._q(x, scale)
             self.token_scale.view(-1, *self.token_scale.shape[2:])[slots] = scale
+        elif self.scale is None and "quantize_per_head" in self.hooks:  # the first write sets the scale for good
+            q, scale = self._hooked("quantize_per_head", x)
+            self.scale = scale.float()
         else:
             scale = self.settle_scale(x, policy)
-            q = self._q(x, scale)
+            q = self._hooked("quantize_static", x, scale) if "quantize_static" in self.hooks else self._q(x, scale)
         self._count(x, scale, q)
         flat[slots] = q
+
+    def _hooked(self, name: str, x: torch.Tensor, *scale):
+        """A plugged-in quantizer's result, held to the shapes and dtype the pool stores."""
+        out = self.hooks[name](x, *scale)
+        q, got_scale = (out if isinstance(out, tuple) and len(out) == 2 else (out, None)) if not scale else (out, scale[0])
+        want = (1, self.h, 1)
+        if (not isinstance(q, torch.Tensor) or q.dtype != torch.int8 or q.shape != x.shape
+                or not isinstance(got_scale, torch.Tensor) or tuple(got_scale.shape) != want):
+            found = f"{q.dtype} {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
+            raise ValueError(f"{name} returned {found}" + ("" if scale else f" and scale {getattr(got_scale, 'shape', got_scale)}")
+                             + f"; the pool stores torch.int8 codes of shape {tuple(x.shape)}"
+                             + ("" if scale else f" and a scale of shape {want}"))
+        return q if scale else (q, got_scale)
 
     def settle_scale(self, x: torch.Tensor, policy: str) -> torch.Tensor:
         """The static scale to quantize ``x`` with, after the policy has seen it: the dynamic policy's
@@ -176,8 +193,22 @@ class QuantizedPagedKVCache:
     is_quantized = True
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 config: KVQuantConfig, calibration=None, device="cpu"):
+                 config: KVQuantConfig, calibration=None, device="cpu", quantize_per_head=None, quantize_static=None,
+                 pack_int4=None):
+        """``quantize_per_head(x) -> (q, scale)`` (the first write of a ``policy="dynamic"`` INT8 per-head pool
+        sets its scales with it), ``quantize_static(x, scale) -> q`` (every later INT8 per-head write) and
+        ``pack_int4(codes) -> bytes`` (INT4 writes) replace kvlab's own: notebook 03 plugs the participant's in."""
         self.block_size = check_block_size(block_size)
+        hooks = {n: f for n, f in (("quantize_per_head", quantize_per_head), ("quantize_static", quantize_static),
+                                   ("pack_int4", pack_int4)) if f is not None}
+        for n, f in hooks.items():
+            if not callable(f):
+                raise TypeError(f"{n} must be a function (or None for kvlab's own), got {type(f).__name__}")
+        int8_head = [fmt.dtype == "int8" and fmt.granularity == "per-head" for fmt in (config.k, config.v)]
+        if ({"quantize_per_head", "quantize_static"} & set(hooks) and not (all(int8_head) and not config.layers)) or (
+                "pack_int4" in hooks and "int4" not in (config.k.dtype, config.v.dtype)):
+            raise ValueError(f"{sorted(hooks)} plug into INT8 per-head (quantizers) or INT4 (pack_int4) pools; "
+                             f"config is {config.label()}")
         self.num_layers, self.num_blocks = num_layers, num_blocks
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.config = config
@@ -201,14 +232,14 @@ class QuantizedPagedKVCache:
                 if vf.static_scales:
                     vs = calibration.scales("v", config.stat, vf.granularity,
                                             vf.element.qmax)[layer]
-            self.k.append(_Store(kf, num_blocks, block_size, num_kv_heads, head_dim, device, ks))
-            self.v.append(_Store(vf, num_blocks, block_size, num_kv_heads, head_dim, device, vs))
+            self.k.append(_Store(kf, num_blocks, block_size, num_kv_heads, head_dim, device, ks, hooks))
+            self.v.append(_Store(vf, num_blocks, block_size, num_kv_heads, head_dim, device, vs, hooks))
 
     @classmethod
-    def from_model(cls, model, num_blocks: int, block_size: int, config: KVQuantConfig, calibration=None):
+    def from_model(cls, model, num_blocks: int, block_size: int, config: KVQuantConfig, calibration=None, **hooks):
         c = kv_config(model)
         return cls(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, config, calibration,
-                   device=next(model.parameters()).device)
+                   device=next(model.parameters()).device, **hooks)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """k, v: (T, H, D) post-RoPE values of new tokens. Rejects NaN/Inf before touching anything."""

@@ -25,6 +25,9 @@ REFERENCES = {
     "append_slot": "kvlab.cache.paged:append_slot",
     "prefix_hits": "kvlab.cache.paged:prefix_hits",
     "blocks_after_fork": "kvlab.cache.simulate:fork_blocks",
+    "quantize_per_head": "kvlab.quant.core:quantize_per_head",
+    "quantize_static": "kvlab.quant.core:quantize_int8",
+    "pack_int4": "kvlab.quant.core:pack_int4",
 }
 
 

@@ -104,6 +104,13 @@ def int8_roundtrip(x: torch.Tensor, granularity: str = "per-head") -> tuple[torc
     return quantize_int8(x, scale), scale
 
 
+def quantize_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Notebook 03, Task 1: one abs-max scale per KV head, ``(1, H, 1)``, putting the head's largest
+    magnitude on 127 (scale 1.0 below 1e-6); codes round half to even: returns (q int8 (T, H, D), scale)."""
+    scale = scale_from_absmax(x.abs().amax(dim=(0, 2), keepdim=True))  # (1, H, 1): over tokens and channels
+    return torch.clamp(torch.round(x / scale), -127, 127).to(torch.int8), scale
+
+
 # ---- INT4: groups of g channels, two values per byte --------------------------------------------
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -140,8 +147,9 @@ class Int4Tensor:
         return self.packed.nbytes + self.scale.nbytes + (self.zero.nbytes if self.zero is not None else 0)
 
 
-def quantize_int4(x: torch.Tensor, group_size: int = 32, symmetric: bool = True) -> Int4Tensor:
-    """Per token, per head, per group of ``group_size`` channels.
+def quantize_int4(x: torch.Tensor, group_size: int = 32, symmetric: bool = True, pack=pack_int4) -> Int4Tensor:
+    """Per token, per head, per group of ``group_size`` channels. ``pack`` turns the codes (uint8 0..15,
+    (T, H, D)) into bytes (T, H, D/2) (notebook 03 plugs the participant's in).
 
     Symmetric: q in -7..7 stored as q + 8; asymmetric: q in 0..15 with a zero point, which helps
     skewed groups (V) but costs one more number per group.
@@ -159,7 +167,12 @@ def quantize_int4(x: torch.Tensor, group_size: int = 32, symmetric: bool = True)
         scale = scale_from_absmax(hi - lo, 15.0)
         zero = torch.clamp(torch.round(-lo / scale), 0, 15)
         q = torch.clamp(torch.round(g / scale) + zero, 0, 15)
-    return Int4Tensor(pack_int4(q.flatten(-2).to(torch.uint8)), scale, zero, group_size)
+    codes = q.flatten(-2).to(torch.uint8)  # (T, H, D)
+    packed = pack(codes)
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.shape != (*codes.shape[:-1], codes.shape[-1] // 2):
+        found = f"{packed.dtype} {tuple(packed.shape)}" if isinstance(packed, torch.Tensor) else type(packed).__name__
+        raise ValueError(f"pack returned {found}, expected torch.uint8 of shape {(*codes.shape[:-1], codes.shape[-1] // 2)}")
+    return Int4Tensor(packed, scale, zero, group_size)
 
 
 def dequantize_int4(t: Int4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
