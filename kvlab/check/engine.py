@@ -1,4 +1,6 @@
-"""Notebook 04's exercise: the scheduler's admission rule."""
+"""Notebook 04's build tasks: the scheduler's three rules - admission, decodes first with preemption,
+chunked prefill - each then run by the real engine (``LLM(..., admission_rule=..., schedule_decodes=...,
+chunk_prefills=...)``)."""
 
 from __future__ import annotations
 
@@ -67,3 +69,102 @@ def admission_rule(fn: Callable[[int, int, int, int, int, int], "str | None"]) -
     print(f"[ok] admission_rule: {len(cases)} decisions and a {len(expected)}-event scheduler trace match")
     _record("admission_rule", fn)
     return True
+
+
+class _Pool:
+    """A stand-in for the block manager in the decode step's checker: blocks of 4 tokens, counted."""
+
+    def __init__(self, running, decoding, tokens, held, free):
+        self.running, self.decoding = list(running), set(decoding)
+        self.tokens, self.held, self.free = dict(tokens), dict(held), free
+        self.preempted, self.appended = [], []
+
+    def append(self, sid):
+        if sid in self.preempted:
+            raise ValueError(f"sequence {sid} was preempted this step: it is back in the queue and cannot decode")
+        if sid not in self.decoding:
+            raise ValueError(f"sequence {sid} is still prefilling (not in decoding): it has no token to append")
+        if sid in self.appended:
+            raise ValueError(f"sequence {sid} already has its slot this step: append once per decode")
+        if self.tokens[sid] % 4 == 0:  # the last block is full: a new one
+            if not self.free:
+                return False
+            self.free -= 1
+            self.held[sid] += 1
+        self.tokens[sid] += 1
+        self.appended.append(sid)
+        return True
+
+    def preempt(self, sid):
+        if sid not in self.running:
+            raise ValueError(f"sequence {sid} is not running: it cannot be preempted")
+        self.free += self.held[sid]
+        self.running.remove(sid)
+        self.preempted.append(sid)
+
+
+# (running ids oldest first, decoding ids, tokens each holds, blocks each holds, free blocks); blocks of 4
+_DECODE_CASES = [
+    ([0, 1, 2], {0, 1, 2}, {0: 5, 1: 6, 2: 7}, {0: 2, 1: 2, 2: 2}, 0),  # nobody needs a block
+    ([0, 1, 2], {0, 1}, {0: 8, 1: 5, 2: 3}, {0: 2, 1: 2, 2: 1}, 0),  # the tail is still prefilling: it goes
+    ([0, 1, 2], {0, 1, 2}, {0: 8, 1: 5, 2: 4}, {0: 2, 1: 2, 2: 1}, 1),  # the last to ask finds none: itself
+    ([0, 1, 2], {0, 1, 2}, {0: 8, 1: 5, 2: 6}, {0: 2, 1: 2, 2: 2}, 0),  # the oldest needs one: the tail goes
+    ([0, 1, 2, 3], {0, 1, 2, 3}, {0: 8, 1: 8, 2: 8, 3: 8}, {0: 2, 1: 2, 2: 2, 3: 2}, 0),  # two go
+    ([0], {0}, {0: 8}, {0: 2}, 0),  # alone and full: it preempts itself
+]
+
+
+def schedule_decodes(fn: Callable) -> bool:
+    """``fn(running, decoding, append, preempt) -> the ids that decode this step``: decodes first,
+    preempting the most recently admitted when the pool has no room."""
+    from kvlab.check.core import _run
+    from kvlab.engine.scheduler import schedule_decodes as ref
+
+    def run(running, decoding, tokens, held, free, f=fn):
+        pool = _Pool(running, decoding, tokens, held, free)
+        got = f(pool.running, set(decoding), pool.append, pool.preempt)
+        return (list(got) if isinstance(got, (list, tuple)) else got), pool.preempted, pool.appended
+
+    cases = [(a, run(*a, f=ref)) for a in _DECODE_CASES]
+
+    def hint(args, got, expected):
+        running = args[0]
+        decoded, preempted, appended = got
+        want_decoded, want_preempted, _ = expected
+        if not isinstance(decoded, list):
+            return "return the list of ids that decode"
+        if preempted and want_preempted and preempted[0] == running[0] != want_preempted[0]:
+            return "preempt the most recently admitted sequence, running[-1]: the oldest has waited longest"
+        if not preempted and want_preempted:
+            return "no room is not a reason to skip a sequence: preempt from the tail (running[-1]) until append works"
+        if len(preempted) > len(want_preempted):
+            return "stop preempting once append works, or once the sequence has preempted itself"
+        if decoded != appended:
+            return "return exactly the sequences whose append worked, in order"
+        return None
+
+    return _run("schedule_decodes", run, cases, hint=hint, learner=fn, reveal=False)
+
+
+def chunk_prefills(fn: Callable) -> bool:
+    """``fn(uncomputed, budget) -> the prompt tokens each prefill feeds this step``."""
+    from kvlab.check.core import _run
+    from kvlab.engine.scheduler import chunk_prefills as ref
+
+    shapes = [([10, 20, 3], 12), ([5], 100), ([], 10), ([4, 4], 8), ([30, 5], 0), ([7, 9, 2], 15), ([700], 64)]
+    cases = [((list(u), b), ref(list(u), b)) for u, b in shapes]
+
+    def hint(args, got, expected):
+        need, budget = args
+        if not isinstance(got, (list, tuple)) or len(got) != len(need):
+            return "return one number per prefill (0 when it gets nothing this step)"
+        if any(g > n for g, n in zip(got, need)):
+            return "no prefill takes more than it still needs"
+        if sum(got) > budget:
+            return "the budget is shared: subtract each chunk before sizing the next"
+        if all(g in (0, n) for g, n in zip(got, need)):
+            return "a prompt that does not fit whole takes a chunk of what is left: the rest follows next step"
+        return None
+
+    return _run("chunk_prefills", lambda u, b: fn(list(u), b), cases,
+                same=lambda a, b: isinstance(a, (list, tuple)) and list(a) == b, hint=hint, learner=fn, reveal=False)

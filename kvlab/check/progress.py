@@ -27,6 +27,8 @@ EXERCISES = {
     "quantize_static": ("03_int8_quantization", "Task 2", "INT8 with calibrated static scales, beyond their range"),
     "pack_int4": ("03_int8_quantization", "Task 3", "two 4-bit values per byte"),
     "admission_rule": ("04_continuous_batching", "Task 1", "the scheduler's admission rule"),
+    "schedule_decodes": ("04_continuous_batching", "Task 2", "decodes first, preempting from the tail"),
+    "chunk_prefills": ("04_continuous_batching", "Task 3", "chunked prefill under the step's token budget"),
     "online_softmax_update": ("05_fused_triton_kernel", "Task 1", "online softmax in a Triton kernel"),
     "max_held": ("06_putting_it_together", "Task 1", "requests a pool can hold to completion at once"),
     "sinks_window_blocks": ("07_beyond_one_engine", "Task 1", "the blocks sinks + window keeps after n tokens"),

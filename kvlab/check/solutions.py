@@ -28,6 +28,9 @@ REFERENCES = {
     "quantize_per_head": "kvlab.quant.core:quantize_per_head",
     "quantize_static": "kvlab.quant.core:quantize_int8",
     "pack_int4": "kvlab.quant.core:pack_int4",
+    "admission_rule": "kvlab.engine.scheduler:admission_rule",
+    "schedule_decodes": "kvlab.engine.scheduler:schedule_decodes",
+    "chunk_prefills": "kvlab.engine.scheduler:chunk_prefills",
 }
 
 

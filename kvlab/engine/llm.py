@@ -115,7 +115,8 @@ class LLM:
                  attn_backend: str = "torch", kv_cache_dtype: str = "auto", quant_config=None, calibration=None,
                  model_name: str = "smollm2-135m", enable_prefix_caching: bool = True, watermark: float = 0.01,
                  eos_token_id: int | None = None, block_manager: BlockManager | None = None, cache=None,
-                 prepack_weights: bool = True, eviction: EvictionPolicy | None = None, host_blocks: int = 0):
+                 prepack_weights: bool = True, eviction: EvictionPolicy | None = None, host_blocks: int = 0,
+                 admission_rule=None, schedule_decodes=None, chunk_prefills=None):
         self.model, self.tokenizer = model, tokenizer
         layers = paged_attention_spec(model)  # a model the paged attention cannot run is refused before any pool
         if eviction is not None:
@@ -150,7 +151,9 @@ class LLM:
         self._evict_states: dict[int, EvictionState] = {}
         windows = [a.sliding_window for a in layers]  # every layer slides: the stats count blocks out of every window
         block_manager.sliding_window = max(windows) if None not in windows else None
-        self.scheduler = Scheduler(block_manager, max_num_seqs, max_num_batched_tokens, policy, watermark)
+        rules = {n: f for n, f in (("admission_rule", admission_rule), ("schedule_decodes", schedule_decodes),
+                                   ("chunk_prefills", chunk_prefills)) if f is not None}  # notebook 04's tasks
+        self.scheduler = Scheduler(block_manager, max_num_seqs, max_num_batched_tokens, policy, watermark, **rules)
         self.runner = ModelRunner(model, cache, attn_backend, prepack=prepack_weights, batch_hint=max_num_seqs)
         if eos_token_id is None:
             eos_token_id = getattr(tokenizer, "eos_token_id", None)

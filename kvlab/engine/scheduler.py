@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from kvlab.cache.paged import BlockManager
 from kvlab.engine.sequence import Sequence, SequenceStatus
-from kvlab.validate import check_int
+from kvlab.validate import check_int, is_int
 
 POLICIES = ("continuous", "static")
 ACTIONS = ("admitted", "deferred", "chunked", "preempted", "finished")
@@ -77,9 +77,54 @@ def admission_rule(num_running: int, max_num_seqs: int, budget_left: int, blocks
     return None
 
 
+def schedule_decodes(running: list[int], decoding: set[int], append, preempt) -> list[int]:
+    """Decodes first, preempting from the tail (notebook 04, Task 2): the ids that decode this step.
+
+    ``running``: the running sequences' ids, oldest admission first; ``decoding``: those that sampled a
+    token last step and need a slot for it (the rest are still prefilling). ``append(id)`` reserves the
+    slot for that token and returns True, or returns False when the pool has no room (nothing changes).
+    ``preempt(id)`` frees a sequence's blocks, sends it back to the front of the queue and removes it
+    from ``running``. When a decode finds no room, the most recently admitted running sequence is
+    preempted, until there is room or the decode has preempted itself.
+    """
+    out = []
+    for sid in list(running):
+        if sid not in running or sid not in decoding:  # preempted already, or still prefilling
+            continue
+        while not append(sid):
+            victim = running[-1]  # the most recently admitted
+            preempt(victim)
+            if victim == sid:
+                break
+        if sid in running:
+            out.append(sid)
+    return out
+
+
+def chunk_prefills(uncomputed: list[int], budget: int) -> list[int]:
+    """Chunked prefill (notebook 04, Task 3): the prompt tokens each prefill feeds this step.
+
+    ``uncomputed``: the prompt tokens each prefilling sequence still needs, in order; ``budget``: the
+    tokens this step has left. Each takes what it needs while the budget lasts; the one that meets the
+    end of the budget gets a chunk, the rest of its prompt follows in later steps.
+    """
+    out = []
+    for n in uncomputed:
+        out.append(min(n, budget))
+        budget -= out[-1]
+    return out
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 policy: str = "continuous", watermark: float = 0.01, admission_rule=admission_rule):
+                 policy: str = "continuous", watermark: float = 0.01, admission_rule=admission_rule,
+                 schedule_decodes=schedule_decodes, chunk_prefills=chunk_prefills):
+        """``admission_rule``, ``schedule_decodes`` and ``chunk_prefills`` are the three rules of a step, as
+        functions: notebook 04 plugs the participant's in."""
+        for name, fn in (("admission_rule", admission_rule), ("schedule_decodes", schedule_decodes),
+                         ("chunk_prefills", chunk_prefills)):
+            if not callable(fn):
+                raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             check_int(name, v)
         if max_num_batched_tokens < max_num_seqs:
@@ -90,7 +135,8 @@ class Scheduler:
         if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
             raise ValueError(f"watermark must be a fraction of the pool in [0, 1), got {watermark!r}")
         self.bm = block_manager
-        self.admission_rule = admission_rule  # swappable: notebook 04's exercise plugs in the learner's
+        self.admission_rule = admission_rule  # swappable: notebook 04's tasks plug in the participant's
+        self.schedule_decodes, self.chunk_prefills = schedule_decodes, chunk_prefills
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.policy = policy
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
@@ -144,30 +190,42 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         seqs, counts = [], []
         # 1. decodes: one slot each for the token sampled last step; preempt from the tail when dry
-        i = 0
-        while i < len(self.running):
-            seq = self.running[i]
-            if self.bm.num_tokens(seq.seq_id) == seq.num_tokens:  # still prefilling: step 2
-                i += 1
-                continue
-            while not self.bm.can_append(seq.seq_id):
-                victim = self.running[-1]  # the most recently admitted
-                self.preempt(victim)
-                if victim is seq:
-                    break
-            if seq.status != SequenceStatus.RUNNING:
-                break  # it preempted itself: it was the last one
-            self.bm.append_slot(seq.seq_id, seq.token_ids[-1])
-            seqs.append(seq)
+        by_id = {seq.seq_id: seq for seq in self.running}
+        decoding = {sid for sid, seq in by_id.items() if self.bm.num_tokens(sid) != seq.num_tokens}
+        ids = [seq.seq_id for seq in self.running]
+
+        def preempt(sid):
+            if sid not in ids:
+                raise ValueError(f"schedule_decodes preempted sequence {sid!r}, which is not running")
+            self.preempt(by_id[sid])
+            ids.remove(sid)
+
+        appended = []
+
+        def append(sid):
+            if sid not in ids or sid not in decoding or sid in appended:
+                raise ValueError(f"schedule_decodes appended to sequence {sid!r}: only a running, decoding sequence, "
+                                 "once a step")
+            if not self.bm.can_append(sid):
+                return False
+            self.bm.append_slot(sid, by_id[sid].token_ids[-1])
+            appended.append(sid)
+            return True
+
+        chosen = self.schedule_decodes(ids, set(decoding), append, preempt)
+        left = [sid for sid in ids if sid in decoding]
+        if not isinstance(chosen, (list, tuple)) or list(chosen) != left or appended != left:
+            raise ValueError(f"schedule_decodes returned {chosen!r} after appending {appended}: every decoding sequence "
+                             f"still running, in order ({left}), must get its slot and decode")
+        for sid in chosen:
+            seqs.append(by_id[sid])
             counts.append(1)
             budget -= 1
-            i += 1
         num_decodes = len(seqs)
-        decoding = {s.seq_id for s in seqs}
         # 2. running prefills continue, a chunk each
-        for seq in self.running:
-            if seq.seq_id not in decoding:
-                budget = self._schedule_prefill(seq, budget, seqs, counts)
+        prefilling = [seq for seq in self.running if seq.seq_id not in decoding]
+        for seq, n in zip(prefilling, self._chunks(prefilling, budget)):
+            budget = self._schedule_prefill(seq, n, budget, seqs, counts)
         # 3. admissions from the front of the queue
         batch_open = not self.running
         while self.waiting:
@@ -183,11 +241,22 @@ class Scheduler:
             seq.metrics.cached_prompt_tokens = cached
             self.running.append(seq)
             self._log(seq, "admitted", detail=f"cached {cached} of {seq.num_tokens} prompt tokens")
-            budget = self._schedule_prefill(seq, budget, seqs, counts)
+            budget = self._schedule_prefill(seq, self._chunks([seq], budget)[0], budget, seqs, counts)
         return SchedulerOutput(self.step_count, seqs, counts, num_decodes, self.bm.take_blocks_to_copy())
 
-    def _schedule_prefill(self, seq: Sequence, budget: int, seqs: list, counts: list) -> int:
-        n = min(seq.num_uncomputed, budget)
+    def _chunks(self, prefilling: list[Sequence], budget: int) -> list[int]:
+        """The prefill chunks ``chunk_prefills`` gives, held to the step's budget and each prompt's need."""
+        need = [seq.num_uncomputed for seq in prefilling]
+        if not need:
+            return []
+        got = self.chunk_prefills(list(need), max(budget, 0))
+        if (not isinstance(got, (list, tuple)) or len(got) != len(need) or not all(is_int(n) for n in got)
+                or any(not 0 <= n <= m for n, m in zip(got, need)) or sum(got) > max(budget, 0)):
+            raise ValueError(f"chunk_prefills({need}, {budget}) returned {got!r}: one chunk per prefill, each in "
+                             f"[0, what it needs], together at most the budget")
+        return list(got)
+
+    def _schedule_prefill(self, seq: Sequence, n: int, budget: int, seqs: list, counts: list) -> int:
         if n <= 0:
             self._log(seq, "deferred", "token budget", f"{seq.num_uncomputed} prompt tokens left")
             return budget
