@@ -9,6 +9,7 @@ package, which transformers probes for.
 | `pool.py`     | a pool's K or V as the kernels see it (data, format, scales)                |
 | `write.py`    | quantize-on-write: new K/V -> their slots, round half to even, counters     |
 | `decode.py`   | paged decode attention: block-table walk, online softmax, GQA, fused dequant, split-KV |
+| `skeleton.py` | the decode kernel stripped to its three ideas (walk, online softmax, dequant): notebook 05's build tasks run inside it |
 | `convert.py`  | the conversion variants (cast, magic number, prmt, bf16, int8 dot) and their bit-exact Python replicas |
 | `traffic.py`  | bytes per launch, predicted and counted; operations per launch by pipe; projections per GPU |
 | `ptx.py`      | the decode kernel compiled for sm_90 without a GPU: the instructions each variant becomes |
@@ -115,7 +116,7 @@ def skip_cells_without_triton(shell=None) -> bool:
 _LAZY = {
     "paged_decode": "decode", "online_softmax_update": "decode", "convert_all_values": "decode",
     "write_kv": "write", "round_half_even": "write", "cast_demo": "write",
-    "Operand": "pool", "KERNEL_FORMATS": "pool",
+    "Operand": "pool", "KERNEL_FORMATS": "pool", "skeleton_decode": "skeleton",
 }
 
 
@@ -124,7 +125,7 @@ def __getattr__(name):
 
     if name in _LAZY:
         return getattr(importlib.import_module(f"kvlab.kernels.{_LAZY[name]}"), name)
-    if name in ("traffic", "decode", "write", "pool", "convert", "ptx"):
+    if name in ("traffic", "decode", "write", "pool", "convert", "ptx", "skeleton"):
         return importlib.import_module(f"kvlab.kernels.{name}")
     raise AttributeError(f"module 'kvlab.kernels' has no attribute {name!r}")
 

@@ -280,7 +280,8 @@ def test_notebook_05_runs_without_triton_its_kernel_cells_saying_why(without_tri
 
 # ---- every cell that needs triton says so ---------------------------------------------------------------
 
-NEEDS_TRITON = ("TRITON.write(", "TRITON.decode(", "K.paged_decode", "K.cast_demo", "count_traffic()",
+NEEDS_TRITON = ("TRITON.write(", "TRITON.decode(", "K.paged_decode", "K.cast_demo", "count_traffic()", "skeleton_decode(",
+                "check.block_walk", "check.dequant_int8",
                 "count_step_bytes", "import triton", "online_softmax_update", 'attn_backend="triton"', '"triton")',
                 "'triton',")
 

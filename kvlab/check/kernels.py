@@ -1,4 +1,6 @@
-"""Notebook 05's exercise: the online-softmax update inside a Triton kernel."""
+"""Notebook 05's build tasks, each a ``@triton.jit`` function run inside a kernel under the interpreter:
+the block-table walk, the online-softmax update, the in-register INT8 dequantization. The skeleton
+decode kernel (:mod:`kvlab.kernels.skeleton`) then runs them together on a real pool."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kvlab import kernels
-from kvlab.check.core import _run
+from kvlab.check.core import _run, _tensor_same
 
 
 def _softmax_cases():
@@ -117,3 +119,98 @@ def online_softmax_update(fn) -> bool:
     return _run("online_softmax_update (whole run over all tiles: s, v, v_scale, tile -> softmax(s) @ (v * v_scale))",
                 call, cases, same=close, exercise="online_softmax_update", learner=fn, hint=_softmax_hint,
                 reveal=False)
+
+
+def _jitted_or_say(name: str, fn) -> bool:
+    if not callable(fn):
+        raise TypeError(f"{name}: pass your function itself, got {type(fn).__name__}")
+    if not _is_jitted(fn):
+        print(f"[fail] {name}: decorate it with @triton.jit - the decode kernel calls it on the GPU, where only "
+              "Triton functions run")
+        return False
+    return True
+
+
+def _raised_todo(call):
+    """The interpreter wraps what a @triton.jit function raised: a stub's NotImplementedError stays one."""
+    def run(*args):
+        try:
+            return call(*args)
+        except Exception as e:
+            if "NotImplementedError" in repr(e) + repr(e.__cause__):
+                raise NotImplementedError from e
+            raise
+    return run
+
+
+# (table row, page, seq_len, s_blk, s_tok, head, s_head, block_size): a scattered table; the last case's
+# block 100 at 2**26 elements a block lands past 2**31
+_TABLE = torch.tensor([[7, 0, 0, 0, 0], [2, 11, 4, 0, 0], [9, 0, 13, 5, 1], [3, 100, 7, 0, 0]], dtype=torch.int32)
+_WALKS = [(1, 0, 37, 3072, 192, 0, 64, 16), (1, 2, 37, 3072, 192, 2, 64, 16), (2, 4, 70, 3072, 192, 1, 64, 16),
+          (0, 0, 5, 3072, 192, 2, 64, 16), (3, 1, 40, 2**26, 192, 1, 64, 16)]
+
+
+def _walk_expected(seq, page, seq_len, s_blk, s_tok, head, s_head, bs, blk=None):
+    t = torch.arange(bs)
+    blk = int(_TABLE[seq, page]) if blk is None else blk
+    return blk * s_blk + t * s_tok + head * s_head, page * bs + t < seq_len
+
+
+def block_walk(fn) -> bool:
+    """``fn`` a ``@triton.jit`` function ``(table_ptr, seq, page, seq_len, s_table, s_blk, s_tok, head, s_head,
+    BLOCK_SIZE) -> (offsets, mask)``: the int64 element offsets of page ``page`` of sequence ``seq``'s
+    token slots for KV head ``head``, found through its block table, and which slots hold a token."""
+    if not _jitted_or_say("block_walk", fn):
+        return False
+    cases = [(a, _walk_expected(*a)) for a in _WALKS]
+
+    def call(seq, page, seq_len, s_blk, s_tok, head, s_head, bs):
+        return kernels.skeleton.run_walk(fn, _TABLE, seq, page, seq_len, s_blk, s_tok, head, s_head, bs)
+
+    def hint(args, got, expected):
+        seq, page, seq_len, s_blk, s_tok, head, s_head, bs = args
+        offsets, mask = got
+        want_offsets, want_mask = expected
+        if torch.equal(offsets, want_offsets % 2**32 - (want_offsets % 2**32 >= 2**31).long() * 2**32) \
+                and not torch.equal(offsets, want_offsets):
+            return ("the offsets wrapped around: cast the block id to int64 before multiplying, "
+                    "tl.load(...).to(tl.int64) - a big pool's offsets pass 2**31")
+        if torch.equal(offsets, _walk_expected(*args, blk=page)[0]):
+            return "look the block up in the table, tl.load(table_ptr + seq * s_table + page): a page is not a block id"
+        if torch.equal(offsets, _walk_expected(*args, blk=int(_TABLE[0, page]))[0]):
+            return "read this sequence's row of the table: table_ptr + seq * s_table + page"
+        if torch.equal(offsets, want_offsets - head * s_head):
+            return "add head * s_head: each KV head sits at its own offset inside a slot"
+        if torch.equal(offsets, want_offsets) and not torch.equal(mask, want_mask):
+            if bool(mask.all()):
+                return "mask the slots past seq_len: the last page is partly empty"
+            return "a slot holds a token when its position, page * BLOCK_SIZE + offset, is < seq_len"
+        return None
+
+    return _run("block_walk", _raised_todo(call), cases, same=_tensor_same, hint=hint, learner=fn, reveal=False)
+
+
+def dequant_int8(fn) -> bool:
+    """``fn`` a ``@triton.jit`` function ``(codes, scale) -> values``: int8 codes (N, D) and the KV head's
+    fp32 scale -> the fp32 values they stand for, in registers."""
+    if not _jitted_or_say("dequant_int8", fn):
+        return False
+    g = torch.Generator().manual_seed(3)
+    cases = []
+    for scale in (0.5, 0.0131, 3.0):
+        codes = torch.randint(-127, 128, (16, 64), generator=g, dtype=torch.int8)
+        codes[0, :2] = torch.tensor([127, -127], dtype=torch.int8)
+        cases.append(((codes, scale), codes.float() * torch.tensor(scale, dtype=torch.float32)))
+
+    def hint(args, got, expected):
+        codes, scale = args
+        if torch.allclose(got, codes.float() / scale, rtol=1e-5):
+            return "multiply by the scale: a code is round(x / scale), so x is about code * scale"
+        if torch.equal(got, codes.float()):
+            return "the codes still need the head's scale: code * scale"
+        if torch.equal(got, torch.trunc(expected)) or torch.equal(got, torch.round(expected)):
+            return "keep the values in fp32: converting back to an integer type throws away the fraction"
+        return None
+
+    return _run("dequant_int8", _raised_todo(lambda codes, scale: kernels.skeleton.run_dequant(fn, codes, scale)),
+                cases, same=_tensor_same, hint=hint, learner=fn, reveal=False)

@@ -31,6 +31,9 @@ REFERENCES = {
     "admission_rule": "kvlab.engine.scheduler:admission_rule",
     "schedule_decodes": "kvlab.engine.scheduler:schedule_decodes",
     "chunk_prefills": "kvlab.engine.scheduler:chunk_prefills",
+    "block_walk": "kvlab.kernels.skeleton:block_walk",
+    "online_softmax_update": "kvlab.kernels.decode:online_softmax_update",
+    "dequant_int8": "kvlab.kernels.skeleton:dequant_int8",
 }
 
 

@@ -1,0 +1,142 @@
+"""The decode kernel stripped to its three ideas, for notebook 05's build tasks.
+
+:mod:`kvlab.kernels.decode` carries what a real engine needs (splits, windows, soft-caps, sinks, five
+conversion variants, GQA padding rules: 41 parameters). This kernel keeps only what a participant
+writes: one program per sequence x KV head walks the block table one page at a time, dequantizes
+the page in registers, and folds it into the online softmax. Each idea is a ``@triton.jit`` function
+passed in as a compile-time constant, so the participant's own runs inside it:
+
+* ``walk(table_ptr, seq, page, seq_len, s_table, s_blk, s_tok, head, s_head, BLOCK_SIZE)`` ->
+  ``(offsets, mask)``: the element offsets (int64) of that page's token slots for this KV head, and
+  which slots hold a token of the sequence (Task 2, :func:`block_walk`);
+* ``update(m, l, acc, s, v, v_scale)``: the online-softmax step (Task 1,
+  :func:`kvlab.kernels.decode.online_softmax_update`);
+* ``dequant(codes, scale)``: int8 codes and their per-head scale -> fp32 values (Task 3,
+  :func:`dequant_int8`).
+
+It reads float pools and INT8 per-head pools; ``tests/test_05_tasks.py`` holds it to the references.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlab.kernels import require_triton
+
+require_triton("kvlab.kernels.skeleton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from kvlab.kernels.decode import dot, online_softmax_update  # noqa: E402
+
+
+@triton.jit
+def block_walk(table_ptr, seq, page, seq_len, s_table, s_blk, s_tok, head, s_head, BLOCK_SIZE: tl.constexpr):
+    """Page ``page`` of sequence ``seq``: its physical block from the block table, then the element
+    offset of each of its BLOCK_SIZE slots for KV head ``head``, in int64 (a big pool's offsets pass
+    2**31), and a mask of the slots that hold a token (positions < seq_len)."""
+    blk = tl.load(table_ptr + seq * s_table + page).to(tl.int64)  # the physical block id
+    offs_t = tl.arange(0, BLOCK_SIZE)
+    offsets = blk * s_blk + offs_t * s_tok + head * s_head  # (BLOCK_SIZE,) int64
+    return offsets, page * BLOCK_SIZE + offs_t < seq_len
+
+
+@triton.jit
+def dequant_int8(codes, scale):
+    """int8 codes (N, D) as loaded, one fp32 scale for the KV head -> fp32 values, in registers."""
+    return codes.to(tl.float32) * scale
+
+
+@triton.jit
+def _skeleton_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out_ptr, sm_scale,
+                     s_qb, s_qh, s_table, s_blk, s_tok, s_head,
+                     WALK: tl.constexpr, UPDATE: tl.constexpr, DEQUANT: tl.constexpr, QUANT: tl.constexpr,
+                     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)  # one KV head and the G query heads that share it
+    seq_len = tl.load(lens_ptr + seq)
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D)
+    rows = head * G + offs_g
+    q = tl.load(q_ptr + seq * s_qb + rows[:, None] * s_qh + offs_d[None, :], mask=offs_g[:, None] < G,
+                other=0.0).to(tl.float32)  # (G_PAD, D)
+    m = tl.full((G_PAD,), float("-inf"), tl.float32)
+    l = tl.zeros((G_PAD,), tl.float32)
+    acc = tl.zeros((G_PAD, D), tl.float32)
+    ones = tl.full((BLOCK_SIZE,), 1.0, tl.float32)
+    for page in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
+        offsets, mask = WALK(table_ptr, seq, page, seq_len, s_table, s_blk, s_tok, head, s_head, BLOCK_SIZE)
+        k = tl.load(k_ptr + offsets[:, None] + offs_d[None, :], mask=mask[:, None], other=0)  # (BLOCK_SIZE, D)
+        v = tl.load(v_ptr + offsets[:, None] + offs_d[None, :], mask=mask[:, None], other=0)
+        if QUANT:
+            k = DEQUANT(k, tl.load(ks_ptr + head))
+            v = DEQUANT(v, tl.load(vs_ptr + head))
+        s = dot(q, tl.trans(k.to(tl.float32))) * sm_scale  # (G_PAD, BLOCK_SIZE)
+        s = tl.where(mask[None, :], s, float("-inf"))
+        m, l, acc = UPDATE(m, l, acc, s, v.to(tl.float32), ones)
+    out = acc / l[:, None]
+    tl.store(out_ptr + seq * s_qb + rows[:, None] * s_qh + offs_d[None, :], out, mask=offs_g[:, None] < G)
+
+
+def skeleton_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None, walk=block_walk, update=online_softmax_update,
+                    dequant=dequant_int8) -> torch.Tensor:
+    """q (B, H_q, D), one query token per sequence; k, v the pool's pages (num_blocks, block_size, H_kv, D),
+    float or int8 with per-head ``k_scale``/``v_scale`` (H_kv,); block_tables (B, max_blocks) int32;
+    seq_lens (B,). Returns (B, H_q, D) fp32, NaN where a program wrote nothing."""
+    b, h_q, d = q.shape
+    nb, bs, h_kv, d2 = k.shape
+    quant = k.dtype == torch.int8
+    if d2 != d or v.shape != k.shape or h_q % h_kv or (quant and (k_scale is None or v_scale is None)):
+        raise ValueError(f"need k, v (num_blocks, block_size, H_kv, {d}) with H_q a multiple of H_kv, and per-head "
+                         f"scales for int8 pages: got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    g = h_q // h_kv
+    out = torch.full((b, h_q, d), float("nan"), dtype=torch.float32, device=q.device)
+    one = torch.ones(h_kv, dtype=torch.float32, device=q.device)
+    table = block_tables.to(torch.int32).contiguous()
+    q = q.float().contiguous()
+    _skeleton_kernel[(b, h_kv)](
+        q, k.contiguous(), v.contiguous(), (k_scale if quant else one).float().contiguous(),
+        (v_scale if quant else one).float().contiguous(), table, seq_lens.to(torch.int32).contiguous(), out,
+        scale, q.stride(0), q.stride(1), table.stride(0), k.stride(0), k.stride(1), k.stride(2),
+        WALK=walk, UPDATE=update, DEQUANT=dequant, QUANT=quant, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d,
+        BLOCK_SIZE=bs)
+    return out
+
+
+@triton.jit
+def _walk_harness_kernel(table_ptr, out_ptr, mask_ptr, seq, page, seq_len, s_table, s_blk, s_tok, head, s_head,
+                         WALK: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    offsets, mask = WALK(table_ptr, seq, page, seq_len, s_table, s_blk, s_tok, head, s_head, BLOCK_SIZE)
+    offs_t = tl.arange(0, BLOCK_SIZE)
+    tl.store(out_ptr + offs_t, offsets.to(tl.int64))
+    tl.store(mask_ptr + offs_t, mask.to(tl.int8))
+
+
+def run_walk(walk, table: torch.Tensor, seq: int, page: int, seq_len: int, s_blk: int, s_tok: int, head: int,
+             s_head: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One call of a walk function in a tiny kernel: (offsets (block_size,) int64, mask (block_size,) bool)."""
+    table = table.to(torch.int32).contiguous()
+    out = torch.full((block_size,), -1, dtype=torch.int64)
+    mask = torch.full((block_size,), -1, dtype=torch.int8)
+    _walk_harness_kernel[(1,)](table, out, mask, seq, page, seq_len, table.stride(0), s_blk, s_tok, head, s_head,
+                               WALK=walk, BLOCK_SIZE=block_size)
+    return out, mask.bool()
+
+
+@triton.jit
+def _dequant_harness_kernel(codes_ptr, scale, out_ptr, DEQUANT: tl.constexpr, N: tl.constexpr, D: tl.constexpr):
+    offs = tl.arange(0, N)[:, None] * D + tl.arange(0, D)[None, :]
+    x = DEQUANT(tl.load(codes_ptr + offs), scale)
+    tl.store(out_ptr + offs, x.to(tl.float32))
+
+
+def run_dequant(dequant, codes: torch.Tensor, scale: float) -> torch.Tensor:
+    """One call of a dequant function on an int8 tile (N, D): fp32 (N, D)."""
+    out = torch.full(codes.shape, float("nan"), dtype=torch.float32)
+    _dequant_harness_kernel[(1,)](codes.contiguous(), scale, out, DEQUANT=dequant, N=codes.shape[0], D=codes.shape[1])
+    return out
+
+
+__all__ = ["block_walk", "dequant_int8", "skeleton_decode", "run_walk", "run_dequant"]
