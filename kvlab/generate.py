@@ -392,3 +392,23 @@ def textbook_eviction(model, prompt_ids, max_new_tokens: int, policy: EvictionPo
             ids = torch.tensor([[nxt]], device=device)
             start = n
     return {"tokens": tokens, "logits": logits_out, "kept": history}
+
+
+def engine_vs_textbook(model, prompt_ids, policy: EvictionPolicy, max_new_tokens: int = 8, block_size: int = 16,
+                       book: dict | None = None) -> dict:
+    """One prompt through the engine with an eviction ``policy``, against the policy's textbook form
+    (:func:`textbook_eviction`, whole blocks; pass ``book`` to reuse one): whether the tokens and the kept
+    positions after every step are identical (notebook 07 runs its participant's policies through it)."""
+    from kvlab.cache.evict import kept_positions
+
+    book = book or textbook_eviction(model, prompt_ids, max_new_tokens, policy, group=block_size)
+    blocks = cdiv(len(prompt_ids) + max_new_tokens, block_size) + 1
+    eng = LLM(model, None, num_blocks=blocks, block_size=block_size, max_num_seqs=1,
+              max_num_batched_tokens=max(len(prompt_ids), 1), eviction=policy, enable_prefix_caching=False)
+    seen = []
+    bm = eng.block_manager
+    eng.on_step = lambda s: seen.extend(kept_positions(bm.logical_blocks(i), bm.kept_tokens(i), block_size) for i in bm.seqs)
+    tokens = eng.generate([list(prompt_ids)], SamplingParams(max_tokens=max_new_tokens, ignore_eos=True))[0].token_ids
+    kept = len(seen) == len(book["kept"]) and all(a.tolist() == b.tolist() for a, b in zip(seen, book["kept"]))
+    return dict(tokens=tokens, same_tokens=tokens == book["tokens"], same_kept=kept, steps=len(seen),
+                kept_last=seen[-1].numel() if seen else 0, book=book)

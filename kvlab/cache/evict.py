@@ -102,7 +102,7 @@ class EvictionPolicy:
         raise NotImplementedError
 
     def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not (k == "keep" and v is None))
         return f"{type(self).__name__}({args})"
 
 
@@ -133,6 +133,34 @@ def _textbook_top(cands: torch.Tensor, k: int, gscore: torch.Tensor) -> torch.Te
     return cands[order[:max(0, k)]]
 
 
+def sinks_window_blocks(num_tokens: int, block_size: int, budget: int, sinks: int) -> list[int]:
+    """The logical blocks sinks + window holds once a sequence has ``num_tokens`` tokens, the policy acting
+    after every token (notebook 07, Task 1): every block holding one of the first ``sinks`` tokens, then
+    the newest blocks, ``budget // block_size`` blocks in all; nothing goes while they all fit."""
+    n = -(-num_tokens // block_size)  # blocks the sequence has grown
+    b, s = budget // block_size, -(-sinks // block_size)
+    if n <= b:
+        return list(range(n))
+    return list(range(s)) + list(range(n - (b - s), n))
+
+
+def h2o_keep(logical: list[int], budget: int, recent: int, scores: dict) -> list[int]:
+    """H2O's choice (notebook 07, Task 2): of a sequence's kept blocks (``logical``, oldest first), keep the
+    ``recent`` newest whatever their scores, and fill the rest of the ``budget`` blocks with the older
+    blocks that received the most attention (``scores[block]``); ties go to the earlier block."""
+    newest, older = logical[-recent:], logical[:-recent]
+    heavy = sorted(older, key=lambda b: (-scores[b], b))[:max(0, budget - recent)]
+    return sorted(newest + heavy)
+
+
+def _checked_keep(name: str, kept, logical, budget: int) -> list[int]:
+    """A plugged-in choice, held to what a choice can be: kept blocks of this sequence, at most the budget."""
+    if not isinstance(kept, (list, tuple)) or not all(is_int(b) for b in kept) or not set(kept) <= set(logical) \
+            or len(set(kept)) > budget:
+        raise ValueError(f"{name} returned {kept!r}: a list of at most {budget} of the sequence's blocks {list(logical)}")
+    return list(kept)
+
+
 class SlidingWindow(EvictionPolicy):
     """Keep the last ``budget`` tokens (in whole blocks): the most recent blocks only."""
 
@@ -154,14 +182,20 @@ class SinksWindow(EvictionPolicy):
 
     name = "sinks+window"
 
-    def __init__(self, budget: int, sinks: int = 4):
+    def __init__(self, budget: int, sinks: int = 4, keep=None):
+        """``keep(num_tokens, block_size, budget, sinks)`` replaces the rule (notebook 07 plugs the participant's in)."""
         super().__init__(budget)
         self.sinks = check_int("sinks", sinks)
+        if keep is not None and not callable(keep):
+            raise TypeError(f"keep must be a function (or None for kvlab's own), got {type(keep).__name__}")
+        self.keep = keep
 
     def min_blocks(self, block_size):
         return math.ceil(self.sinks / block_size) + 1
 
     def choose_keep(self, logical, budget, num_tokens, prompt_len, block_size, scores):
+        if self.keep is not None:
+            return _checked_keep("keep", self.keep(num_tokens, block_size, self.budget, self.sinks), logical, budget)
         s = math.ceil(self.sinks / block_size)
         return [lb for lb in logical if lb < s] + logical[-(budget - s):]
 
@@ -180,8 +214,13 @@ class HeavyHitters(EvictionPolicy):
     name = "h2o"
     needs_scores = True
 
-    def __init__(self, budget: int, recent: float = 0.5):
+    def __init__(self, budget: int, recent: float = 0.5, keep=None):
+        """``keep(logical, budget, recent, scores)`` replaces the choice (:func:`h2o_keep`; notebook 07 plugs
+        the participant's in)."""
         super().__init__(budget)
+        if keep is not None and not callable(keep):
+            raise TypeError(f"keep must be a function (or None for kvlab's own), got {type(keep).__name__}")
+        self.keep = keep
         if isinstance(recent, bool) or not isinstance(recent, (int, float)) or not 0 < recent < 1:
             raise ValueError(f"recent must be the share of the budget kept for recent blocks, in (0, 1); "
                              f"got {recent!r}")
@@ -198,6 +237,9 @@ class HeavyHitters(EvictionPolicy):
 
     def choose_keep(self, logical, budget, num_tokens, prompt_len, block_size, scores):
         r = self._recent(budget)
+        if self.keep is not None:
+            kept = self.keep(list(logical), budget, r, _block_scores(scores, logical, block_size))
+            return _checked_keep("keep", kept, logical, budget)
         recent, older = logical[-r:], logical[:-r]
         return recent + _top(older, budget - r, _block_scores(scores, older, block_size))
 

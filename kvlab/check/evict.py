@@ -144,3 +144,42 @@ def copy_or_recompute(fn: Callable) -> bool:
         return None
 
     return _run("copy_or_recompute", fn, cases, same=close, hint=hint, reveal=False)
+
+
+def _h2o_cases():
+    """(logical, budget, recent, scores): gaps from earlier evictions, ties, a heavy block among the recent."""
+    return [([0, 1, 2, 3, 4, 5, 6, 7], 4, 2, {0: 9.0, 1: 1.0, 2: 5.0, 3: 0.5, 4: 2.0, 5: 3.0, 6: 8.0, 7: 0.1}),
+            ([0, 2, 5, 6, 9, 10, 11], 4, 2, {0: 7.0, 2: 7.0, 5: 9.0, 6: 1.0, 9: 4.0, 10: 0.0, 11: 50.0}),
+            ([0, 3, 4, 8, 9, 12, 13, 14, 15], 6, 3, {0: 3.0, 3: 1.0, 4: 3.0, 8: 2.0, 9: 2.5, 12: 0.2, 13: 9.0,
+                                                     14: 1.0, 15: 0.0}),
+            ([1, 2, 3, 4, 5], 2, 1, {1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0, 5: 0.0})]
+
+
+def h2o_keep(fn: Callable) -> bool:
+    """``fn(logical, budget, recent, scores) -> the blocks H2O keeps``: the ``recent`` newest, then the
+    older blocks with the most attention received (ties to the earlier block), ``budget`` in all."""
+    from kvlab.cache.evict import h2o_keep as ref
+
+    cases = [(a, ref(*a)) for a in _h2o_cases()]
+
+    def run(logical, budget, recent, scores):
+        got = fn(list(logical), budget, recent, dict(scores))
+        return sorted(got) if isinstance(got, (list, tuple)) else got
+
+    def hint(args, got, expected):
+        logical, budget, recent, scores = args
+        if not isinstance(got, list):
+            return "return a list of block ids"
+        top_all = sorted(logical, key=lambda b: (-scores[b], b))[:budget - recent]
+        if sorted(set(logical[-recent:]) | set(top_all)) == got:
+            return "choose the heavy blocks among the OLDER ones only (logical[:-recent]): the recent ones are kept anyway"
+        if len(got) != len(expected):
+            return f"keep budget blocks in all ({budget} here): the recent ones and the heaviest older ones"
+        if not set(logical[-recent:]) <= set(got):
+            return "the recent newest blocks stay whatever their scores: logical[-recent:]"
+        lightest = sorted(logical[:-recent], key=lambda b: (scores[b], b))[:budget - recent]
+        if sorted(logical[-recent:] + lightest) == got:
+            return "keep the blocks that received the MOST attention"
+        return "on equal scores the earlier block wins: sort by (-score, block)"
+
+    return _run("h2o_keep", run, cases, same=lambda a, b: a == b, hint=hint, learner=fn, reveal=False)

@@ -34,6 +34,9 @@ REFERENCES = {
     "block_walk": "kvlab.kernels.skeleton:block_walk",
     "online_softmax_update": "kvlab.kernels.decode:online_softmax_update",
     "dequant_int8": "kvlab.kernels.skeleton:dequant_int8",
+    "sinks_window_blocks": "kvlab.cache.evict:sinks_window_blocks",
+    "h2o_keep": "kvlab.cache.evict:h2o_keep",
+    "copy_or_recompute": "kvlab.check.evict:copy_and_recompute",
 }
 
 
