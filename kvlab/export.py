@@ -84,14 +84,40 @@ def quantization_config(strategy: str = "tensor") -> dict:
             "config_groups": {}, "ignore": [], "kv_cache_scheme": kv_cache_scheme(strategy)}
 
 
-def vllm_scales(calibration, strategy: str = "tensor", stat: str = "absmax") -> dict[str, torch.Tensor]:
+def fp8_scales(absmax: torch.Tensor, strategy: str) -> torch.Tensor:
+    """The bridge's arithmetic (notebook 06, Task 2): a calibration's abs-max per layer x KV head,
+    ``(L, H)``, -> vLLM's FP8 e4m3 scales, ``(L, 1)`` for ``"tensor"`` (one per layer: the largest head)
+    or ``(L, H)`` for ``"attn_head"``, each ``absmax / 448`` so the largest value lands on e4m3's largest,
+    and 1.0 where the abs-max is below 1e-6 (the zero guard)."""
+    amax = absmax.amax(dim=1, keepdim=True) if strategy == "tensor" else absmax  # (L, 1) or (L, H)
+    amax = amax.float()
+    return torch.where(amax < 1e-6, torch.ones_like(amax), amax / torch.full_like(amax, 448.0))
+
+
+def vllm_scales(calibration, strategy: str = "tensor", stat: str = "absmax", scales=None) -> dict[str, torch.Tensor]:
     """``{name: float32 scale}`` for every layer's K and V, ``stat / 448`` (``absmax / 448`` by default).
 
     The values come from :meth:`Calibration.scales` with ``qmax=448``, the very call kvlab's FP8
-    cache makes, so exporting cannot drift from what the lab measured.
+    cache makes, so exporting cannot drift from what the lab measured. ``scales(absmax, strategy)``
+    (abs-max only) replaces :func:`fp8_scales`: notebook 06 plugs the participant's in.
     """
     gran = _GRANULARITY[_check_strategy(strategy)]
     out = {}
+    if scales is not None:
+        if not callable(scales):
+            raise TypeError(f"scales must be a function (or None for kvlab's own), got {type(scales).__name__}")
+        if stat != "absmax":
+            raise ValueError(f"scales= computes abs-max scales; stat must be 'absmax', got {stat!r}")
+        for which in ("k", "v"):
+            amax = calibration.stats[which]["per-head"]["absmax"].clone()  # (L, H)
+            got = scales(amax, strategy)
+            want = (amax.shape[0], 1 if strategy == "tensor" else amax.shape[1])
+            if not isinstance(got, torch.Tensor) or tuple(got.shape) != want or not got.is_floating_point():
+                found = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+                raise ValueError(f"scales returned {found}, expected a float tensor of shape {want} for strategy {strategy!r}")
+            for layer in range(want[0]):
+                out[scale_name(layer, which)] = got[layer].reshape(-1).float().contiguous()
+        return out
     for which in ("k", "v"):
         for layer, s in enumerate(calibration.scales(which, stat, gran, FP8_MAX)):  # (1,1,1) or (1,H,1)
             out[scale_name(layer, which)] = s.reshape(-1).float().contiguous()  # [1] or [H]
@@ -109,7 +135,7 @@ def _model_config(model) -> dict | None:
 
 
 def export_vllm(out_dir, calibration=None, *, strategy: str = "tensor", stat: str = "absmax", model=None,
-                tokenizer=None, model_name: str = "smollm2-135m") -> dict:
+                tokenizer=None, model_name: str = "smollm2-135m", scales=None) -> dict:
     """Write ``out_dir/kv_cache_scales.safetensors`` and ``out_dir/config.json`` for vLLM.
 
     ``calibration``: a :class:`~kvlab.quant.calibration.Calibration` (``kvlab calibrate`` output); when
@@ -121,7 +147,8 @@ def export_vllm(out_dir, calibration=None, *, strategy: str = "tensor", stat: st
     To serve: copy the model folder, add these two files (the scales file is one more shard: vLLM
     reads every ``*.safetensors``; a sharded checkpoint with ``model.safetensors.index.json`` also
     needs these names in its ``weight_map``). Both files are written under temporary names and
-    renamed, so a failed export leaves no half-written file. Returns a small summary.
+    renamed, so a failed export leaves no half-written file. Returns a small summary. ``scales``: see
+    :func:`vllm_scales`.
     """
     _check_strategy(strategy)
     if calibration is None:
@@ -131,7 +158,7 @@ def export_vllm(out_dir, calibration=None, *, strategy: str = "tensor", stat: st
     if not isinstance(calibration, Calibration):
         raise TypeError(f"calibration must be a kvlab Calibration (Calibration.load(path) reads a `kvlab calibrate` "
                         f"file), got {type(calibration).__name__}")
-    scales = vllm_scales(calibration, strategy, stat)
+    scales = vllm_scales(calibration, strategy, stat, scales=scales)  # scales=: notebook 06's Task 2, plugged in
     num_layers = calibration.num_layers
     num_kv_heads = calibration.stats["k"]["per-head"]["absmax"].shape[1]
     config = _model_config(model)

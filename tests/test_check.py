@@ -234,8 +234,8 @@ def test_admission_rule(capsys):
 
     assert not check.admission_rule(no_alone_exception)
     out = capsys.readouterr().out
-    assert "[fail] admission_rule(num_running=0, max_num_seqs=4, budget_left=5, blocks_needed=10" in out
-    assert "the watermark does not apply" in out
+    assert "For num_running=0, max_num_seqs=4, budget_left=5, blocks_needed=10" in out
+    assert out.startswith("[fail] admission_rule: with nothing running") and "the watermark does not apply" in out
 
     def blocks_before_seats(r, m, b, n, f, w):  # right reasons, wrong order
         if b <= 0:

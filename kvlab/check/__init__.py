@@ -12,7 +12,7 @@ One module per notebook (``sizing`` 00, ``naive`` 01, ``paged`` 02, ``quant`` 03
 ``progress`` (:func:`progress` prints it). Call them as ``kvlab.check.<exercise>(your_function)``.
 """
 
-from kvlab.check.capstone import max_held
+from kvlab.check.capstone import fp8_scales, max_held
 from kvlab.check.engine import admission_rule, chunk_prefills, schedule_decodes
 from kvlab.check.evict import copy_or_recompute, h2o_keep, sinks_window_blocks
 from kvlab.check.kernels import block_walk, dequant_int8, online_softmax_update
@@ -25,5 +25,5 @@ from kvlab.check.sizing import kv_token_bytes, mla_bytes_per_token
 
 __all__ = ["kv_token_bytes", "mla_bytes_per_token", "grow", "decode_loop", "static_write",
            "slot_mapping", "append_slot", "prefix_hits", "blocks_after_fork", "quantize_per_head", "quantize_static", "pack_int4", "admission_rule", "schedule_decodes", "chunk_prefills",
-           "block_walk", "online_softmax_update", "dequant_int8", "max_held", "sinks_window_blocks", "h2o_keep", "copy_or_recompute", "EXERCISES", "progress", "progress_file",
+           "block_walk", "online_softmax_update", "dequant_int8", "max_held", "fp8_scales", "sinks_window_blocks", "h2o_keep", "copy_or_recompute", "EXERCISES", "progress", "progress_file",
            "solution", "use"]

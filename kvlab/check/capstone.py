@@ -64,4 +64,41 @@ def max_held(fn: Callable[[list, int, int, int], int]) -> bool:
                 return None
         return None
 
-    return _run("max_held", fn, cases, hint=hint, reveal=False)
+    return _run("max_held", fn, cases, hint=hint)
+
+
+def fp8_scales(fn: Callable) -> bool:
+    """``fn(absmax, strategy) -> vLLM's FP8 scales``: (L, H) abs-max per layer x KV head -> (L, 1) for
+    "tensor", (L, H) for "attn_head", absmax / 448 with the zero guard."""
+    import torch
+
+    from kvlab.check.core import _tensor_same
+    from kvlab.export import fp8_scales as ref
+
+    g = torch.Generator().manual_seed(6)
+    table = torch.rand(5, 3, generator=g) * 20
+    table[2, 1] = 0.0  # a head that never saw a value above zero
+    table[4] = 0.0  # a whole layer of them
+    cases = [((table.clone(), s), ref(table.clone(), s)) for s in ("attn_head", "tensor")]
+
+    def hint(args, got, expected):
+        absmax, strategy = args
+        if not isinstance(got, torch.Tensor):
+            return "return a tensor of scales"
+        if got.shape != expected.shape:
+            want = "(L, 1): one per layer, kept 2-D" if strategy == "tensor" else "(L, H): one per layer and KV head"
+            return f"shape {want}"
+        amax = absmax.amax(dim=1, keepdim=True) if strategy == "tensor" else absmax
+        safe = torch.where(amax < 1e-6, torch.ones_like(amax), amax)
+        if torch.allclose(got, torch.where(amax < 1e-6, torch.ones_like(amax), amax / 127)):
+            return "FP8 e4m3's largest value is 448, not INT8's 127"
+        if strategy == "tensor" and torch.allclose(got, torch.where(absmax.mean(1, keepdim=True) < 1e-6, 1.0,
+                                                                   absmax.mean(1, keepdim=True) / 448)):
+            return "one scale per layer must cover its largest head: the max over heads, not the mean"
+        if torch.allclose(got, safe * 448):
+            return "divide by 448: the scale is what one step of the grid is worth, absmax / 448"
+        if not torch.isfinite(got).all() or bool((got[amax < 1e-6] == 0).any()):
+            return "an abs-max below 1e-6 gets scale 1.0 (the zero guard): a zero scale would divide by zero"
+        return None
+
+    return _run("fp8_scales", fn, cases, same=_tensor_same, hint=hint)

@@ -36,9 +36,9 @@ def _first_difference(got, expected) -> str:
 
 
 def _run(name: str, fn: Callable, cases: Sequence[tuple[tuple, Any]], same=None, exercise: str | None = None,
-         learner=None, hint: Callable | None = None, reveal: bool = True) -> bool:
+         learner=None, hint: Callable | None = None) -> bool:
     """``hint(args, got, expected)`` may name a known mistake behind a failure (a string, or None).
-    ``reveal=False`` (exercises that need an idea, not a formula): ``[todo]`` does not show an answer."""
+    ``[todo]`` never shows an answer: the cases are the exercise (``check.solution`` prints kvlab's)."""
     if not callable(fn):
         raise TypeError(f"{name}: pass your function itself, got {type(fn).__name__}")
     exercise = exercise or name
@@ -47,8 +47,7 @@ def _run(name: str, fn: Callable, cases: Sequence[tuple[tuple, Any]], same=None,
         try:
             got = fn(*args)
         except NotImplementedError:
-            print(f"[todo] {name}: not written yet - for {_short(args)} the answer is {_short(expected)}" if reveal
-                  else f"[todo] {name}: not written yet - the checker will name the usual mistakes")
+            print(f"[todo] {name}: not written yet - the checker will name the usual mistakes")
             return False
         except Exception as e:  # the learner's bug, shown rather than raised
             print(f"[fail] {name}: your function raised {type(e).__name__}: {e}. For {_short(args)}")

@@ -32,26 +32,25 @@ def admission_rule(fn: Callable[[int, int, int, int, int, int], "str | None"]) -
         try:
             got = fn(*args)
         except NotImplementedError:
-            print(f"[todo] admission_rule: not written yet - {len(cases)} decisions (the first: {call}) and a "
-                  "scheduler trace wait for it")
+            print(f"[todo] admission_rule: not written yet - {len(cases)} decisions and a scheduler trace wait for it")
             return False
         except Exception as e:  # noqa: BLE001 - the learner's bug, shown rather than raised
-            print(f"[fail] admission_rule({call}) raised {type(e).__name__}: {e}")
+            print(f"[fail] admission_rule: your function raised {type(e).__name__}: {e}. For {call}")
             return False
         want = ref_admission_rule(*args)
         if got != want:
             r, _, _, n, f, w = args
             hint = ""
             if r == 0 and want == "no blocks" and got is None:
-                hint = (" - alone, only the watermark is waived: a request needing more blocks than are free still "
-                        "waits (admitting it would break the pool)")
+                hint = ("alone, only the watermark is waived: a request needing more blocks than are free still "
+                        "waits (admitting it would break the pool). ")
             elif r == 0 and want is None and got == "no blocks" and n <= f:
-                hint = " - with nothing running there is nobody to preempt, so the watermark does not apply"
+                hint = "with nothing running there is nobody to preempt, so the watermark does not apply. "
             elif args[2] < 0 and want == "token budget":
-                hint = " - budget_left can be negative (a step's budget overdrawn): no tokens left means <= 0"
+                hint = "budget_left can be negative (a step's budget overdrawn): no tokens left means <= 0. "
             elif got not in ("token budget", "seq limit", "no blocks", None):
-                hint = " - return one of 'token budget', 'seq limit', 'no blocks', or None to admit"
-            print(f"[fail] admission_rule({call}): yours {got!r}, expected {want!r}{hint}")
+                hint = "return one of 'token budget', 'seq limit', 'no blocks', or None to admit. "
+            print(f"[fail] admission_rule: {hint}For {call}: yours {got!r}, expected {want!r}")
             return False
     workload = [(9, 3), (30, 6, 1), (5, 12), (14, 2, 3), (3, 9, 3), (22, 4, 6), (6, 6, 6), (11, 5, 9)]
     kw = dict(num_blocks=11, block_size=4, max_num_seqs=3, max_num_batched_tokens=12, watermark=0.1)  # every kind of event
@@ -143,7 +142,7 @@ def schedule_decodes(fn: Callable) -> bool:
             return "return exactly the sequences whose append worked, in order"
         return None
 
-    return _run("schedule_decodes", run, cases, hint=hint, learner=fn, reveal=False)
+    return _run("schedule_decodes", run, cases, hint=hint, learner=fn)
 
 
 def chunk_prefills(fn: Callable) -> bool:
@@ -167,4 +166,4 @@ def chunk_prefills(fn: Callable) -> bool:
         return None
 
     return _run("chunk_prefills", lambda u, b: fn(list(u), b), cases,
-                same=lambda a, b: isinstance(a, (list, tuple)) and list(a) == b, hint=hint, learner=fn, reveal=False)
+                same=lambda a, b: isinstance(a, (list, tuple)) and list(a) == b, hint=hint, learner=fn)

@@ -81,7 +81,7 @@ def sinks_window_blocks(fn: Callable[[int, int, int, int], list]) -> bool:
             return "return the blocks in ascending order"
         return None
 
-    return _run("sinks_window_blocks", fn, cases, same=lambda a, b: list(a) == list(b), hint=hint, reveal=False)
+    return _run("sinks_window_blocks", fn, cases, same=lambda a, b: list(a) == list(b), hint=hint)
 
 
 # ---- Task 2: copy a block back, or compute it again? -------------------------------------------------
@@ -143,7 +143,7 @@ def copy_or_recompute(fn: Callable) -> bool:
                     return why
         return None
 
-    return _run("copy_or_recompute", fn, cases, same=close, hint=hint, reveal=False)
+    return _run("copy_or_recompute", fn, cases, same=close, hint=hint)
 
 
 def _h2o_cases():
@@ -182,4 +182,4 @@ def h2o_keep(fn: Callable) -> bool:
             return "keep the blocks that received the MOST attention"
         return "on equal scores the earlier block wins: sort by (-score, block)"
 
-    return _run("h2o_keep", run, cases, same=lambda a, b: a == b, hint=hint, learner=fn, reveal=False)
+    return _run("h2o_keep", run, cases, same=lambda a, b: a == b, hint=hint, learner=fn)

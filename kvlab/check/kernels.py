@@ -117,8 +117,7 @@ def online_softmax_update(fn) -> bool:
         return isinstance(a, torch.Tensor) and a.shape == b.shape and bool(torch.allclose(a, b, rtol=1e-4, atol=1e-5))
 
     return _run("online_softmax_update (whole run over all tiles: s, v, v_scale, tile -> softmax(s) @ (v * v_scale))",
-                call, cases, same=close, exercise="online_softmax_update", learner=fn, hint=_softmax_hint,
-                reveal=False)
+                call, cases, same=close, exercise="online_softmax_update", learner=fn, hint=_softmax_hint)
 
 
 def _jitted_or_say(name: str, fn) -> bool:
@@ -187,7 +186,7 @@ def block_walk(fn) -> bool:
             return "a slot holds a token when its position, page * BLOCK_SIZE + offset, is < seq_len"
         return None
 
-    return _run("block_walk", _raised_todo(call), cases, same=_tensor_same, hint=hint, learner=fn, reveal=False)
+    return _run("block_walk", _raised_todo(call), cases, same=_tensor_same, hint=hint, learner=fn)
 
 
 def dequant_int8(fn) -> bool:
@@ -213,4 +212,4 @@ def dequant_int8(fn) -> bool:
         return None
 
     return _run("dequant_int8", _raised_todo(lambda codes, scale: kernels.skeleton.run_dequant(fn, codes, scale)),
-                cases, same=_tensor_same, hint=hint, learner=fn, reveal=False)
+                cases, same=_tensor_same, hint=hint, learner=fn)

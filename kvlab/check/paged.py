@@ -45,8 +45,7 @@ def slot_mapping(fn: Callable[[Sequence[int], int, int, int], list]) -> bool:
             return "the block table says where each block lives: slots are not the token positions"
         return None
 
-    # reveal=False: the first case is block size 1, whose answer (slot = position) would mislead
-    return _run("slot_mapping", fn, cases, same=lambda a, b: list(a) == b, hint=hint, reveal=False)
+    return _run("slot_mapping", fn, cases, same=lambda a, b: list(a) == b, hint=hint)
 
 
 def blocks_after_fork(fn: Callable[[int, int, int, int], int]) -> bool:
@@ -81,7 +80,7 @@ def blocks_after_fork(fn: Callable[[int, int, int, int], int]) -> bool:
             return "n - 1 copies, not n: the last sample to write finds the block no longer shared and keeps it"
         return None
 
-    return _run("blocks_after_fork", fn, cases, hint=hint, reveal=False)
+    return _run("blocks_after_fork", fn, cases, hint=hint)
 
 
 def _append_run(fn):
@@ -127,7 +126,7 @@ def append_slot(fn: Callable) -> bool:
             return "slot = the last block's id x block_size + the offset inside it (num_tokens % block_size)"
         return None
 
-    return _run("append_slot", _append_run(fn), cases, hint=hint, learner=fn, reveal=False)
+    return _run("append_slot", _append_run(fn), cases, hint=hint, learner=fn)
 
 
 def _cached(bs: int, *prompts, start: int = 100) -> dict:
@@ -179,4 +178,4 @@ def prefix_hits(fn: Callable) -> bool:
         return None
 
     return _run("prefix_hits", run, cases, same=lambda x, y: isinstance(x, (list, tuple)) and list(x) == y,
-                hint=hint, learner=fn, reveal=False)
+                hint=hint, learner=fn)

@@ -33,6 +33,7 @@ EXERCISES = {
     "online_softmax_update": ("05_fused_triton_kernel", "Task 2", "online softmax in a Triton kernel"),
     "dequant_int8": ("05_fused_triton_kernel", "Task 3", "INT8 dequantization in registers, in Triton"),
     "max_held": ("06_putting_it_together", "Task 1", "requests a pool can hold to completion at once"),
+    "fp8_scales": ("06_putting_it_together", "Task 2", "the calibrated scales in vLLM's FP8 layout"),
     "sinks_window_blocks": ("07_beyond_one_engine", "Task 1", "the blocks sinks + window keeps after n tokens"),
     "h2o_keep": ("07_beyond_one_engine", "Task 2", "H2O's choice of the blocks a sequence keeps"),
     "copy_or_recompute": ("07_beyond_one_engine", "Task 3", "copy a block back from the host, or recompute it"),

@@ -82,7 +82,7 @@ def quantize_static(fn: Callable) -> bool:
             return "-128 appears: clamp to -127..127, a symmetric grid (notebook text, section 2)"
         return None
 
-    return _run("quantize_static", fn, cases, same=_tensor_same, hint=hint, reveal=False)
+    return _run("quantize_static", fn, cases, same=_tensor_same, hint=hint)
 
 
 def pack_int4(fn: Callable) -> bool:

@@ -37,6 +37,10 @@ REFERENCES = {
     "sinks_window_blocks": "kvlab.cache.evict:sinks_window_blocks",
     "h2o_keep": "kvlab.cache.evict:h2o_keep",
     "copy_or_recompute": "kvlab.check.evict:copy_and_recompute",
+    "max_held": "kvlab.capstone:max_held",
+    "fp8_scales": "kvlab.export:fp8_scales",
+    "kv_token_bytes": "kvlab.check.answers:kv_token_bytes",
+    "mla_bytes_per_token": "kvlab.check.answers:mla_bytes_per_token",
 }
 
 
