@@ -127,7 +127,13 @@ def static_write(fn: Callable) -> bool:
 
     def run(buf, new, start):
         buf = buf.clone()  # each run writes into its own copy
-        got = fn(buf, new, start)
+        try:
+            got = fn(buf, new, start)
+        except RuntimeError as e:
+            if "must match" in str(e) or "expand" in str(e):
+                raise RuntimeError(f"write into the first B rows only, buffer[:B, :, start:start + q_len], B being new's "
+                                   f"batch ({e})") from e
+            raise
         return got, buf
 
     def hint(args, got, expected):

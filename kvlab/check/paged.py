@@ -92,7 +92,7 @@ def _append_run(fn):
             return taken[-1]
 
         out = fn(table, n, bs, lambda b: 2 if b in shared else 1, take_block)
-        slot, copy = out if isinstance(out, tuple) and len(out) == 2 else (out, "?")
+        slot, copy = tuple(out) if isinstance(out, (tuple, list)) and len(out) == 2 else (out, "?")
         return slot, copy, table, len(taken)
     return run
 
