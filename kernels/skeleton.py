@@ -8,8 +8,8 @@ passed in as a compile-time constant, so the participant's own runs inside it:
 
 * ``walk(table_ptr, seq, page, seq_len, s_table, s_blk, s_tok, head, s_head, BLOCK_SIZE)`` ->
   ``(offsets, mask)``: the element offsets (int64) of that page's token slots for this KV head, and
-  which slots hold a token of the sequence (Task 2, :func:`block_walk`);
-* ``update(m, l, acc, s, v, v_scale)``: the online-softmax step (Task 1,
+  which slots hold a token of the sequence (Task 1, :func:`block_walk`);
+* ``update(m, l, acc, s, v, v_scale)``: the online-softmax step (Task 2,
   :func:`kvlab.kernels.decode.online_softmax_update`);
 * ``dequant(codes, scale)``: int8 codes and their per-head scale -> fp32 values (Task 3,
   :func:`dequant_int8`).

@@ -79,7 +79,10 @@ def _softmax_hint(args, got, expected):
         with torch.no_grad():
             if torch.allclose(got, _simulate(*args, mistake), rtol=1e-4, atol=1e-5):
                 return why
-    return "compare your update with FlashAttention's recurrence in the text above, one line at a time"
+    if torch.allclose(got, expected, rtol=1e-2, atol=1e-3):
+        return ("close, not exact: on a GPU tl.dot of fp32 tiles runs in TF32; pass input_precision=\"ieee\"")
+    return ("when m rises to m_new, everything summed so far was weighted by exp(score - m): rescale the old l and "
+            "acc by alpha = exp(m - m_new) before adding this tile's exp(s - m_new)")
 
 
 def _is_jitted(fn) -> bool:
