@@ -1,5 +1,5 @@
-"""Notebook 07's exercises: which blocks sinks + window keeps after n tokens (Task 1); copy a block back
-from the host, or recompute it (Task 2)."""
+"""Notebook 07's build tasks: which blocks sinks + window keeps after n tokens (Task 1), H2O's choice of
+blocks (Task 2), copy a block back from the host or recompute it (Task 3)."""
 
 from __future__ import annotations
 
