@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from kvlab.cache import CACHE_KINDS, StaticCache, static_tokens_stored
-from kvlab.cache.evict import EvictionPolicy
+from kvlab.cache.evict import EvictionPolicy, kept_positions
 from kvlab.cache.paged import BlockManager, check_token_ids
 from kvlab.engine import LLM, SamplingParams
 from kvlab.hf import CACHE_KWARG, KVLabCache, attention_implementation, make_store
@@ -399,8 +399,6 @@ def engine_vs_textbook(model, prompt_ids, policy: EvictionPolicy, max_new_tokens
     """One prompt through the engine with an eviction ``policy``, against the policy's textbook form
     (:func:`textbook_eviction`, whole blocks; pass ``book`` to reuse one): whether the tokens and the kept
     positions after every step are identical (notebook 07 runs its participant's policies through it)."""
-    from kvlab.cache.evict import kept_positions
-
     book = book or textbook_eviction(model, prompt_ids, max_new_tokens, policy, group=block_size)
     blocks = cdiv(len(prompt_ids) + max_new_tokens, block_size) + 1
     eng = LLM(model, None, num_blocks=blocks, block_size=block_size, max_num_seqs=1,

@@ -5,8 +5,11 @@ from __future__ import annotations
 import random
 from typing import Callable
 
+import torch
+
 from kvlab.capstone import max_held as _max_held
 from kvlab.check.core import _run
+from kvlab.export import fp8_scales as ref_fp8_scales
 from kvlab.validate import cdiv
 
 
@@ -70,16 +73,11 @@ def max_held(fn: Callable[[list, int, int, int], int]) -> bool:
 def fp8_scales(fn: Callable) -> bool:
     """``fn(absmax, strategy) -> vLLM's FP8 scales``: (L, H) abs-max per layer x KV head -> (L, 1) for
     "tensor", (L, H) for "attn_head", absmax / 448 with the zero guard."""
-    import torch
-
-    from kvlab.check.core import _tensor_same
-    from kvlab.export import fp8_scales as ref
-
     g = torch.Generator().manual_seed(6)
     table = torch.rand(5, 3, generator=g) * 20
     table[2, 1] = 0.0  # a head that never saw a value above zero
     table[4] = 0.0  # a whole layer of them
-    cases = [((table.clone(), s), ref(table.clone(), s)) for s in ("attn_head", "tensor")]
+    cases = [((table.clone(), s), ref_fp8_scales(table.clone(), s)) for s in ("attn_head", "tensor")]
 
     def hint(args, got, expected):
         absmax, strategy = args

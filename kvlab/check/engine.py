@@ -9,6 +9,9 @@ from typing import Callable
 
 from kvlab.engine.dry_run import dry_run
 from kvlab.engine.scheduler import admission_rule as ref_admission_rule
+from kvlab.engine.scheduler import chunk_prefills as ref_chunk_prefills
+from kvlab.engine.scheduler import schedule_decodes as ref_schedule_decodes
+from kvlab.check.core import _run
 from kvlab.check.progress import _record
 
 
@@ -116,15 +119,12 @@ _DECODE_CASES = [
 def schedule_decodes(fn: Callable) -> bool:
     """``fn(running, decoding, append, preempt) -> the ids that decode this step``: decodes first,
     preempting the most recently admitted when the pool has no room."""
-    from kvlab.check.core import _run
-    from kvlab.engine.scheduler import schedule_decodes as ref
-
     def run(running, decoding, tokens, held, free, f=fn):
         pool = _Pool(running, decoding, tokens, held, free)
         got = f(pool.running, set(decoding), pool.append, pool.preempt)
         return (list(got) if isinstance(got, (list, tuple)) else got), pool.preempted, pool.appended
 
-    cases = [(a, run(*a, f=ref)) for a in _DECODE_CASES]
+    cases = [(a, run(*a, f=ref_schedule_decodes)) for a in _DECODE_CASES]
 
     def hint(args, got, expected):
         running = args[0]
@@ -147,11 +147,8 @@ def schedule_decodes(fn: Callable) -> bool:
 
 def chunk_prefills(fn: Callable) -> bool:
     """``fn(uncomputed, budget) -> the prompt tokens each prefill feeds this step``."""
-    from kvlab.check.core import _run
-    from kvlab.engine.scheduler import chunk_prefills as ref
-
     shapes = [([10, 20, 3], 12), ([5], 100), ([], 10), ([4, 4], 8), ([30, 5], 0), ([7, 9, 2], 15), ([700], 64)]
-    cases = [((list(u), b), ref(list(u), b)) for u, b in shapes]
+    cases = [((list(u), b), ref_chunk_prefills(list(u), b)) for u, b in shapes]
 
     def hint(args, got, expected):
         need, budget = args

@@ -8,6 +8,7 @@ from typing import Callable
 
 from kvlab.beyond import GPU_FLOPS, LINKS, prefill_flops
 from kvlab.cache.evict import SinksWindow
+from kvlab.cache.evict import h2o_keep as ref_h2o_keep
 from kvlab.cache.paged import BlockManager
 from kvlab.check.core import _run
 from kvlab.sizing import kv_bytes_per_token, kv_config
@@ -158,9 +159,7 @@ def _h2o_cases():
 def h2o_keep(fn: Callable) -> bool:
     """``fn(logical, budget, recent, scores) -> the blocks H2O keeps``: the ``recent`` newest, then the
     older blocks with the most attention received (ties to the earlier block), ``budget`` in all."""
-    from kvlab.cache.evict import h2o_keep as ref
-
-    cases = [(a, ref(*a)) for a in _h2o_cases()]
+    cases = [(a, ref_h2o_keep(*a)) for a in _h2o_cases()]
 
     def run(logical, budget, recent, scores):
         got = fn(list(logical), budget, recent, dict(scores))
