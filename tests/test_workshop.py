@@ -83,3 +83,18 @@ def test_words_counts_the_main_path_and_the_whole(tmp_path):
     path = tmp_path / "x.ipynb"
     path.write_text(json.dumps(nb))
     assert words(path) == (3, 9)  # "##" and "-" count as words: a stable, slightly strict count
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCES))
+def test_every_task_has_a_printable_solution(name, capsys):
+    """check.solution prints kvlab's answer, source and file, for every task (the kernels' need triton)."""
+    from kvlab import check, kernels
+
+    if name in ("block_walk", "online_softmax_update", "dequant_int8") and not kernels.available():
+        pytest.skip(kernels.WHY_NO_TRITON)
+    check.solution(name)
+    out = capsys.readouterr().out
+    head, body = out.split("\n", 1)
+    assert head.startswith(f"# kvlab's answer to {name!r}") and ".py)" in head and "def " in body
+    path = head.rsplit("(", 1)[1].rstrip(")")
+    assert (Path(__file__).resolve().parent.parent / path).is_file(), path

@@ -66,10 +66,12 @@ def reference(name: str) -> Callable:
 def solution(name: str) -> None:
     """Print kvlab's own answer to the build task ``name`` (``check.solution("grow")``)."""
     fn = reference(name)
-    module = REFERENCES[name].split(":")[0]
-    where = inspect.getsourcefile(fn).replace("\\", "/").rsplit("/kvlab/", 1)[-1]
-    print(f"# kvlab's answer to {name!r}: {module}.{fn.__qualname__} (kvlab/{where})")
-    print(inspect.getsource(fn))
+    module, attr = REFERENCES[name].split(":")
+    source = inspect.getsource(getattr(fn, "fn", fn))  # a @triton.jit function keeps the Python one in .fn
+    # the file in the repository: kvlab.kernels lives in the top-level kernels/ folder
+    where = module.replace("kvlab.kernels", "kernels", 1).replace(".", "/") + ".py"
+    print(f"# kvlab's answer to {name!r}: {module}.{attr} ({where})")
+    print(source)
 
 
 def use(name: str, fn: Callable) -> Callable:
