@@ -474,7 +474,8 @@ class BlockManager:
         (token_id,) = check_token_ids([token_id], "token_id")  # before anything changes
         bs = self.block_size
         n = len(seq.token_ids)
-        table, taken = list(seq.block_table), []
+        own = self._append is append_slot  # kvlab's own rule changes the table in place; a plugged-in one is checked first
+        table, taken = (seq.block_table if own else list(seq.block_table)), []
 
         def take_block() -> int:
             if self.num_free_blocks == 0:
@@ -485,19 +486,14 @@ class BlockManager:
 
         try:
             slot, copy = self._append(table, n, bs, lambda b: self.blocks[b].ref_count, take_block)
-            grew = len(table) - len(seq.block_table)
-            ok = (grew == (n % bs == 0) and table[:len(seq.block_table) - 1] == seq.block_table[:-1]
-                  and slot == table[-1] * bs + n % bs and len(taken) == grew + (copy is not None)
-                  and (copy is None or (copy == (seq.block_table[-1], table[-1]) and grew == 0)))
-            if not ok:
-                raise ValueError(f"append returned slot {slot!r}, copy {copy!r} and table {table} for a sequence of "
-                                 f"{n} tokens with table {seq.block_table} (block size {bs}): not a consistent append")
+            if not own:
+                self._check_append(seq.block_table, table, n, slot, copy, len(taken))
         except BaseException:
             for bid in taken:  # the pool as it was: the blocks taken go back
                 self.blocks[bid].ref_count = 0
                 self.free_ids.appendleft(bid)
             raise
-        if grew and seq.logical is not None:
+        if n % bs == 0 and seq.logical is not None:  # a new block joined the table
             seq.logical.append(n // bs)
         if copy is not None:
             last = self.blocks[copy[0]]
@@ -505,13 +501,25 @@ class BlockManager:
             last.ref_count -= 1
             self.blocks_to_copy.append(copy)
             self.counters["cow_copies"] += 1
-        seq.block_table[:] = table
+        if not own:
+            seq.block_table[:] = table
         seq.token_ids.append(token_id)
         block = self.blocks[seq.block_table[-1]]
         block.num_tokens += 1
         if block.num_tokens == bs:  # registers every full block not registered yet, in chain order
             self.mark_computed(seq_id, len(seq.token_ids))
         return slot
+
+    def _check_append(self, before: list[int], table: list[int], n: int, slot, copy, taken: int) -> None:
+        """A plugged-in append, held to what an append is: one new block exactly when the last is full,
+        or a copy of a shared partial last block, and the slot of token ``n`` in the resulting table."""
+        bs, grew = self.block_size, len(table) - len(before)
+        ok = (grew == (n % bs == 0) and table[:len(before) - 1] == before[:-1]
+              and slot == table[-1] * bs + n % bs and taken == grew + (copy is not None)
+              and (copy is None or (copy == (before[-1], table[-1]) and grew == 0)))
+        if not ok:
+            raise ValueError(f"append returned slot {slot!r}, copy {copy!r} and table {table} for a sequence of "
+                             f"{n} tokens with table {before} (block size {bs}): not a consistent append")
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (parallel sampling); the first write to the

@@ -92,37 +92,6 @@ def _is_jitted(fn) -> bool:
     return isinstance(fn, (triton.runtime.JITFunction, InterpretedFunction))
 
 
-def online_softmax_update(fn) -> bool:
-    """``fn`` a ``@triton.jit`` function ``(m, l, acc, s, v, v_scale) -> (m, l, acc)``: fold one tile of
-    scores s (G, N) and values v (N, D), each value row scaled by v_scale (N,), into the running max m
-    (G,), running sum l (G,) and running output acc (G, D). Run by the decode kernel's loop under the
-    interpreter; compared with softmax(s) @ (v * v_scale) over all tiles."""
-    if not callable(fn):  # checked here: the wrapper below is always callable
-        raise TypeError(f"online_softmax_update: pass your function itself, got {type(fn).__name__}")
-    if not _is_jitted(fn):  # the interpreter would run a plain Python function; a GPU would not
-        print("[fail] online_softmax_update: decorate it with @triton.jit - the decode kernel calls it on the GPU, "
-              "where only Triton functions run")
-        return False
-    cases = []
-    for s, v, v_scale, tile in _softmax_cases():
-        expected = torch.softmax(s, dim=-1) @ (v * v_scale[:, None])
-        cases.append(((s, v, v_scale, tile), expected))
-
-    def call(s, v, v_scale, tile):
-        try:
-            return kernels.decode.run_online_softmax(fn, s, v, v_scale, tile)  # decode loads triton on first use
-        except Exception as e:  # the interpreter wraps what the function raised
-            if "NotImplementedError" in repr(e) + repr(e.__cause__):
-                raise NotImplementedError from e
-            raise
-
-    def close(a, b):
-        return isinstance(a, torch.Tensor) and a.shape == b.shape and bool(torch.allclose(a, b, rtol=1e-4, atol=1e-5))
-
-    return _run("online_softmax_update (whole run over all tiles: s, v, v_scale, tile -> softmax(s) @ (v * v_scale))",
-                call, cases, same=close, exercise="online_softmax_update", learner=fn, hint=_softmax_hint)
-
-
 def _jitted_or_say(name: str, fn) -> bool:
     if not callable(fn):
         raise TypeError(f"{name}: pass your function itself, got {type(fn).__name__}")
@@ -143,6 +112,28 @@ def _raised_todo(call):
                 raise NotImplementedError from e
             raise
     return run
+
+
+def online_softmax_update(fn) -> bool:
+    """``fn`` a ``@triton.jit`` function ``(m, l, acc, s, v, v_scale) -> (m, l, acc)``: fold one tile of
+    scores s (G, N) and values v (N, D), each value row scaled by v_scale (N,), into the running max m
+    (G,), running sum l (G,) and running output acc (G, D). Run by the decode kernel's loop under the
+    interpreter; compared with softmax(s) @ (v * v_scale) over all tiles."""
+    if not _jitted_or_say("online_softmax_update", fn):  # the interpreter would run a plain function; a GPU not
+        return False
+    cases = []
+    for s, v, v_scale, tile in _softmax_cases():
+        expected = torch.softmax(s, dim=-1) @ (v * v_scale[:, None])
+        cases.append(((s, v, v_scale, tile), expected))
+
+    def call(s, v, v_scale, tile):
+        return kernels.decode.run_online_softmax(fn, s, v, v_scale, tile)  # decode loads triton on first use
+
+    def close(a, b):
+        return isinstance(a, torch.Tensor) and a.shape == b.shape and bool(torch.allclose(a, b, rtol=1e-4, atol=1e-5))
+
+    return _run("online_softmax_update (whole run over all tiles: s, v, v_scale, tile -> softmax(s) @ (v * v_scale))",
+                _raised_todo(call), cases, same=close, exercise="online_softmax_update", learner=fn, hint=_softmax_hint)
 
 
 # (table row, page, seq_len, s_blk, s_tok, head, s_head, block_size): a scattered table; the last case's
