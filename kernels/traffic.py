@@ -217,6 +217,12 @@ PIPE_RATE = {
     "H100": {"cvt": 16, "int": 64, "fp16": 256, "fp32": 128, "sfu": 16},
     "H200": {"cvt": 16, "int": 64, "fp16": 256, "fp32": 128, "sfu": 16},
 }
+#: compute capability (major, minor) of the GPUs rooms get (NVIDIA's CUDA GPU list): Colab's free T4 is
+#: sm_75; FP8 (e4m3/e5m2) tensor cores and conversions need 8.9 (Ada, Hopper and later)
+COMPUTE_CAPABILITY = {"T4": (7, 5), "A100": (8, 0), "L4": (8, 9), "H100": (9, 0), "H200": (9, 0)}
+FP8_MIN_CAPABILITY = (8, 9)
+#: shared memory (SRAM) bytes per clock per SM: 32 banks x 4 bytes (CUDA guide, compute capability 8.x/9.x)
+SMEM_BYTES_PER_CLOCK = 128
 #: (SMs, boost clock Hz, dense fp16 and int8 tensor-core ops/s) from the vendors' datasheets
 GPU_CORES = {"A100": (108, 1.41e9, 312e12, 624e12), "H100": (132, 1.98e9, 989e12, 1979e12),
              "H200": (132, 1.98e9, 989e12, 1979e12)}

@@ -12,8 +12,10 @@ from __future__ import annotations
 from kvlab import sizing
 from kvlab.cache import simulate
 from kvlab.claims.memory import A100_BW, A100_BYTES, GiB, KiB
-from kvlab.claims.rules import margin, ratio, readings, truth
-from kvlab.kernels.traffic import GPU_CORES
+from kvlab.cache.paged import BlockManager
+from kvlab.claims.rules import margin, parts, ratio, shown, truth, worst
+from kvlab.kernels.traffic import (COMPUTE_CAPABILITY, CONVERT_COST, FP8_MIN_CAPABILITY, GPU_BANDWIDTH, GPU_CORES,
+                                   PIPE_RATE, SMEM_BYTES_PER_CLOCK)
 from kvlab.sizing import fmt_bytes
 
 A100_FLOPS = GPU_CORES["A100"][2]  # dense fp16 tensor-core FLOP/s
@@ -60,10 +62,12 @@ def c_l2_threshold(lab, weights: int | None = None, l2: int = A100_L2):
     weights = sizing.weight_bytes(_7B) if weights is None else weights
     tokens = l2 / sizing.kv_bytes_per_token(_7B, "fp16")
     return (f"the A100's {l2 / 2**20:.0f} MiB L2 holds {tokens:.0f} tokens of 7B KV; the weights are "
-            f"{weights / l2:.0f}x the L2", truth(weights < l2),
+            f"{weights / l2:.0f}x the L2",
+            parts(tokens < 4096, weights < l2, "that a real cache outgrows the L2",
+                  "that the L2 marks a threshold (below it, no HBM bottleneck)"),
             "the sentence draws a threshold (「一旦超过…显存带宽瓶颈就来了」: once past it, the bandwidth "
-            "bottleneck arrives), and the threshold marks nothing: every decode step reads HBM whatever the "
-            "cache's size, since the weights alone overflow the L2")
+            "bottleneck arrives); a 7B cache does pass the L2 after ~80 tokens, but the threshold marks nothing: "
+            "every decode step reads HBM whatever the cache's size, since the weights alone overflow the L2")
 
 
 def c_no_cache_realtime(lab, context: int = 4096, interactive_tok_s: float = 10.0):
@@ -82,10 +86,14 @@ def c_low_concurrency(lab, batch: int = 1, context: int = 4096):
             "the weights dominate a lone short request; what INT8 saves there is memory nobody needs")
 
 
-def c_gain_above_4k(lab, context: int = 4096, batch: int = 10):
+def c_gain_above_4k(lab, context: int = 4096, batch: int = 10, measured: float | None = None):
+    """``measured``: a step speed-up measured at that setting on a GPU (the lab has none for a 7B)."""
     big, alone = _max_speedup(context, batch), _max_speedup(context, 1)
-    return (f"7B at {context}: INT8 can speed a step up to {big:.2f}x at batch {batch}, {alone:.2f}x alone",
-            truth(big > 1.3 and alone < 1.1), "rule: 'plain to see' = at least 1.3x allowed by the bytes")
+    return (f"7B at {context}: the bytes allow INT8 to speed a step up to {big:.2f}x at batch {batch}, "
+            f"{alone:.2f}x alone" + (f"; measured {measured:.2f}x" if measured else ""),
+            shown(big >= 1.3 and alone < 1.1, measured is not None and measured >= 1.3, "a GPU serving a 7B"),
+            "rule: 'plain to see' = at least 1.3x; the bytes allow it above 4K with ten requests and not alone, "
+            "but a bound is not a gain: a kernel must reach it")
 
 
 def c_bandwidth_linear(lab, batches=(1, 2, 8, 32), context: int = 4096, steps=None):
@@ -106,11 +114,11 @@ def c_kv_linear_batch(lab, batches=(1, 4, 16, 64), tokens: int = 2048, sizes=Non
 
 def c_saved_reads_sum(lab, step_ms: float = 22.0, reads_before: float = 12.0, reads_after: float = 7.0,
                       claimed_ms: float = 16.0):
-    predicted = step_ms - (reads_before - reads_after)
-    return (f"{step_ms:g} ms - ({reads_before:g} - {reads_after:g}) ms of reads = {predicted:g} ms, against the "
-            f"claimed {claimed_ms:g} ms", ratio(claimed_ms, predicted),
-            "the article's own numbers: 'basically the saved transfer time' is 17 ms against 16, within the table's "
-            "15 %; an exact halving of 12 ms would save 6 ms, not 5")
+    saved, transfer = step_ms - claimed_ms, reads_before - reads_after
+    return (f"the step saves {step_ms:g} - {claimed_ms:g} = {saved:g} ms; the reads save {reads_before:g} - "
+            f"{reads_after:g} = {transfer:g} ms", ratio(saved, transfer),
+            "the article's own numbers, the tolerance on the saving the sentence is about: the transfer explains "
+            f"{transfer:g} of the {saved:g} ms")
 
 
 # ---- what fits ----------------------------------------------------------------------------------------
@@ -151,15 +159,11 @@ def c_pool_bytes_fixed(lab, budget: int = 16 * GiB, block_tokens: int = 16, size
     fp16 = budget // per_block["fp16"]
     int8 = budget // per_block["int8"] if sized_by == "bytes" else fp16
     bytes_fp16, bytes_int8 = fp16 * per_block["fp16"], int8 * per_block["int8"]
-    # 「这个池子的占用也减半」: 占用 is what the pool takes (its bytes) or how full the same requests leave it
-    same_requests = per_block["int8"] <= 0.55 * per_block["fp16"]  # a request's blocks take half the bytes
     return (f"a {fmt_bytes(budget)} pool: {fp16:,} FP16 blocks or {int8:,} INT8 blocks, {fmt_bytes(bytes_fp16)} vs "
-            f"{fmt_bytes(bytes_int8)}",
-            readings(same_requests, bytes_int8 <= 0.55 * bytes_fp16, "the same requests fill half the pool",
-                     "the pool's reserved bytes halve"),
-            "「占用」 reads two ways. vLLM sizes the pool by gpu_memory_utilization: an INT8 cache doubles the "
-            "blocks (the tokens held) and the pool's bytes stay the same, so the same requests fill half of it, "
-            "but the memory the pool reserves does not halve")
+            f"{fmt_bytes(bytes_int8)}", truth(bytes_int8 <= 0.55 * bytes_fp16),
+            "the article's next clause (「空闲显存可能被其他模块吃掉」: the freed memory may be eaten by other "
+            "modules) means the pool's reserved bytes; vLLM sizes the pool by gpu_memory_utilization, so an INT8 "
+            "cache doubles the blocks and the bytes stay the same")
 
 
 def c_sliding_window_cap(lab, window: int = 4096, context: int = 32768):
@@ -194,10 +198,9 @@ def c_finer_scales_cost(lab, model: str = "smollm2-135m", extra: float | None = 
     tok = sizing.kv_size(model, "int8", tokens=4096, scales="per-token-head").total_bytes
     extra = tok / head - 1 if extra is None else extra
     return (f"SmolLM2, INT8 at 4K: per-token-head scales add {extra:.1%} to the cache (one fp32 per 64 values)",
-            readings(True, extra == 0, "finer scales cost a finer implementation",
-                     "a finer implementation is their whole cost"),
-            "「代价是实现要更细」 names one cost and does not say it is the only one; the bytes add a second: finer "
-            "scales cost memory (and bandwidth) as well as code")
+            parts(True, extra == 0, "that finer scales cost a finer implementation",
+                  "that the implementation is their cost (「代价是」): they also cost memory and bandwidth"),
+            "the sentence names one cost as the cost; the bytes add a second, the scales themselves")
 
 
 def c_k8v4_lower(lab, model: str = _7B, k8v4: float | None = None):
@@ -234,11 +237,10 @@ def c_zero_fragmentation(lab, lengths=None, block: int = 16, refused: dict | Non
     return (f"requests refused although the free memory would have held them (400 ShareGPT-like requests "
             f"coming and going, 4,096 slots): paged {ext['paged']}, contiguous first-fit {ext['contiguous']}; "
             f"inside each sequence's last block {waste:.1f} slots stay empty on average (lengths 1-2048)",
-            readings(ext["paged"] == 0, ext["paged"] == 0 and waste == 0,
-                     "no free memory lost between requests (external fragmentation)",
-                     "no empty slot at all (internal fragmentation too)"),
-            "the sentence's second half, blocks of different requests interleave, is the first reading, and it "
-            "holds; the partial last block stays, as the article's own 5-10 % (§4.3) says")
+            truth(ext["paged"] == 0 and waste == 0),
+            "「零碎片」 says zero; paging ends external fragmentation (the sentence's second half, blocks of "
+            "different requests interleave, is true), but each sequence's last block keeps empty slots, the "
+            "internal fragmentation the same article's §4.3 describes (5-10 %)")
 
 
 def c_deferred_quant(lab, hbm_saving: float = 0.0, claimed: float = 0.5):
@@ -276,3 +278,135 @@ def c_latency_throughput(lab, batch: int = 32, ms=(22.0, 16.0), tok_s=(1450.0, 2
 def c_gate_1pct(lab, rise: float = 0.09 / 9.61, gate: float = 0.01):
     return (f"the article's own perplexity rise {rise:.2%} against its {gate:.0%} gate (000 §3.1's 0.5-1.5 % would "
             "fail it in its upper half)", truth(rise < gate), "the gate passes the article's own INT8, barely")
+
+
+# ---- settled by datasheets and documented defaults ----------------------------------------------------
+
+#: what vLLM offers for the KV cache (vLLM docs: EngineArgs ``--block-size``, ``--kv-cache-dtype``, 0.11-0.13):
+#: one block size and one dtype for the whole engine; no INT8
+VLLM = {"default_block_size": 16, "kv_cache_dtypes": ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+        "kv_cache_dtype_scope": "engine"}
+#: TensorRT-LLM's KV-cache quantization (its docs: ``kv_cache_quant_algo``): INT8 and FP8
+TRTLLM_KV_CACHE_DTYPES = ("fp16", "bf16", "int8", "fp8")
+
+
+def c_hbm_sram(lab, gpu: str = "A100", hbm: float | None = None):
+    sms, clock, _, _ = GPU_CORES[gpu]
+    sram = sms * SMEM_BYTES_PER_CLOCK * clock
+    hbm = GPU_BANDWIDTH[gpu] if hbm is None else hbm
+    return (f"{gpu}: HBM {hbm / 1e12:.2f} TB/s; shared memory {sms} SMs x {SMEM_BYTES_PER_CLOCK} B/clock x "
+            f"{clock / 1e9:.2f} GHz = {sram / 1e12:.1f} TB/s ({sram / hbm:.1f}x)",
+            worst([ratio(2e12, hbm), ratio(19e12, sram)]),
+            "the datasheet's HBM (80 GB SXM) and the shared memory's bank width x clock; the article's pair is the "
+            "FlashAttention paper's")
+
+
+def c_block_16(lab, default: int | None = None):
+    default = VLLM["default_block_size"] if default is None else default
+    return (f"vLLM's default --block-size {default}; kvlab's BlockManager default "
+            f"{BlockManager.__init__.__defaults__[0]}", truth(default == 16),
+            "'usually' read as the default; the size is a setting (vLLM: 1-128 tokens, kvlab: any)")
+
+
+def c_kv_dtype_per_layer(lab, scope: str | None = None):
+    scope = VLLM["kv_cache_dtype_scope"] if scope is None else scope
+    return (f"vLLM's --kv-cache-dtype is one value for the {scope} ({', '.join(VLLM['kv_cache_dtypes'])})",
+            truth(scope == "layer"),
+            "one dtype for every layer; keeping some layers unquantized is not what kv_cache_dtype does (kvlab's "
+            "KVQuantConfig(layers=...) does, notebook 03)")
+
+
+#: instructions per value to dequantize (after loading the integer): convert, then the scale (and zero point)
+DEQUANT_OPS = {"symmetric": ("cvt", "mul"),  # q * s
+               "asymmetric": ("cvt", "fma")}  # (q - z) * s = q * s + (-z * s), the bias computed once
+
+
+def c_symmetric_one_multiply(lab, ops: dict | None = None):
+    ops = DEQUANT_OPS if ops is None else ops
+    return (", ".join(f"{k}: {' + '.join(v)}" for k, v in ops.items()) + " per value",
+            parts(ops["symmetric"].count("mul") == 1, len(ops["asymmetric"]) > len(ops["symmetric"]),
+                  "that symmetric dequantization is one multiply",
+                  "that this sets it apart from asymmetric (also one fused multiply-add)"),
+            "symmetric's real savings are elsewhere: no zero point stored, and integer dot products need no "
+            "correction term")
+
+
+def c_first_last_saving(lab, layers: int = 32, kept: int = 2, claimed: float = 0.5):
+    saved = 1 - (kept * 2 + (layers - kept) * 1) / (layers * 2)
+    return (f"{layers} layers, {kept} kept in FP16, the rest INT8: {saved:.1%} of the KV bytes saved",
+            parts(True, abs(saved - claimed) <= 0.01 * claimed, "that the INT8 layers halve",
+                  f"that the cache halves (the summary's {claimed:.0%}, within 1 % as int8-half)"),
+            "the kept layers cost their share: 2 of 32 layers at full size")
+
+
+def c_kv_heads(lab, model: str = "smollm2-135m"):
+    c = sizing.kv_config(model)
+    per = sizing.kv_bytes_per_token(model, "fp16")
+    per_query_heads = per * c.num_heads // c.num_kv_heads
+    return (f"{model}: {per:,} B per token from {c.num_kv_heads} KV heads; counting its {c.num_heads} attention heads "
+            f"would give {per_query_heads:,} B", parts(True, c.num_heads == c.num_kv_heads,
+                                                   "with sequence length and layers",
+                                                   "with attention heads (under GQA it is the KV heads)"),
+            "2 x layers x KV heads x head_dim x bytes per token; multi-head models have as many KV heads as "
+            "attention heads, GQA and MQA fewer")
+
+
+def c_no_cache_quadratic(lab, tokens: int = 4096, cached: bool = False):
+    def total(n):  # FLOPs to produce n tokens one by one: step i re-runs i tokens without a cache, 1 with it
+        return sum(2 * _params() * (1 if cached else i) for i in range(1, n + 1))
+    growth = total(2 * tokens) / total(tokens)
+    return (f"7B: {'with' if cached else 'without'} a cache, doubling the tokens from {tokens:,} multiplies the "
+            f"work by {growth:.2f}", ratio(4.0, growth),
+            "each step re-runs the whole context, so n steps cost ~n²/2 token passes (the attention's own n² per "
+            "step adds a cubic term past ~26K tokens)")
+
+
+def c_int8_in_frameworks(lab, vllm=None, trtllm=None):
+    vllm = VLLM["kv_cache_dtypes"] if vllm is None else vllm
+    trtllm = TRTLLM_KV_CACHE_DTYPES if trtllm is None else trtllm
+    return (f"KV-cache dtypes: vLLM {', '.join(vllm)}; TensorRT-LLM {', '.join(trtllm)}",
+            parts("int8" in trtllm, "int8" in vllm, "for TensorRT-LLM", "for vLLM (FP8 only)"),
+            "both quantize the KV cache to one byte in production; vLLM's byte is FP8, which needs other scales "
+            "than INT8 (kvlab export-vllm, notebook 06)")
+
+
+def c_fp8_flag(lab, flag: str = "fp8"):
+    return (f"the command's flag: --kv-cache-dtype {flag}", truth(flag == "int8"),
+            "the comment says INT8, the flag enables FP8 e4m3: the same byte per value, another format (a "
+            "floating grid; without calibrated scales vLLM uses 1.0)")
+
+
+def c_fp8_native(lab, gpus=("H100", "H200")):
+    caps = {g: COMPUTE_CAPABILITY[g] for g in gpus}
+    return (", ".join(f"{g} sm_{a}{b}" for g, (a, b) in caps.items()) + f"; FP8 needs sm_{''.join(map(str, FP8_MIN_CAPABILITY))}",
+            truth(all(c >= FP8_MIN_CAPABILITY for c in caps.values())),
+            "Hopper (and Ada) have FP8 tensor cores; the A100 (sm_80) and the T4 (sm_75) do not")
+
+
+def c_ttft_quant(lab, prompt: int = 4096, extra_per_token: float | None = None):
+    prefill = 2 * _params() * prompt / A100_FLOPS  # seconds at the A100's peak
+    if extra_per_token is None:  # unfused: write the FP16 K/V, read it back, write INT8
+        extra_per_token = sizing.kv_bytes_per_token(_7B, "fp16") * 2.5
+    extra = prompt * extra_per_token / A100_BW
+    return (f"7B, a {prompt:,}-token prompt on an A100: prefill >= {prefill * 1e3:.0f} ms of compute; quantizing its "
+            f"KV even unfused moves {prompt * extra_per_token / 2**30:.1f} GiB more, {extra * 1e3:.1f} ms "
+            f"({extra / prefill:.1%})", truth(extra / prefill > 0.05),
+            "rule: 'slower' = at least 5 % of the prefill; prefill is compute-bound and quantizing is a few "
+            "operations per value on the way to memory")
+
+
+def c_int4_half_again(lab, group: int = 32, scale_dtype: str = "fp32"):
+    int8 = sizing.kv_size(_7B, "int8", tokens=4096).total_bytes
+    int4 = sizing.kv_size(_7B, "int4", tokens=4096, scales=f"group-{group}", scale_dtype=scale_dtype).total_bytes
+    return (f"kvlab's INT4 (one {scale_dtype} scale per {group}) saves {1 - int4 / int8:.1%} of INT8's bytes",
+            ratio(0.5, 1 - int4 / int8), "as int4-quarter: the lab's own INT4, whose scales are part of its bytes")
+
+
+def c_dequant_one_fma(lab, ops: dict | None = None):
+    ops = CONVERT_COST[("int8", "cast")] if ops is None else ops
+    rate = PIPE_RATE["A100"]
+    return (f"kvlab's INT8 kernel per value: " + ", ".join(f"{n} {p}" for p, n in ops.items())
+            + f" (the scale folded after the dot product); the cvt pipe runs {rate['cvt']} results per clock per SM, "
+            f"fp16 {rate['fp16']}", truth(not ops.get("cvt") and sum(ops.values()) <= 1),
+            "the multiply can even leave the loop; what stays is the int8 -> fp16 conversion, on a pipe 16x slower "
+            "than fp16 arithmetic (notebook 05, 4b: a candidate cause of the INT8 kernel's missing speed-up)")

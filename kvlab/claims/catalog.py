@@ -3,7 +3,8 @@
 One :class:`Claim` per sentence: which article says it and where, in English, the notebook section
 that measures it at full size, and the function that measures it now. The measuring functions live
 by topic: :mod:`kvlab.claims.memory` (byte arithmetic), :mod:`kvlab.claims.serving` (paged blocks and
-batching), :mod:`kvlab.claims.quality` (INT8 quantization quality).
+batching), :mod:`kvlab.claims.quality` (INT8 quantization quality) and :mod:`kvlab.claims.arithmetic`
+(sizes, datasheets, documented defaults and reasoning).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from kvlab.claims.memory import (c_7b_1mb, c_7b_table, c_7b_weights, c_12_7ms, c
                                  c_70b, c_a100_half, c_decode_1ms, c_fits, c_int4_quarter, c_int8_half, c_unfused)
 from kvlab.claims.quality import (c_first_last, c_granularity, c_k_over_v, c_negligible, c_p999, c_ppl_000, c_ppl_004,
                                   c_rounding, c_saturation, c_three_bits, c_window_documents, c_zero_guard)
-from kvlab.claims.serving import (c_5_20x, c_10_30ms, c_frag_50, c_paged_90, c_prefix, c_static_30, c_static_50,
-                                  c_utilization)
+from kvlab.claims.serving import (c_5_20x, c_10_30ms, c_frag_50, c_paged_90, c_paged_near_100, c_prefix, c_static_30,
+                                  c_static_50, c_utilization)
 
 
 @dataclass(frozen=True)
@@ -180,4 +181,40 @@ CLAIMS: tuple[Claim, ...] = (
           "03_int8_quantization", "6. INT4 and rotation", A.c_k8v4_lower, quote="V 在验证集允许的前提下尝试 INT4"),
     Claim("finer-scales-cost", "004", "§7", "finer scales (per token): a higher accuracy ceiling, at the cost of a finer implementation",
           "03_int8_quantization", "1. The bytes, exactly", A.c_finer_scales_cost, quote="代价是实现要更细"),
+    # settled by datasheets, documented defaults and small computations (kvlab/claims/arithmetic.py)
+    Claim("hbm-sram", "000", "§1", "the A100's HBM gives 2 TB/s, far below its SRAM's ~19 TB/s",
+          "00_memory_wall", "4. A decode step reads everything", A.c_hbm_sram, quote="HBM 带宽A100 为 2TB/s远低于 SRAM约 19TB/s"),
+    Claim("kv-heads", "003", "§1", "the KV memory grows with sequence length, layers and attention heads",
+          "00_memory_wall", "1. What one token costs", A.c_kv_heads, quote="KV Cache 的内存占用与序列长度、层数、注意力头数正相关"),
+    Claim("no-cache-quadratic", "003", "§1", "without a cache the recomputation makes inference latency grow quadratically",
+          "01_naive_cache", "2. Recompute vs cache, measured", A.c_no_cache_quadratic, quote="这种重复计算会导致推理延迟呈二次方增长"),
+    Claim("block-16", "003", "§3", "a block usually holds 16 tokens' K/V (vLLM's default)",
+          "02_paged_blocks", "7. The block-size trade-off", A.c_block_16, quote="每个块存储固定数量（通常16个）的 token 的 KV 向量"),
+    Claim("paged-near-100", "000", "§5", "PagedAttention brings memory use to nearly 100 %",
+          "02_paged_blocks", "1. Where contiguous reservations go", c_paged_near_100, quote="PagedAttention 将显存利用率提升至接近 100%"),
+    Claim("sym-one-multiply", "000", "§3 code", "symmetric rather than asymmetric quantization, because dequantizing takes one multiply",
+          "03_int8_quantization", "2. The per-head quantizer, step by step", A.c_symmetric_one_multiply,
+          quote="使用对称量化而非非对称量化因为反量化时只需一次乘法"),
+    Claim("kv-dtype-per-layer", "000", "§3.2", "vLLM's kv_cache_dtype sets the quantization precision per layer",
+          "03_int8_quantization", "5. K vs V, layers, and mixed precision", A.c_kv_dtype_per_layer,
+          quote="vLLM 的kv_cache_dtype参数支持按层配置量化精度"),
+    Claim("first-last-saving", "000", "§5", "INT8 in the middle layers, first and last kept FP16: the KV memory halves",
+          "03_int8_quantization", "5. K vs V, layers, and mixed precision", A.c_first_last_saving,
+          quote="对中间层实施 INT8 KV Cache 量化保留首尾层 FP16 精度"),
+    Claim("int4-half-again", "004", "§3.3", "INT4 saves another half of INT8's memory",
+          "03_int8_quantization", "6. INT4 and rotation", A.c_int4_half_again, quote="INT4 能进一步省一半显存"),
+    Claim("ttft-quant", "004", "§6.5", "quantizing during prefill makes the first token slower: keep prefill FP16",
+          "04_continuous_batching", "5. Chunked prefill: time to first token and jitter", A.c_ttft_quant,
+          quote="首 token 速度变慢预填充阶段也被量化"),
+    Claim("dequant-one-fma", "004", "§4.3", "dequantizing in the kernel is one multiply-add instruction, a negligible cost",
+          "05_fused_triton_kernel", "4b. A candidate cause, the conversions: the operations model", A.c_dequant_one_fma,
+          quote="在 CUDA 里这只是一条乘加指令开销可以忽略"),
+    Claim("int8-in-frameworks", "003", "§4", "vLLM and TensorRT-LLM offer INT8 KV-cache quantization as a production feature",
+          "06_putting_it_together", "5. The bridge to production: vLLM", A.c_int8_in_frameworks,
+          quote="INT8 KV Cache 量化已作为生产级特性提供"),
+    Claim("fp8-flag", "003", "§4 code", "the vLLM command shown enables an INT8 KV cache",
+          "06_putting_it_together", "5. The bridge to production: vLLM", A.c_fp8_flag,
+          quote="启动时启用\u00a0INT8\u00a0KV\u00a0Cache\u00a0量化"),
+    Claim("fp8-native", "003", "§5", "H100 and H200 support FP8 natively",
+          "06_putting_it_together", "5. The bridge to production: vLLM", A.c_fp8_native, quote="随着 H100/H200 对 FP8 原生支持的普及"),
 )

@@ -8,11 +8,12 @@ saturated static scales) from the measurements the :class:`~kvlab.claims.lab.Lab
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import torch
 
-from kvlab.claims.rules import cost_range, elsewhere, truth
+from kvlab.claims.rules import cost_range, judged_on, parts, truth
 from kvlab.quant import core
 
 
@@ -50,36 +51,43 @@ def _rounding_bias(x: torch.Tensor, scale: torch.Tensor, how: str) -> float:
     return float((q.abs() - y.abs()).mean())
 
 
-def c_rounding(lab, keys: torch.Tensor | None = None):
-    """Both halves of the sentence: truncation biases (every value moves towards zero by half a step on
-    average), and half-to-even against half-away-from-zero, which differ only on exact ties."""
+def c_rounding(lab, keys: torch.Tensor | None = None, tie_bias: float = 0.01):
+    """Both halves of the sentence: never truncate (truncation biases: every value moves towards zero
+    by half a step on average), and half-to-even rather than half-away-from-zero, which differ only on
+    exact ties: the second half matters only if half-away's bias exceeds half-to-even's by ``tie_bias``
+    steps."""
     k = lab.kv[0][5] if keys is None else keys
     scale = core.scale_from_absmax(core.absmax(k, "per-head"))
     bias = {h: _rounding_bias(k, scale, h) for h in ("half-even", "half-away", "truncate")}
     y = k / scale
     ties = float(((y - torch.floor(y)) == 0.5).float().mean())
-    ok = abs(bias["truncate"]) > 0.1 and abs(bias["half-even"]) <= abs(bias["half-away"]) + 1e-4 \
-        and abs(bias["half-even"]) < 0.1 * abs(bias["truncate"])
+    no_truncation = abs(bias["truncate"]) > 0.1 and abs(bias["half-even"]) < 0.1 * abs(bias["truncate"])
+    even_matters = abs(bias["half-away"]) - abs(bias["half-even"]) > tie_bias
     return (f"mean |q| - |x| in steps: truncation {bias['truncate']:+.3f}, half-to-even {bias['half-even']:+.4f}, "
-            f"half-away {bias['half-away']:+.4f}; exact ties {ties:.2%} of values (layer 5 keys)", truth(ok),
-            "truncation shrinks every value by half a step on average, a bias; rounding has none. Half-to-even "
-            "and half-away differ only on exact ties, which continuous keys almost never hit, so the choice "
-            "between them is immaterial here (on tie-heavy data half-away would bias upwards)")
+            f"half-away {bias['half-away']:+.4f}; exact ties {ties:.2%} of values (layer 5 keys, SmolLM2)",
+            parts(no_truncation, even_matters, "'never truncate' (truncation biases, rounding does not)",
+                  f"'half to even' (it would need ties to bias half-away by > {tie_bias} steps)"),
+            "half-to-even and half-away differ only on exact ties, which continuous keys almost never hit, so the "
+            "rule the article insists on is immaterial here; on tie-heavy data half-away would bias upwards")
 
 
-def c_three_bits(lab):
-    keys, _ = lab.kv
-    worst = (float("inf"), 0, 0)
+def c_three_bits(lab, keys=None):
+    """The article's words: how many INT8 levels the bulk of a long-tailed head keeps. With one scale per
+    head (abs-max / 127), the values within the median magnitude span 254 x median / max levels, i.e.
+    log2(254 x median / max) bits; judged on SmolLM2's most long-tailed key head."""
+    keys = lab.kv[0] if keys is None else keys
+    heads = []
     for layer, k in enumerate(keys):
         for h in range(k.shape[1]):
-            x = k[:, h:h + 1]
-            snr = core.error_metrics(x, core.dequantize_int8(*core.int8_roundtrip(x, "per-head")))["snr_db"]
-            worst = min(worst, (snr, layer, h))
-    snr, layer, h = worst
-    bits = (snr - 1.76) / 6.02  # effective bits from the SNR of a uniform quantizer
-    return (f"worst key head (layer {layer}, head {h}): SNR {snr:.1f} dB = {bits:.1f} effective bits of 8",
-            truth(bits < 3), f"effective bits = (SNR - 1.76 dB) / 6.02 dB: the worst head's tails cost it "
-            f"{8 - bits:.1f} of its 8 bits")
+            a = k[:, h].abs().flatten().float()
+            heads.append((math.log2(254 * float(a.median()) / float(a.max())), layer, h))
+    bits, layer, h = min(heads)
+    below = sum(b < 3 for b, _, _ in heads)
+    return (f"bulk bits log2(254 x median / max): most long-tailed key head (layer {layer}, head {h}) "
+            f"{bits:.1f} bits; {below} of {len(heads)} key heads below 3", judged_on(truth(bits < 3),
+            "SmolLM2's key heads", "the article's model"),
+            "the values up to the median magnitude, half of the head, share that many bits; the rest of the 8 "
+            "go to the tail up to the abs-max")
 
 
 def _snr(tensors, gran) -> float:
@@ -91,7 +99,8 @@ def c_granularity(lab):
     keys, values = lab.kv
     snr = {w: {g: _snr(t, g) for g in ("per-tensor", "per-head", "per-channel")} for w, t in (("K", keys), ("V", values))}
     ok = all(s["per-head"] > s["per-channel"] > s["per-tensor"] for s in snr.values())
-    return ("SNR dB K/V: " + ", ".join(f"{g} {snr['K'][g]:.1f}/{snr['V'][g]:.1f}" for g in snr["K"]), truth(ok),
+    return ("SNR dB K/V: " + ", ".join(f"{g} {snr['K'][g]:.1f}/{snr['V'][g]:.1f}" for g in snr["K"]),
+            judged_on(truth(ok), "SmolLM2's K and V", "every model"),
             "the granularities are nested: a per-channel scale is never coarser than its head's, so with the data's "
             "own abs-max the table's precision order cannot hold; keys' outlier channels make the gap large. The "
             "heading's \"best value\" (性价比最优解) also weighs cost, where per-head wins: one scale per head, not "
@@ -101,7 +110,7 @@ def c_granularity(lab):
 def c_p999(lab):
     c = lab.quality["configs"]
     return (f"KL p99.9 {c['int8 p99.9']['kl']:.4f} vs abs-max {c['int8']['kl']:.4f}",
-            elsewhere(truth(c["int8 p99.9"]["kl"] < c["int8"]["kl"]), claimed_for="the article's own model"),
+            judged_on(truth(c["int8 p99.9"]["kl"] < c["int8"]["kl"]), claimed_for="the article's own model"),
             "the article reports its own measurement (我实测, 'I measured'), on a model and data it does not name; on "
             "SmolLM2, clipping the outliers hurts, because they are a channel the model uses on every token")
 
@@ -110,7 +119,7 @@ def c_ppl_004(lab):
     q = lab.quality
     d = q["configs"]["int8"]["delta_ppl_pct"]
     return (f"ppl {q['ppl_fp']:.2f} -> {q['configs']['int8']['ppl']:.2f} ({d:+.2f} %) on {q['scored']} tokens",
-            elsewhere(truth(d <= 100 * (9.70 / 9.61 - 1)), claimed_for="the article's 7B"),
+            judged_on(truth(d <= 100 * (9.70 / 9.61 - 1)), claimed_for="the article's 7B"),
             "an upper bound (their +0.09 is +0.94 %), and ours is below it; per-head abs-max INT8, calibrated")
 
 
@@ -118,7 +127,7 @@ def c_ppl_000(lab):
     c = lab.quality["configs"]["int8"]
     d, (lo, hi) = c["delta_ppl_pct"], c["delta_ppl_ci95"]
     return (f"{d:+.2f} % [{lo:+.2f}, {hi:+.2f}] on {lab.quality['scored']} SmolLM2 tokens (KL {c['kl']:.4f})",
-            elsewhere(cost_range(0.5, 1.5, d, (lo, hi)), claimed_for="a 7B model"),
+            judged_on(cost_range(0.5, 1.5, d, (lo, hi)), claimed_for="a 7B model"),
             "claimed for a 7B model; on SmolLM2 the cost is below the range. Perplexity on a few hundred tokens "
             "is a blunt tool; the damage shows in the KL")
 
@@ -128,14 +137,15 @@ def c_negligible(lab):
     return (f"top-1 agreement {c['top1']:.1%}, KL {c['kl']:.4f}; greedy answers: {a['identical']} of {a['requests']} "
             f"identical to FP16's, {a['prefix_share']:.0%} of each generated before the first difference (notebook "
             "06's workload served in its budget)",
-            elsewhere(truth(c["top1"] >= 0.99), "SmolLM2's next tokens", "task accuracy"),
+            judged_on(truth(c["top1"] >= 0.99), "SmolLM2's next tokens", "task accuracy"),
             "per token the next token rarely changes (top-1 >= 99 % is the rule applied); whole answers part more "
             "often, which says they differ, not that they are worse. No task's accuracy is measured here")
 
 
 def c_k_over_v(lab):
     c = lab.quality["configs"]
-    return (f"KL K4V8 {c['k4v8']['kl']:.3f} vs K8V4 {c['k8v4']['kl']:.3f}", truth(c["k4v8"]["kl"] > c["k8v4"]["kl"]),
+    return (f"KL K4V8 {c['k4v8']['kl']:.3f} vs K8V4 {c['k8v4']['kl']:.3f}",
+            judged_on(truth(c["k4v8"]["kl"] > c["k8v4"]["kl"]), "SmolLM2", "every model"),
             "a key error is multiplied by q and goes through the softmax")
 
 
@@ -146,7 +156,7 @@ def c_first_last(lab):
     rank = {i: ranked.index(i) + 1 for i in (0, n - 1)}
     says = {i: "among the most sensitive" if r <= n // 3 else "not" for i, r in rank.items()}
     return (f"layers 0 and {n - 1} rank {rank[0]} and {rank[n - 1]} of {n} (most sensitive: {ranked[:3]})",
-            truth(all(r <= n // 3 for r in rank.values())),
+            judged_on(truth(all(r <= n // 3 for r in rank.values())), "SmolLM2", "every model"),
             f"rule: both in the most sensitive third. Layer 0: {says[0]}; layer {n - 1}: {says[n - 1]}. "
             "Measure per model before keeping layers in FP16")
 
@@ -159,11 +169,11 @@ def c_saturation(lab):
     bad, fixed = s["static"], s["corrected"]
     garbage = bad["top1"] < 0.5
     fixes = fixed["kl"] < 2 * good["kl"]
-    verdict = truth(garbage and fixes)
+    verdict = parts(garbage, fixes, "'garbage' (top-1 below 50 %)", "'widening fixes it' (KL within 2x of calibrated)")
     return (f"scales from 16 tokens: K clip {bad['k_clip_rate']:.2%}, KL {bad['kl']:.4f}, top-1 {bad['top1']:.1%} "
             f"(1,024-token calibration: KL {good['kl']:.4f}, top-1 {good['top1']:.1%}); with the 1.2x rule KL "
             f"{fixed['kl']:.4f}, top-1 {fixed['top1']:.1%}, on {lab.quality['scored']} tokens",
-            elsewhere(verdict, "SmolLM2 at 384 tokens", "long contexts on a 7B"),
+            judged_on(verdict, "SmolLM2 at 384 tokens", "long contexts on a 7B"),
             "saturated in the counters, not garbage: most next tokens stay the same. Long contexts, where the "
             "article expects the worst, are not what a 384-token text tests")
 
@@ -173,7 +183,7 @@ def c_window_documents(lab):
     full, window, n = r["full"]["correct"], r["window"]["correct"], r["full"]["n"]
     return (f"a pass key early in a {r['full']['prompt_tokens']}-token document: found {full}/{n} with the full cache, "
             f"{window}/{n} with a 256-token sliding window (notebook 07)",
-            elsewhere(truth(window >= full - 1), claimed_for="models trained with a window"),
+            judged_on(truth(window >= full - 1), claimed_for="models trained with a window"),
             "a window imposed on a model trained without one forgets what fell out of it, the early facts a "
             "document task asks for; the article names no model, and one trained with a window (Mistral-7B "
             "v0.1, say) may carry information across its layers beyond one window, which the lab cannot measure")

@@ -1,35 +1,25 @@
-"""The seven verdict rules of the claims table (notebook 06): a verdict is computed, never typed in.
+"""The verdict rules of the claims table (notebook 06): a verdict is computed, never typed in.
 
-Each rule turns a claimed figure and our measurement into one of ``holds``, ``off by N×``,
-``wrong`` or ``not settled (...)``:
+Every rule returns one of four words, ``holds``, ``partly``, ``wrong`` or ``not checkable here``,
+as a :class:`Verdict`: a string equal to its word that also carries ``detail``, the condition the
+table writes into the row's ``why`` (by how much it is off, which part holds, on what it was
+measured).
 
-* :func:`ratio` — a number: ``holds`` within a tolerance, else ``off by N×``;
-* :func:`in_range` — a range: ``holds`` inside it, else ``off by N×`` from the nearer end;
-* :func:`truth` — a statement (an ordering, "fits", "is faster"): ``holds`` or ``wrong``;
-* :func:`cost_range` — a claimed cost range measured with noise (an interval): ``holds`` when they
-  overlap, ``off by N×`` when we measure more, ``not settled`` when we measure less on a smaller model;
-* :func:`shown` — a claimed gain: ``wrong`` when the bytes cannot allow it, ``holds`` when our run
-  reaches it, ``not settled`` when the bytes allow it and our run did not reach it;
-* :func:`margin` — "it fits" / "it does not fit" against a limit, ``not settled`` within a margin;
-* :func:`readings` — a sentence that reads two ways (the words allow a weak and a strong claim):
-  ``holds`` when both readings hold, ``wrong`` when neither does, ``not settled (ambiguous ...)``
-  when only the weak one does. The table does not pick the reading that suits a verdict.
-
-:func:`corrected` says whether a verdict corrects the article: ``not settled`` is neither a
-confirmation nor a correction, the lab's measurement cannot decide it.
-
-**One rule for claims about another model or another workload** (a 7B on an A100, a chat service's
-traffic, a GPU's utilization). Where arithmetic settles such a claim (bytes, FLOPs, what fits, a
-formula, the article's own numbers against each other) it is judged like any other and holds or
-fails. Where only a measurement could settle it, and the lab can measure only SmolLM2, its own
-workloads or a quantity next to the claimed one (seat occupancy for GPU utilization, next-token
-agreement for task accuracy), the verdict is ``not settled`` and says what the lab saw: "(holds on
-SmolLM2)", "(does not hold on SmolLM2)", "(off by 2.0× on SmolLM2)", "(in range on this workload)"
-(:func:`elsewhere`). A
-general rule stated for every model or workload ("keys matter more than values", "p99.9 beats
-abs-max") is judged on SmolLM2 as one instance: a counterexample makes it wrong, an agreement lets
-it hold. A format claim that leaves its scales unstated is judged with the leanest
-scale layout in common use (one fp16 scale per 128 values).
+* :func:`ratio`: a number; ``holds`` within a tolerance, else ``wrong`` (off by N×);
+* :func:`in_range`: a range; ``holds`` inside it, else ``wrong`` (off by N× from the nearer end);
+* :func:`truth`: a statement (an ordering, "fits", "is faster"); ``holds`` or ``wrong``;
+* :func:`cost_range`: a claimed cost measured with noise (an interval); ``holds`` when they meet,
+  ``wrong`` when all of it lies above (a bigger cost), ``partly`` when all of it lies below (the cost
+  is real but smaller than claimed);
+* :func:`shown`: a claimed speed-up on hardware the lab cannot run; ``wrong`` when the bytes rule it
+  out, ``holds`` when a measured run reaches it, else ``not checkable here`` (an upper bound alone
+  never makes it hold);
+* :func:`margin`: "it fits" / "it needs more" against a limit; ``partly`` within a margin (it depends
+  on what else must fit);
+* :func:`parts`: a sentence of two parts, each measured; ``holds`` when both do, ``wrong`` when
+  neither does, else ``partly``, naming which part holds;
+* :func:`judged_on`: marks a verdict measured on SmolLM2, this CPU or the lab's workload for a claim
+  made about another model, GPU or workload (the table's one rule, :mod:`kvlab.claims`).
 """
 
 from __future__ import annotations
@@ -37,10 +27,33 @@ from __future__ import annotations
 from collections import Counter
 from contextlib import contextmanager
 
-HOLDS = "holds"
-UNSETTLED = "not settled"
+HOLDS, PARTLY, WRONG, NOT_CHECKABLE = "holds", "partly", "wrong", "not checkable here"
+VERDICTS = (HOLDS, PARTLY, WRONG, NOT_CHECKABLE)
 
 _calls: list[dict] | None = None  # while recording(): every rule called, with the tolerance it applied
+
+
+class Verdict(str):
+    """One of :data:`VERDICTS`, carrying ``detail``: the condition or the size of the miss, for ``why``."""
+
+    def __new__(cls, word: str, detail: str = ""):
+        if word not in VERDICTS:
+            raise ValueError(f"verdict must be one of {VERDICTS}, got {word!r}")
+        v = super().__new__(cls, word)
+        v.detail = detail
+        return v
+
+
+def detail(verdict: str) -> str:
+    """The detail a verdict carries ('' for a plain string)."""
+    return getattr(verdict, "detail", "")
+
+
+def worst(verdicts) -> Verdict:
+    """The verdict of a claim with several measured parts: the first that is not ``holds``, else ``holds``.
+    Used where every part must hold for the claim to (a table of figures)."""
+    verdicts = list(verdicts)
+    return next((v for v in verdicts if v != HOLDS), verdicts[0] if verdicts else Verdict(HOLDS))
 
 
 @contextmanager
@@ -65,93 +78,97 @@ def _g(x: float) -> str:
     return f"{x:.3g}"
 
 
-def ratio(claimed: float, measured: float, tol: float = 0.15) -> str:
-    """``holds`` when claimed and measured agree within ``tol`` (relative), else ``off by N×``."""
+def _off(r: float) -> str:
+    return f"off by {r:.2f}×" if r < 1.95 else f"off by {r:.1f}×"
+
+
+def ratio(claimed: float, measured: float, tol: float = 0.15) -> Verdict:
+    """``holds`` when claimed and measured agree within ``tol`` (relative), else ``wrong`` (off by N×)."""
     if claimed <= 0 or measured <= 0:
         raise ValueError(f"ratio needs positive numbers, got claimed={claimed!r}, measured={measured!r}")
     _note("ratio", f"within ±{tol:.0%} of the claimed figure" if tol else "equal to the claimed figure")
     r = max(claimed, measured) / min(claimed, measured)
-    return HOLDS if r <= 1 + tol else f"off by {r:.1f}×" + (f" (±{tol:.0%} allowed)" if tol else "")
+    if r <= 1 + tol:
+        return Verdict(HOLDS)
+    return Verdict(WRONG, _off(r) + (f" (±{tol:.0%} allowed)" if tol else ""))
 
 
-def in_range(lo: float, hi: float, measured: float, tol: float = 0.0) -> str:
-    """``holds`` when ``lo <= measured <= hi`` (widened by ``tol``), else ``off by N×`` from the nearer
-    end; a measurement <= 0 against a positive range is ``wrong``."""
+def in_range(lo: float, hi: float, measured: float, tol: float = 0.0) -> Verdict:
+    """``holds`` when ``lo <= measured <= hi`` (widened by ``tol``), else ``wrong``, off by N× from the
+    nearer end (or of the wrong sign)."""
     if not 0 < lo <= hi:
         raise ValueError(f"need 0 < lo <= hi, got lo={lo!r}, hi={hi!r}")
     _note("in_range", f"in [{_g(lo)}, {_g(hi)}]" + (f" ±{tol:.0%}" if tol else ""))
     if lo * (1 - tol) <= measured <= hi * (1 + tol):
-        return HOLDS
+        return Verdict(HOLDS)
     if measured <= 0:
-        return "wrong"
-    off = f"off by {(lo / measured if measured < lo else measured / hi):.1f}×"
-    return off + (f" (±{tol:.0%} allowed)" if tol else "")
+        return Verdict(WRONG, f"measured {_g(measured)}, not even positive")
+    side = "below" if measured < lo else "above"
+    off = _off(lo / measured if measured < lo else measured / hi)
+    return Verdict(WRONG, f"{off} {side} the range" + (f" (±{tol:.0%} allowed)" if tol else ""))
 
 
-def truth(ok: bool) -> str:
+def truth(ok: bool) -> Verdict:
     """A statement (an ordering, "fits", "is faster"): ``holds`` when it is true, else ``wrong``."""
     _note("truth", "true or false (no tolerance)")
-    return HOLDS if ok else "wrong"
+    return Verdict(HOLDS if ok else WRONG)
 
 
-def cost_range(lo: float, hi: float, measured: float, interval: tuple[float, float]) -> str:
+def cost_range(lo: float, hi: float, measured: float, interval: tuple[float, float]) -> Verdict:
     """A claimed cost (e.g. +0.5-1.5 % perplexity) against our measurement and its noise interval:
-    ``holds`` when the interval meets [lo, hi]; ``off by N×`` when all of it lies above hi (we measure
-    a bigger cost); ``not settled`` when all of it lies below lo (a smaller cost, measured on a smaller
-    model and text, cannot refute a floor claimed for another)."""
+    ``holds`` when the interval meets [lo, hi]; ``wrong`` when all of it lies above hi (a bigger cost);
+    ``partly`` when all of it lies below lo (there is a cost, and it is smaller than claimed)."""
     if not 0 < lo <= hi:
         raise ValueError(f"need 0 < lo <= hi, got lo={lo!r}, hi={hi!r}")
     a, b = sorted(interval)
-    _note("cost_range", f"the measured interval must meet [{_g(lo)}, {_g(hi)}]")
+    _note("cost_range", f"the measured interval must meet [{_g(lo)}, {_g(hi)}]; below it: partly")
     if b >= lo and a <= hi:
-        return HOLDS
+        return Verdict(HOLDS)
     if a > hi:
-        return f"off by {measured / hi:.1f}×"
-    return f"{UNSETTLED} (below the claimed range, on another model)"
+        return Verdict(WRONG, f"{_off(measured / hi)} above the range")
+    return Verdict(PARTLY, f"the whole interval [{_g(a)}, {_g(b)}] lies below the range: a smaller cost than claimed")
 
 
-def shown(possible: bool, reached: bool) -> str:
-    """A claimed gain: ``wrong`` if the bytes rule it out, ``holds`` if our measurement reaches it,
-    ``not settled`` if it is possible but our run did not show it."""
-    _note("shown", "allowed by the bytes, and reached by the lab's run")
+def shown(possible: bool, reached: bool, where: str = "the claimed GPU") -> Verdict:
+    """A claimed speed-up on hardware the lab cannot run: ``wrong`` if the bytes rule it out, ``holds``
+    if a measured run reaches it, else ``not checkable here`` (an upper bound alone never holds)."""
+    _note("shown", "allowed by the bytes, and reached by a measured run; allowed but not reached: not checkable here")
     if not possible:
-        return "wrong"
-    return HOLDS if reached else f"{UNSETTLED} (possible, not reproduced)"
+        return Verdict(WRONG, "the bytes rule it out")
+    if reached:
+        return Verdict(HOLDS)
+    return Verdict(NOT_CHECKABLE, f"the bytes allow it; only a run on {where} could show it")
 
 
-def margin(value: float, limit: float, slack: float = 0.10) -> str:
+def margin(value: float, limit: float, slack: float = 0.10) -> Verdict:
     """Claim "value exceeds limit": ``holds`` above it, ``wrong`` more than ``slack`` below it,
-    ``not settled`` within the slack (borderline: the answer depends on what else must fit)."""
-    _note("margin", f"above the limit; within {slack:.0%} below it: borderline")
+    ``partly`` within the slack (borderline: the answer depends on what else must fit)."""
+    _note("margin", f"above the limit; within {slack:.0%} below it: partly")
     if value > limit:
-        return HOLDS
+        return Verdict(HOLDS)
     if value < limit * (1 - slack):
-        return "wrong"
-    return f"{UNSETTLED} (borderline: within {slack:.0%} of the limit)"
+        return Verdict(WRONG, f"{_g(value / limit)} of the limit")
+    return Verdict(PARTLY, f"borderline: within {slack:.0%} of the limit")
 
 
-def readings(weak: bool, strong: bool, weak_says: str, strong_says: str) -> str:
-    """A sentence with two readings, ``weak_says`` and ``strong_says`` (each true or not as measured):
-    ``holds`` when both hold, ``wrong`` when neither does, else ``not settled (ambiguous: ...)``
-    naming the reading that holds and the one that does not."""
-    _note("readings", f"both readings must hold: {weak_says}; {strong_says}")
-    if weak and strong:
-        return HOLDS
-    if not weak and not strong:
-        return "wrong"
-    good, bad = (weak_says, strong_says) if weak else (strong_says, weak_says)
-    return f"{UNSETTLED} (ambiguous: it holds if it means {good}, not if it means {bad})"
+def parts(first: bool, second: bool, first_says: str, second_says: str) -> Verdict:
+    """A sentence of two measured parts: ``holds`` when both hold, ``wrong`` when neither does, else
+    ``partly``, naming the part that holds and the one that does not."""
+    _note("parts", f"both parts must hold: {first_says}; {second_says}")
+    if first and second:
+        return Verdict(HOLDS)
+    if not first and not second:
+        return Verdict(WRONG, f"neither {first_says} nor {second_says}")
+    good, bad = (first_says, second_says) if first else (second_says, first_says)
+    return Verdict(PARTLY, f"holds {good}, not {bad}")
 
 
-def elsewhere(verdict: str, seen_on: str = "SmolLM2", claimed_for: str = "another model") -> str:
-    """A verdict measured on ``seen_on`` for a claim made for ``claimed_for``, where arithmetic cannot
-    carry it over: ``not settled``, saying what the lab saw (the rule above)."""
-    _note("elsewhere", f"measured on {seen_on}, claimed for {claimed_for}: not settled either way")
-    if verdict.startswith(UNSETTLED):
-        return verdict
-    # one verdict, said once: "holds", "does not hold", or by how much it is off ("off by 2.0×")
-    seen = {HOLDS: "holds", "wrong": "does not hold"}.get(verdict, verdict)
-    return f"{UNSETTLED} ({seen} on {seen_on})"
+def judged_on(verdict: str, seen_on: str = "SmolLM2", claimed_for: str = "another model") -> Verdict:
+    """A verdict measured on ``seen_on`` for a claim made about ``claimed_for``, where arithmetic cannot
+    carry it over: the same word, with the condition in its detail (the table's one rule)."""
+    _note("judged_on", f"measured on {seen_on}, claimed for {claimed_for}: judged on what the lab measures")
+    said = f"on {seen_on} (claimed for {claimed_for})"
+    return Verdict(str(verdict), f"{detail(verdict)}, {said}" if detail(verdict) else said)
 
 
 def summarize(calls: list[dict]) -> tuple[str, str]:
@@ -165,5 +182,5 @@ def summarize(calls: list[dict]) -> tuple[str, str]:
 
 
 def corrected(verdict: str) -> bool:
-    """Off or wrong: the notebook corrects the article. ``not settled`` is not a correction."""
-    return verdict != HOLDS and not verdict.startswith(UNSETTLED)
+    """``wrong`` or ``partly``: the notebook corrects the article (``not checkable here`` does not)."""
+    return verdict in (WRONG, PARTLY)

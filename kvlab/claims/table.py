@@ -1,9 +1,10 @@
 """Running the claims table (notebook 06, ``kvlab claims``): measure, judge, count and print.
 
 :func:`run` measures every claim of the catalog (or some of them) with one shared
-:class:`~kvlab.claims.lab.Lab`; :func:`counts` says how many hold, are corrected or are not
-settled; :func:`format_table` is the plain-text table the notebook and the CLI print, and
-:func:`format_index` the same at one line per claim.
+:class:`~kvlab.claims.lab.Lab`; :func:`counts` says how many rows carry each of the four verdict
+words; :func:`format_table` is the plain-text table the notebook and the CLI print,
+:func:`format_index` the same at one line per claim and :func:`format_grouped` those lines under
+their verdict words.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import textwrap
 
 from kvlab.claims.catalog import CLAIMS
 from kvlab.claims.lab import Lab
-from kvlab.claims.rules import HOLDS, UNSETTLED, recording, summarize
+from kvlab.claims.rules import HOLDS, NOT_CHECKABLE, PARTLY, VERDICTS, WRONG, detail, recording, summarize
 
 
 def run(lab: Lab | None = None, ids=None, progress=None) -> list[dict]:
@@ -31,24 +32,33 @@ def run(lab: Lab | None = None, ids=None, progress=None) -> list[dict]:
             progress(c.id)
         with recording() as calls:
             measured, verdict, why = c.measure(lab)
+        if verdict not in VERDICTS:
+            raise ValueError(f"claim {c.id!r} measured a verdict {verdict!r}: a rule returns one of {VERDICTS}")
         rule, tolerance = summarize(calls)
-        rows.append(dict(id=c.id, article=c.article, where=c.where, claim=c.text, measured=measured, verdict=verdict,
-                         why=why, rule=rule, tolerance=tolerance, notebook=c.notebook, section=c.section,
-                         quote=c.quote))
+        condition = detail(verdict)  # by how much, which part, on what: the why's first clause
+        rows.append(dict(id=c.id, article=c.article, where=c.where, claim=c.text, measured=measured,
+                         verdict=str(verdict), why=f"{condition}. {why}" if condition else why, rule=rule,
+                         tolerance=tolerance, notebook=c.notebook, section=c.section, quote=c.quote))
     return rows
 
 
 def counts(rows: list[dict]) -> dict:
-    """How many claims hold, how many the lab corrects (off by N×, or wrong) and how many it cannot
-    settle."""
-    holds = sum(r["verdict"] == HOLDS for r in rows)
-    unsettled = sum(r["verdict"].startswith(UNSETTLED) for r in rows)
-    return {"claims": len(rows), "holds": holds, "corrected": len(rows) - holds - unsettled, "unsettled": unsettled,
-            "off": sum(r["verdict"].startswith("off") for r in rows), "wrong": sum(r["verdict"] == "wrong" for r in rows)}
+    """How many rows: in all (``claims``), and under each of the four verdict words."""
+    return {"claims": len(rows), **{v: sum(r["verdict"] == v for r in rows) for v in VERDICTS}}
+
+
+def count_line(rows: list[dict]) -> str:
+    """The counts in one line: "70 claims: 30 hold, 9 partly, 25 wrong, 6 not checkable here"."""
+    c = counts(rows)
+    return (f"{c['claims']} claims: {c[HOLDS]} hold, {c[PARTLY]} partly, {c[WRONG]} wrong, "
+            f"{c[NOT_CHECKABLE]} not checkable here")
+
+
+MARKS = {HOLDS: "✓", PARTLY: "~", WRONG: "✗", NOT_CHECKABLE: "?"}
 
 
 def _mark(verdict: str) -> str:
-    return "✓" if verdict == HOLDS else "?" if verdict.startswith(UNSETTLED) else "✗"
+    return MARKS[verdict]
 
 
 def format_index(rows: list[dict], width: int = 110) -> str:
@@ -56,7 +66,7 @@ def format_index(rows: list[dict], width: int = 110) -> str:
     (cut to ``width``): the whole table at a glance; :func:`format_table` has every row in full."""
     out = []
     for i, r in enumerate(rows, 1):
-        verdict = r["verdict"].split(" (")[0]  # the verdict's word; its reasons are in format_table
+        verdict = r["verdict"]
         line = f"{i:>2}. {_mark(r['verdict'])} {r['article']} {r['where']:<11} {r['claim']}"
         tail = f"  [{verdict}]"
         if len(line) + len(tail) > width:
@@ -83,7 +93,22 @@ def format_table(rows: list[dict], width: int = 64, brief: bool = False, numbers
         for label, text in parts:
             out.append(textwrap.fill(text, width + 14, initial_indent=f"      {label:<9}",
                                      subsequent_indent=" " * 15))
-    c = counts(rows)
-    out.append(f"{c['claims']} claims: {c['holds']} hold, {c['corrected']} corrected ({c['off']} off by a factor, "
-               f"{c['wrong']} wrong), {c['unsettled']} not settled")
+    out.append(count_line(rows))
+    return "\n".join(out)
+
+
+def format_grouped(rows: list[dict], width: int = 110) -> str:
+    """The table at one line per claim, grouped under its verdict word with the count: what holds, what
+    holds in part, what is wrong, what the lab cannot check. Lines keep their numbers in the table."""
+    numbered = list(enumerate(rows, 1))
+    out = []
+    for v in VERDICTS:
+        group = [(i, r) for i, r in numbered if r["verdict"] == v]
+        if not group:
+            continue
+        out.append(f"{MARKS[v]} {v}: {len(group)}")
+        lines = format_index([r for _, r in group], width=width - 2).splitlines()
+        for (i, _), line in zip(group, lines):
+            out.append(f"  {i:>2}." + line.split(".", 1)[1])
+    out.append(count_line(rows))
     return "\n".join(out)
