@@ -120,7 +120,7 @@ def test_model_free_claims_run_and_count():
     assert [r["id"] for r in rows] == NO_MODEL
     verdict = {r["id"]: r["verdict"] for r in rows}
     assert verdict["kv-7b"] == "holds" and verdict["kv-1mb"] == "wrong" and verdict["b32-16k-fits"] == "wrong"
-    assert {r["id"]: r for r in rows}["kv-1mb"]["why"].startswith("off by 2.0× (±15% allowed). ")
+    assert {r["id"]: r for r in rows}["kv-1mb"]["why"].startswith("off by 2.0× (±15% allowed); ")
     c = claims.counts(rows)
     assert set(c) == {"claims", *claims.VERDICTS}
     assert sum(c[v] for v in claims.VERDICTS) == c["claims"] == len(NO_MODEL)
@@ -289,6 +289,7 @@ def test_the_five_corrected_verdicts():
     # round-even: truncation biases (holds); half-to-even vs half-away: no exact ties, no difference (does not)
     assert by_id["round-even"].measure(SimpleNamespace(kv=_kv("plain")))[1] == "partly"
     assert by_id["round-even"].measure(SimpleNamespace(kv=_kv("ties")))[1] == "holds"  # ties: half-away biases
+    assert by_id["round-even"].measure(SimpleNamespace(kv=_kv("grid")))[1] == "wrong"  # on the grid: nothing to round
     # int8-39pct: measured at 32 x 16K, which cannot fit an 80 GB card
     measured, v, _ = by_id["int8-39pct"].measure(None)
     assert v == "wrong" and "32 x 16K needs 269 GiB" in measured

@@ -37,7 +37,7 @@ def run(lab: Lab | None = None, ids=None, progress=None) -> list[dict]:
         rule, tolerance = summarize(calls)
         condition = detail(verdict)  # by how much, which part, on what: the why's first clause
         rows.append(dict(id=c.id, article=c.article, where=c.where, claim=c.text, measured=measured,
-                         verdict=str(verdict), why=f"{condition}. {why}" if condition else why, rule=rule,
+                         verdict=str(verdict), why=f"{condition}; {why}" if condition else why, rule=rule,
                          tolerance=tolerance, notebook=c.notebook, section=c.section, quote=c.quote))
     return rows
 
