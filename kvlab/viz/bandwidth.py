@@ -12,6 +12,7 @@ from plotly.subplots import make_subplots
 
 from kvlab.kernels.traffic import GPU_BANDWIDTH, SHAPES, step_bytes
 from kvlab.viz import COLORS
+from kvlab.viz.render import live, view
 from kvlab.viz.paged import PALETTE
 
 FORMAT_COLORS = {"fp16": COLORS["weights"], "int8": COLORS["tokens"], "k8v4": PALETTE[0],
@@ -72,7 +73,7 @@ def bandwidth_figure(shape: str = "llama-3-8b", batch: int = 32, context: int = 
     update_bandwidth_figure(fig, shape, batch, context, gpu, bench)
     # a FigureWidget built from the finished figure: traces added to a live FigureWidget one by one lose
     # their x values in the browser (plotly 7 + anywidget), later updates of existing traces do not
-    return go.FigureWidget(fig) if widget else fig
+    return live(fig) if widget else fig
 
 
 def update_bandwidth_figure(fig, shape: str, batch: int, context: int, gpu: str, bench: dict | None = None) -> dict:
@@ -141,4 +142,4 @@ def bandwidth_widget(shape: str = "llama-3-8b", batch: int = 32, context: int = 
     for c in (w_shape, w_gpu, w_batch, w_ctx):
         c.observe(refresh, names="value")
     refresh()
-    return W.VBox([W.HBox([w_shape, w_gpu]), W.HBox([w_batch, w_ctx]), out, fig])
+    return W.VBox([W.HBox([w_shape, w_gpu]), W.HBox([w_batch, w_ctx]), out, view(fig)])

@@ -17,6 +17,7 @@ from plotly.subplots import make_subplots
 
 from kvlab.capstone import CONFIGS, quantized
 from kvlab.viz import COLORS
+from kvlab.viz.render import live, view
 from kvlab.viz.engine import EngineRecorder, _frame_html
 from kvlab.viz.paged import _grid, block_table_figure
 
@@ -54,7 +55,7 @@ class Dashboard:
         self.pool = block_table_figure(frame["pool"], columns, widget=True)
         self.pool.update_layout(width=WIDTH, title="the block pool: colour = request, dark = shared by several, "
                                       "grey = cached (freed, reusable), white = free")
-        self.chart = go.FigureWidget(self._figure())
+        self.chart = live(self._figure())
         self.info = W.HTML()
         self.play = W.Play(min=0, max=0, value=0, interval=400, description="play")
         self.step = W.IntSlider(min=0, max=0, value=0, description="frame")
@@ -62,7 +63,8 @@ class Dashboard:
         self.step.observe(lambda change: self.draw(change["new"]), names="value")
         self.recorder.listeners.append(self._follow)
         self.widget = W.VBox([W.HTML(f"<b>{html.escape(title)}</b>") if title else W.HTML(),
-                              W.HBox([self.play, self.step]), self.info, self.chart, self.pool])
+                              W.HBox([self.play, self.step]), self.info, view(self.chart),
+                              view(self.pool)])
         self.widget.dashboard = self
         self._sync_range()
         self.draw(len(self.recorder.frames) - 1)

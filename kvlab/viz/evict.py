@@ -8,6 +8,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvlab.viz import COLORS
+from kvlab.viz.render import live, view
 
 POLICY_COLORS = {"window": "#8e44ad", "sinks+window": "#2980b9", "h2o": "#d35400", "snapkv": "#16a085"}
 # diamonds in colours no policy line uses (green and red sat too close to snapkv and h2o)
@@ -59,7 +60,7 @@ def eviction_explorer(runs: dict, marks: dict | None = None, prompt_tokens: int 
     names, z, text = _grid(runs[budgets[0]], budgets[0], prompt_tokens)
     colorscale = [[0, COLORS["empty"]], [0.33, COLORS["empty"]], [0.34, COLORS["tokens"]], [0.66, COLORS["tokens"]],
                   [0.67, COLORS["padding"]], [1, COLORS["padding"]]]
-    fig = go.FigureWidget(go.Heatmap(z=z, y=names, text=text, hoverinfo="text", zmin=0, zmax=2,
+    fig = go.Figure(go.Heatmap(z=z, y=names, text=text, hoverinfo="text", zmin=0, zmax=2,
                                      colorscale=colorscale, showscale=False, xgap=1, ygap=3))
     # a widget in a box does not stretch its figure (the default 700 px squeezes 35 blocks): set the width
     n = len(z[0])
@@ -80,6 +81,7 @@ def eviction_explorer(runs: dict, marks: dict | None = None, prompt_tokens: int 
         fig.add_vline(x=edge, line_dash="dash", line_color="black")
         fig.add_annotation(x=edge, y=1.0, yref="paper", yanchor="bottom", text="prompt ends here ", showarrow=False,
                            xanchor="right", font=dict(size=13))  # right-aligned: centred, it ran off the plot
+    fig = live(fig)
     slider = W.SelectionSlider(options=budgets, value=budgets[0] if start is None else start,
                                description="budget (tokens)",
                                style={"description_width": "initial"}, layout=W.Layout(width="460px"))
@@ -99,7 +101,7 @@ def eviction_explorer(runs: dict, marks: dict | None = None, prompt_tokens: int 
 
     slider.observe(refresh, names="value")
     refresh()
-    return W.VBox([slider, fig])
+    return W.VBox([slider, view(fig)])
 
 
 def quantize_or_evict_figure(q: dict):

@@ -13,6 +13,7 @@ import plotly.graph_objects as go
 
 from kvlab.validate import cdiv
 from kvlab.viz import COLORS
+from kvlab.viz.render import live, view
 
 PALETTE = ["#2e86c1", "#28b463", "#af7ac5", "#e67e22", "#ec7063", "#d4ac0d", "#76d7c4", "#e59866", "#f7dc6f",
            "#a9cce3", "#abebc6"]  # eleven, none dark or grey: those mean shared and cached
@@ -130,7 +131,7 @@ def _tables_html(frame: dict) -> str:
 
 def block_table_figure(frame: dict, columns: int = 8, widget: bool = False):
     z, text, scale, n = _grid(frame, columns)
-    fig = (go.FigureWidget if widget else go.Figure)(go.Heatmap(
+    fig = go.Figure(go.Heatmap(
         z=z, text=text, texttemplate="%{text}", textfont=dict(size=13 if columns <= COMPACT_COLUMNS else 11),
         colorscale=scale, zmin=0, zmax=n,
         showscale=False, xgap=3, ygap=3, hoverinfo="text"))
@@ -141,7 +142,7 @@ def block_table_figure(frame: dict, columns: int = 8, widget: bool = False):
                       xaxis=dict(visible=False), yaxis=dict(visible=False, autorange="reversed"))
     if len(frame["blocks"]) % columns:  # the grid's last row runs past the pool: say what those cells are
         fig.layout.title.text += " · blue-grey: past the pool's last block"
-    return fig
+    return live(fig) if widget else fig
 
 
 def block_table_widget(trace: Trace, columns: int = 8, start: int = 0):
@@ -166,7 +167,7 @@ def block_table_widget(trace: Trace, columns: int = 8, start: int = 0):
         info.value = _tables_html(frame)
 
     step.observe(show, names="value")
-    return W.VBox([W.HBox([play, step]), info, fig])
+    return W.VBox([W.HBox([play, step]), info, view(fig)])
 
 
 def fragmentation_figure(results: list[dict], title: str = ""):

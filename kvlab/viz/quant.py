@@ -9,6 +9,7 @@ from plotly.subplots import make_subplots
 
 from kvlab.quant import core
 from kvlab.viz import COLORS
+from kvlab.viz.render import live, view
 
 
 def saturation_heatmap(saturation: dict, counter: str = "clipped", title: str = ""):
@@ -99,7 +100,7 @@ def granularity_explorer(keys, values, calibration=None,
     which = W.ToggleButtons(options=["K", "V"], description="tensor")
     gran = W.Dropdown(options=list(granularities), value="per-head", description="granularity")
     stat = W.Dropdown(options=stats, value=start or stats[0], description="scales from")
-    fig = go.FigureWidget(make_subplots(specs=[[{"secondary_y": True}]]))
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
     fig.add_bar(x=list(range(len(keys))), y=[0.0] * len(keys), marker_color=COLORS["tokens"], name="SNR (dB)")
     fig.add_scatter(x=list(range(len(keys))), y=[0.0] * len(keys), mode="lines+markers", line_color=COLORS["kv"],
                     name="clip rate", secondary_y=True)
@@ -108,6 +109,7 @@ def granularity_explorer(keys, values, calibration=None,
     fig.update_yaxes(title_text="INT8 SNR (dB, higher is better)", rangemode="tozero", secondary_y=False)
     fig.update_yaxes(title_text="share of values clipped", tickformat=".3~%", nticks=5, rangemode="tozero",
                      secondary_y=True)
+    fig = live(fig)
 
     def refresh(_=None):
         data = keys if which.value == "K" else values
@@ -131,4 +133,4 @@ def granularity_explorer(keys, values, calibration=None,
     for w in (which, gran, stat):
         w.observe(refresh, names="value")
     refresh()
-    return W.VBox([W.HBox([which, gran, stat]), fig])
+    return W.VBox([W.HBox([which, gran, stat]), view(fig)])

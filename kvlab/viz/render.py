@@ -1,0 +1,75 @@
+"""Figures that widgets update in place, on every front end (JupyterLab, Colab, Kaggle, a course hub).
+
+A live widget (a slider over a plot) updates its figure inside ``with fig.batch_update():``. Where
+plotly's ``FigureWidget`` renders (JupyterLab with the lab's plotly and ipywidgets), it is that
+widget. Where it does not (Colab's widget manager, Kaggle, old plotly/ipywidgets pairs), the same
+updates go to a plain ``go.Figure`` that is redrawn inside an ``ipywidgets.Output`` after each batch:
+slower (the whole figure is sent again) but it renders wherever a notebook shows a plotly figure.
+
+:func:`~kvlab.env.widget_mode` chooses: ``KVLAB_WIDGETS=figurewidget`` or ``KVLAB_WIDGETS=output``
+forces one; otherwise ``output`` on Colab and Kaggle (:func:`kvlab.env.hosted`), ``figurewidget`` elsewhere.
+:func:`live` makes the figure, :func:`view` gives the widget to put in a layout.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import plotly.graph_objects as go
+
+from kvlab.env import WIDGET_MODES as MODES
+from kvlab.env import widget_mode
+
+__all__ = ["MODES", "RedrawnFigure", "live", "view", "widget_mode"]
+
+
+class RedrawnFigure:
+    """A plotly figure shown in an ``ipywidgets.Output`` and redrawn after each ``batch_update``.
+
+    ``data``, ``layout`` and the figure's other attributes are the plain figure's; ``output`` is the
+    widget to display (:func:`view`). ``update_layout`` redraws too."""
+
+    def __init__(self, fig):
+        import ipywidgets as W  # ipywidgets loads only when a widget is built
+
+        self.figure = go.Figure(fig)
+        self.output = W.Output()
+        self.output.live_figure = self  # from the widget tree back to the figure it shows (tests read it)
+        self.draws = 0  # how many times it was sent to the front end (tests read it)
+        self.draw()
+
+    def draw(self) -> None:
+        from IPython.display import display  # IPython: only where a figure is drawn (a kernel has it)
+
+        self.output.clear_output(wait=True)
+        with self.output:
+            display(self.figure)
+        self.draws += 1
+
+    @contextmanager
+    def batch_update(self):
+        with self.figure.batch_update():
+            yield
+        self.draw()
+
+    def update_layout(self, *args, **kwargs):
+        self.figure.update_layout(*args, **kwargs)
+        self.draw()
+        return self
+
+    def __getattr__(self, name):  # data, layout, add_*, ...: the figure's own
+        return getattr(self.figure, name)
+
+
+def live(fig, mode: str | None = None):
+    """``fig`` (a ``go.Figure``) as a figure widgets can update: a ``FigureWidget``, or a
+    :class:`RedrawnFigure` in ``"output"`` mode (``mode=None``: :func:`widget_mode`)."""
+    mode = widget_mode() if mode is None else mode
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES} or None, got {mode!r}")
+    return go.FigureWidget(fig) if mode == "figurewidget" else RedrawnFigure(fig)
+
+
+def view(fig):
+    """The widget that shows ``fig`` in a layout (``VBox([..., view(fig)])``)."""
+    return fig.output if isinstance(fig, RedrawnFigure) else fig
