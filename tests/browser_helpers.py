@@ -80,8 +80,9 @@ class JupyterLab:
     where it already is.
     """
 
-    def __init__(self, root: Path, log_path: Path):
+    def __init__(self, root: Path, log_path: Path, env: dict | None = None):
         self.root, self.log_path = Path(root), Path(log_path)
+        self.extra_env = dict(env or {})  # e.g. KVLAB_WIDGETS=output: the kernels inherit it
         self.port, self.token = free_port(), secrets.token_hex(16)
         self.base = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -113,7 +114,8 @@ class JupyterLab:
                    JUPYTER_PREFER_ENV_PATH="1", PYTHONUNBUFFERED="1",
                    KVLAB_PROGRESS=str(home / "progress.json"),  # a fresh progress list: not the learner's own
                    # the kernel's "python" is this environment's python
-                   PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+                   PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+                   **self.extra_env)
         cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.allow_root=True",
                "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
                f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}",

@@ -138,6 +138,35 @@ def test_notebook_widgets_render_and_react(path, lab, browser, capsys, record_pr
     assert not problems, f"{path.name} in the browser:\n  " + "\n  ".join(problems)
 
 
+def test_the_fallback_widgets_render_and_react(tmp_path, browser, capsys, record_property):
+    """Where FigureWidget does not render (Colab, Kaggle), live figures are redrawn in an Output
+    (kvlab.viz.render): notebook 00 with the fallback forced, in its own JupyterLab, must show its
+    figures and its widget must redraw when a slider moves."""
+    def say(line):
+        with capsys.disabled():
+            print(line, flush=True)
+
+    root = tmp_path / "notebooks"
+    root.mkdir()
+    shutil.copyfile(ROOT / "notebooks" / "00_memory_wall.ipynb", root / "00_memory_wall.ipynb")
+    server = bh.JupyterLab(root, ARTIFACTS / "jupyter-server-fallback.log", env={"KVLAB_WIDGETS": "output"}).start()
+    try:
+        shots = ARTIFACTS / "00_memory_wall-fallback"
+        problems, t = _run_and_check(server, browser, "00_memory_wall.ipynb", shots, say)
+    finally:
+        server.stop()
+    line = (f"00_memory_wall.ipynb with KVLAB_WIDGETS=output: ran in {t['run_s']:.0f} s; {t['widget views']} widget "
+            f"views, {t['figures']} figures, {t['slider widgets']} slider widgets; screenshots in {shots}")
+    say(f"\n[browser] {line}")
+    record_property("browser", line)
+    assert not problems, "00_memory_wall.ipynb, fallback widgets, in the browser:\n  " + "\n  ".join(problems)
+    assert t["slider widgets"] >= 1 and t["figures"] >= 1
+    executed = json.loads((shots / "00_memory_wall.ipynb").read_text()) if (shots / "00_memory_wall.ipynb").exists() else None
+    if executed is not None:  # the setup line says which path rendered them
+        first = "".join(o.get("text", "") for o in executed["cells"][1]["outputs"] if o.get("name") == "stdout")
+        assert "widgets: output" in first, first
+
+
 # A notebook that breaks in every way the check must catch, next to one widget that works.
 BROKEN_CELLS = [
     # 0: a widget view whose model the kernel never sends
