@@ -27,6 +27,10 @@ import functools
 import os
 from importlib import metadata
 
+import torch
+
+from kvlab.formats import ELEMENT_FORMATS
+
 #: why the kernels cannot run on this machine; shown by skipped notebook cells, tests and errors
 WHY_NO_TRITON = ("the Triton kernels need triton, which installs on Linux only (pip install triton==3.7.1); "
                  "on a Mac or Windows run them on a Linux machine or in a Linux container (e.g. Docker; "
@@ -45,13 +49,68 @@ SKIPPED_COMPILED = ("skipped: this cell counts bytes through Triton's interprete
 
 
 @functools.cache
-def available() -> bool:
-    """Whether triton imports here (Linux: yes; macOS, Windows: no wheel on PyPI). Tried once."""
+def _triton_imports() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+#: below this compute capability Triton's ``tl.dot`` has no tensor-core path: it falls back to FMA
+#: (correct, slower). Triton 3 supports 8.0+ officially; Colab's free T4 (7.5) runs the kernels unofficially.
+TENSOR_CORES = (8, 0)
+
+
+def gpu_capability() -> tuple[int, int] | None:
+    """This machine's CUDA compute capability, or None without a GPU (the interpreter runs every format)."""
+    return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+
+
+def why_not(fmt: str, capability: tuple[int, int] | None = None) -> str | None:
+    """None when the Triton kernels run element format ``fmt`` here; else one line saying why not
+    (no triton, a format the kernels do not read, or a GPU older than the format needs).
+    ``capability``: a GPU's (major, minor) to ask about instead of this machine's."""
+    if fmt not in ELEMENT_FORMATS:
+        raise ValueError(f"fmt must be one of {tuple(ELEMENT_FORMATS)}, got {fmt!r}")
+    if not _triton_imports():
+        return WHY_NO_TRITON
+    el = ELEMENT_FORMATS[fmt]
+    if not el.kernel:
+        return f"the Triton kernels do not read {fmt} pages; attn_backend='torch' runs them on any device"
+    cap = gpu_capability() if capability is None else tuple(capability)
+    if cap is not None and cap < el.gpu_capability:
+        need = "".join(map(str, el.gpu_capability))
+        return (f"{fmt} pages need compute capability {el.gpu_capability[0]}.{el.gpu_capability[1]} (sm_{need}) in the "
+                f"Triton kernels; this GPU is sm_{cap[0]}{cap[1]}: use attn_backend='torch' or another storage format")
+    return None
+
+
+def available(fmt: str | None = None, capability: tuple[int, int] | None = None) -> bool:
+    """Whether triton imports here (Linux: yes; macOS, Windows: no wheel on PyPI); with ``fmt``, whether
+    the kernels run that element format on this machine (or on a GPU of ``capability``): :func:`why_not`."""
+    if fmt is None and capability is None:
+        return _triton_imports()
+    if fmt is None:
+        raise ValueError("capability needs fmt: available(fmt, capability)")
+    return why_not(fmt, capability) is None
+
+
+def formats_available(capability: tuple[int, int] | None = None) -> dict[str, str]:
+    """Every element format and what the kernels do with it here (or on a GPU of ``capability``):
+    "runs", "runs, without tensor cores (...)", or the one line of :func:`why_not`."""
+    cap = gpu_capability() if capability is None else tuple(capability)
+    out = {}
+    for name in ELEMENT_FORMATS:
+        reason = why_not(name, capability)
+        if reason is not None:
+            out[name] = reason
+        elif cap is not None and cap < TENSOR_CORES:
+            out[name] = (f"runs, without tensor cores: tl.dot falls back to FMA below sm_80 (this GPU is "
+                         f"sm_{cap[0]}{cap[1]}; Triton supports it unofficially)")
+        else:
+            out[name] = "runs" + (" (interpreter, CPU)" if cap is None else "")
+    return out
 
 
 def require_triton(what: str) -> None:
@@ -130,5 +189,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'kvlab.kernels' has no attribute {name!r}")
 
 
-__all__ = ["available", "WHY_NO_TRITON", "CELL_MARKER", "SKIPPED_CELL", "require_triton", "skip_cells_without_triton",
+__all__ = ["available", "formats_available", "gpu_capability", "why_not", "TENSOR_CORES", "WHY_NO_TRITON", "CELL_MARKER", "SKIPPED_CELL", "require_triton", "skip_cells_without_triton",
            "triton_mode", "triton_version", *_LAZY]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.formats import ELEMENT_FORMATS
+from kvlab.kernels import available, why_not
 
 # format codes the kernels branch on (tl.constexpr)
 FLOAT, INT8, INT4 = 0, 1, 2
@@ -70,6 +71,9 @@ def check_kernel_format(fmt, where: str) -> None:
     if not el.kernel or (el.kind == "packed" and not fmt.symmetric):
         raise ValueError(f"{where} is stored as {fmt.label()!r}; attn_backend='triton' handles "
                          f"{', '.join(kernel_formats())}; use attn_backend='torch' or 'reference'")
+    reason = why_not(el.name) if available() and el.kernel else None
+    if reason is not None:
+        raise ValueError(f"{where}: {reason}")
     if el.kind == "packed" and (fmt.group_size < 2 or fmt.group_size & (fmt.group_size - 1)):
         raise ValueError(f"{where}: attn_backend='triton' needs an {fmt.dtype} group_size that is a power of two >= 2, "
                          f"got {fmt.group_size}")

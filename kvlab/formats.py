@@ -51,6 +51,8 @@ class ElementFormat:
     granularities: tuple[str, ...] = ()
     default_granularity: str = "none"
     kernel: bool = False
+    #: the least CUDA compute capability the Triton kernels need for it (kvlab.kernels.available)
+    gpu_capability: tuple[int, int] = (7, 5)
     description: str = ""
 
     def __post_init__(self):
@@ -149,7 +151,8 @@ def kernel_names() -> tuple[str, ...]:
 
 register(ElementFormat("fp32", 32, torch.float32, "float", kernel=True, description="IEEE single precision"))
 register(ElementFormat("fp16", 16, torch.float16, "float", kernel=True, description="IEEE half precision"))
-register(ElementFormat("bf16", 16, torch.bfloat16, "float", kernel=True, description="bfloat16"), kv_cache_dtype=False)
+register(ElementFormat("bf16", 16, torch.bfloat16, "float", kernel=True, gpu_capability=(8, 0),  # no bf16 before Ampere
+                       description="bfloat16"), kv_cache_dtype=False)
 register(ElementFormat("int8", 8, torch.int8, "int", qmax=127.0, clip_slack=0.5, granularities=GRANULARITIES,
                        default_granularity="per-head", kernel=True,
                        description="symmetric INT8 codes, round half to even, scales beside the pages"))

@@ -46,11 +46,11 @@ def _fake_python(path: Path, version: str, log: Path) -> Path:
 
 @pytest.fixture
 def project(tmp_path):
-    """A copy of the Makefile and pyproject.toml with no .venv, and a PATH that holds only fake
+    """A copy of the Makefile, pyproject.toml and the lock with no .venv, and a PATH that holds only fake
     interpreters (bin/) and the tools the Makefile calls (tools/): this machine's real python3.11+ stay out."""
     if MAKE is None:
         pytest.skip("no make on this machine")
-    for name in ("Makefile", "pyproject.toml"):
+    for name in ("Makefile", "pyproject.toml", "constraints.txt"):
         shutil.copy(ROOT / name, tmp_path / name)
     tools = tmp_path / "tools"
     tools.mkdir()
