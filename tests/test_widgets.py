@@ -143,3 +143,20 @@ def test_the_mode_follows_the_platform_and_the_variable(monkeypatch):
     monkeypatch.setenv("KVLAB_WIDGETS", "canvas")
     with pytest.raises(ValueError, match="KVLAB_WIDGETS must be one of"):
         widget_mode()
+
+
+def test_setup_switches_colab_s_widget_manager_on_and_says_how_figures_render(monkeypatch, capsys):
+    import sys
+    import types
+
+    import kvlab
+
+    calls = []
+    colab = types.ModuleType("google.colab")
+    colab.output = types.SimpleNamespace(enable_custom_widget_manager=lambda: calls.append("on"))
+    monkeypatch.setitem(sys.modules, "google", types.ModuleType("google"))
+    monkeypatch.setitem(sys.modules, "google.colab", colab)
+    monkeypatch.delenv("KVLAB_WIDGETS", raising=False)
+    info = kvlab.setup()
+    assert calls == ["on"] and info.platform == "colab" and info.widgets == "output"
+    assert "on colab" in capsys.readouterr().out
