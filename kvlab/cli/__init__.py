@@ -19,13 +19,15 @@ one JSON object on stdout instead of a table):
 - ``export-vllm``: calibrated FP8 KV scales as vLLM checkpoint tensors and config.json.
 - ``claims``: every numeric claim of the three source articles, measured now, with a verdict.
 - ``convert``: convert the bundled SmolLM2 GGUF to safetensors (once).
+- ``grade``: submitted notebooks executed headless, each task graded by kvlab's own checker on the
+  participant's function; a CSV and, with ``--nbgrader``, nbgrader export's columns (:mod:`kvlab.grade`).
 - ``gpu-check``: on a CUDA GPU, every notebook executed, ``bench kernels`` and ``bench engine`` (triton
   and torch backends), their JSON and a one-screen summary into ``--out DIR``, inside 8 minutes
   (:mod:`kvlab.gpu_check`); ``--dry-run`` rehearses the same plan on a CPU.
 
 The parser is ``kvlab.cli.parser``; each subcommand's handler ``cmd_<name>(args) -> int`` lives in
 the module ``parser.COMMAND_MODULES`` names (``info``, ``generate``, ``bench``, ``quant``, ``export``,
-``claims``, ``gpu_check``). Bad input goes to stderr as one ``kvlab: error: ...`` line with exit status 2, so
+``claims``, ``gpu_check``, ``grade``). Bad input goes to stderr as one ``kvlab: error: ...`` line with exit status 2, so
 scripts (and the tests) can tell bad input from a crash; the vLLM peer failing exits with 1 and the tail
 of its output; Ctrl-C exits with 130.
 """

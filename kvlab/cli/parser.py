@@ -22,7 +22,7 @@ from kvlab.sizing import dtypes
 #: the subcommand -> the module of kvlab.cli that holds its handler ``cmd_<name>`` (imported when it runs)
 COMMAND_MODULES = {"info": "info", "size": "info", "generate": "generate", "bench": "bench",
                    "calibrate": "quant", "ppl": "quant", "export-vllm": "export", "claims": "claims",
-                   "convert": "info", "gpu-check": "gpu_check"}
+                   "convert": "info", "gpu-check": "gpu_check", "grade": "grade"}
 
 DEFAULT_MODEL = "smollm2-135m"
 # KV formats (``kvlab ppl --kv-cache-dtype``; the engine's pool also takes "auto", its model's dtype), their
@@ -220,6 +220,19 @@ def _claims_options() -> argparse.ArgumentParser:
     return s
 
 
+def _grade_options() -> argparse.ArgumentParser:
+    s = argparse.ArgumentParser(add_help=False)
+    s.add_argument("submissions", nargs="+", help="submitted notebooks, or folders of them (one folder per participant)")
+    s.add_argument("--out", required=True, help="grades CSV: one row per submission")
+    s.add_argument("--nbgrader", default=None, metavar="CSV", help="also write the grades in nbgrader export's columns")
+    s.add_argument("--notebook", default=None, help="the lab notebook they answer (default: from each file's name)")
+    s.add_argument("--points", default=None, metavar="JSON", help='points per task, e.g. {"slot_mapping": 2} (default 1)')
+    s.add_argument("--timeout", type=positive_int("--timeout"), default=900, help="seconds per notebook (default 900)")
+    s.add_argument("--jobs", type=positive_int("--jobs"), default=1, help="submissions graded at once (default 1)")
+    s.add_argument("--memory-gb", type=float, default=8.0, help="memory per submission, Linux only (default 8)")
+    return s
+
+
 def _convert_options() -> argparse.ArgumentParser:
     s = argparse.ArgumentParser(add_help=False)
     s.add_argument("--force", action="store_true")
@@ -272,5 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("convert", help="convert the bundled SmolLM2 GGUF to safetensors (once)", parents=[_convert_options(), out])
     add("gpu-check", help="the whole lab on one CUDA GPU within 8 minutes: every notebook, the kernel and engine "
                           "benchmarks, a summary (--dry-run rehearses it on a CPU)", parents=[_gpu_check_options(), out])
+    add("grade", help="execute submitted notebooks and grade every task with kvlab's checkers (CSV, nbgrader CSV)",
+        parents=[_grade_options(), out])
     assert set(sub.choices) == set(COMMAND_MODULES), "every subcommand needs a module in COMMAND_MODULES"
     return p

@@ -1,0 +1,334 @@
+"""Grading a course: every submitted notebook executed, every task graded by kvlab's own checker
+(``kvlab grade``, docs/COURSE.md).
+
+Each submission runs headless (nbclient) in its own worker process, in a scratch copy of the file,
+with its own progress file, a time limit for the whole notebook and (on Linux) a memory limit. After
+its last cell the worker grades in the same kernel: it drops every ``kvlab`` module the notebook
+imported, imports kvlab afresh from disk and calls the task's checker on the participant's function
+taken from the kernel's namespace. What the notebook printed is never read, so a participant who
+edits or deletes the checker call, prints ``[ok]`` or patches ``kvlab.check`` gains nothing. A
+submission that misbehaves (invalid JSON, another notebook, a cell that never ends, memory
+exhausted, ``sys.exit``, a dead kernel) costs only its own row, which says what went wrong.
+
+Grading runs the participants' code with your rights: run it in a container or a throwaway account
+(docs/COURSE.md says how). Patching Python's builtins or torch can still fool a checker; this
+grader stops the plain ways of faking a pass, not a determined attacker.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvlab.check.progress import EXERCISES
+
+STATUSES = ("pass", "fail", "not attempted")
+#: a task whose function has another name in its notebook than the task's own
+TASK_FUNCTIONS = {"online_softmax_update": "my_update"}
+NOTEBOOKS = tuple(dict.fromkeys(nb for nb, _, _ in EXERCISES.values()))
+DEFAULT_TIMEOUT_S = 900
+DEFAULT_MEMORY_GB = 8.0
+
+
+def function_name(task: str) -> str:
+    """The name the notebook gives the participant's function for ``task``."""
+    return TASK_FUNCTIONS.get(task, task)
+
+
+def tasks_of(notebook: str) -> list[str]:
+    """The graded tasks of one notebook, in task order."""
+    if notebook not in NOTEBOOKS:
+        raise ValueError(f"notebook must be one of {NOTEBOOKS}, got {notebook!r}")
+    return sorted((t for t, (nb, _, _) in EXERCISES.items() if nb == notebook), key=lambda t: EXERCISES[t][1])
+
+
+def load_points(path) -> dict[str, float]:
+    """Points per task from a JSON file ``{"slot_mapping": 2, ...}``; tasks it leaves out are worth 1."""
+    points = {t: 1.0 for t in EXERCISES}
+    if path is None:
+        return points
+    try:
+        given = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"points: cannot read {str(path)!r} as JSON ({e})") from None
+    if not isinstance(given, dict):
+        raise ValueError(f"points: {str(path)!r} must hold an object mapping task -> points")
+    for task, p in given.items():
+        if task not in EXERCISES:
+            raise ValueError(f"points: unknown task {task!r}; the tasks are {sorted(EXERCISES)}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or p < 0:
+            raise ValueError(f"points: {task!r} must be a number >= 0, got {p!r}")
+        points[task] = float(p)
+    return points
+
+
+@dataclass
+class Row:
+    """One submission's grades."""
+
+    who: str
+    file: str
+    notebook: str = ""
+    tasks: dict = field(default_factory=dict)  # task -> {"status", "hint"}
+    score: float = 0.0
+    max_score: float = 0.0
+    seconds: float = 0.0
+    error: str = ""  # what went wrong where the notebook could not run to its end
+
+
+def who_of(path: Path, roots: list[Path]) -> str:
+    """The participant: the submission's folder under the folder given (``alice/02_paged_blocks.ipynb``),
+    else the file's name without its notebook part."""
+    for root in roots:
+        try:
+            rel = path.resolve().relative_to(root.resolve())
+        except ValueError:
+            continue
+        if len(rel.parts) > 1:
+            return rel.parts[0]
+    stem = path.stem
+    for nb in NOTEBOOKS:
+        stem = stem.replace(nb, "")
+    return stem.strip("_- .") or path.stem
+
+
+def notebook_of(path: Path, forced: str | None = None) -> str | None:
+    """The lab notebook a submission answers: ``forced``, else the one its file name contains."""
+    if forced is not None:
+        return forced
+    return next((nb for nb in NOTEBOOKS if nb in path.name), None)
+
+
+def _title_number(nb: dict) -> str | None:
+    for cell in nb.get("cells", []):
+        if cell.get("cell_type") == "markdown":
+            m = re.match(r"#\s+(\d\d)\s", "".join(cell.get("source", "")))
+            return m.group(1) if m else None
+    return None
+
+
+# Runs in the participant's kernel after their last cell. Every kvlab module goes, so that nothing the
+# notebook patched survives; the checkers and their references are imported afresh from disk.
+_GRADER = r'''
+def __kvlab_grade(tasks, token):
+    import contextlib, io, json, sys
+    for name in [m for m in sys.modules if m == "kvlab" or m.startswith("kvlab.")]:
+        del sys.modules[name]
+    import kvlab.check as fresh
+    from kvlab.check.progress import _is_learners
+    ns, out = globals(), {}
+    for task, fname in tasks:
+        fn = ns.get(fname)
+        if fn is None or not callable(fn):
+            out[task] = ["not attempted", f"no function {fname!r} in the notebook"]
+            continue
+        if not _is_learners(fn):
+            out[task] = ["fail", f"{fname!r} is kvlab's own function (or a lambda), not the participant's"]
+            continue
+        buf = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(buf):
+                ok = getattr(fresh, task)(fn)
+        except BaseException as e:
+            out[task] = ["fail", f"the checker stopped: {type(e).__name__}: {str(e)[:200]}"]
+            continue
+        lines = [line for line in buf.getvalue().splitlines() if line.strip()]
+        line = lines[-1] if lines else ""
+        status = ("pass" if ok is True and line.startswith("[ok]") else
+                  "not attempted" if line.startswith("[todo]") else "fail")
+        out[task] = [status, line[:300]]
+    with open(token, "w") as f:
+        json.dump(out, f)
+'''
+
+
+def _limit_memory(gb: float):  # pragma: no cover - runs in the child before exec
+    def apply():
+        import resource  # Unix only: the memory limit applies on Linux
+
+        cap = int(gb * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+        os.setsid()  # its own process group: a kill takes the kernel too
+    return apply
+
+
+def run_one(path, notebook: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
+    """Execute one submission and grade it, in this process (the worker). Returns
+    ``{"tasks": {...}, "error": str, "seconds": float}``."""
+    import nbformat  # the notebook runner loads in the worker only (nbformat, nbclient: the test tools)
+    from nbclient import NotebookClient  # as above
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError  # as above
+
+    t0 = time.perf_counter()
+    tasks = [(t, function_name(t)) for t in tasks_of(notebook)]
+    error = ""
+    try:
+        nb = nbformat.read(str(path), as_version=4)
+    except Exception as e:  # invalid JSON, not a notebook
+        return {"tasks": {}, "error": f"not a readable notebook: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                "seconds": 0.0}
+    number = _title_number(nb)
+    if number != notebook[:2]:
+        seen = f"notebook {number}'s" if number else "no lab notebook's"
+        return {"tasks": {}, "error": f"this is {seen} content, submitted as {notebook}", "seconds": 0.0}
+    work = Path(path).parent
+    token = str(work / f".grades-{os.getpid()}-{time.time_ns()}.json")
+    client = NotebookClient(nb, timeout=timeout_s, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": str(work)}})
+    deadline = t0 + timeout_s
+    grades = {}
+    try:
+        with client.setup_kernel():
+            for index, cell in enumerate(nb.cells):
+                if cell.cell_type != "code":
+                    continue
+                client.timeout = max(1, int(deadline - time.perf_counter()))
+                client.execute_cell(cell, index)
+            grader = nbformat.v4.new_code_cell(_GRADER + f"\n__kvlab_grade({tasks!r}, {token!r})\n")
+            nb.cells.append(grader)
+            client.timeout = 300
+            client.execute_cell(grader, len(nb.cells) - 1)
+    except CellTimeoutError:
+        error = f"a cell was still running when the {timeout_s:.0f} s limit came: stopped"
+    except DeadKernelError:
+        error = "the kernel died (it exited, or ran out of memory)"
+    except CellExecutionError as e:  # pragma: no cover - allow_errors: only the grader's own cell
+        error = f"grading failed: {str(e).splitlines()[0][:200]}"
+    except Exception as e:
+        error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    if os.path.exists(token):
+        with open(token) as f:
+            grades = json.load(f)
+        os.remove(token)
+    elif not error:
+        error = "the grading cell did not finish (the kernel stopped before it)"
+    return {"tasks": grades, "error": error, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _worker_main(argv) -> int:
+    path, notebook, timeout_s, out = argv
+    result = run_one(path, notebook, float(timeout_s))
+    Path(out).write_text(json.dumps(result))
+    return 0
+
+
+def grade_one(path, notebook: str, timeout_s: float = DEFAULT_TIMEOUT_S, memory_gb: float | None = DEFAULT_MEMORY_GB,
+              python: str | None = None) -> dict:
+    """Grade one submission in a worker process of its own: a scratch copy of the file, a fresh progress
+    file, the time limit (plus a minute to start and grade), the memory limit on Linux."""
+    scratch = Path(tempfile.mkdtemp(prefix="kvlab-grade-"))
+    try:
+        copy = scratch / Path(path).name
+        shutil.copyfile(path, copy)
+        out = scratch / "result.json"
+        env = dict(os.environ, KVLAB_PROGRESS=str(scratch / "progress.json"), PYTHONUNBUFFERED="1")
+        cmd = [python or sys.executable, "-m", "kvlab.grade", str(copy), notebook, str(timeout_s), str(out)]
+        limit = memory_gb if (memory_gb and sys.platform.startswith("linux")) else None
+        proc = subprocess.Popen(cmd, cwd=scratch, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                preexec_fn=_limit_memory(limit) if limit else os.setsid)
+        try:
+            _, err = proc.communicate(timeout=timeout_s + 120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+            return {"tasks": {}, "error": f"the worker ran past {timeout_s:.0f} s + 120 s and was killed", "seconds": timeout_s}
+        if out.exists():
+            return json.loads(out.read_text())
+        tail = (err or b"").decode(errors="replace").strip().splitlines()[-1:] or [""]
+        return {"tasks": {}, "error": f"the worker died (status {proc.returncode}): {tail[0][:200]}", "seconds": 0.0}
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def grade(submissions, notebook: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, jobs: int = 1,
+          points: dict | None = None, memory_gb: float | None = DEFAULT_MEMORY_GB, progress=None) -> list[Row]:
+    """Grade every ``.ipynb`` among ``submissions`` (files or folders, searched recursively): one
+    :class:`Row` each, in the order found. ``notebook`` forces which lab notebook they answer (else the
+    file name says); ``jobs`` submissions run at once; ``progress``: called with each finished row."""
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+        raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
+    if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+    if notebook is not None and notebook not in NOTEBOOKS:
+        raise ValueError(f"notebook must be one of {NOTEBOOKS}, got {notebook!r}")
+    points = points or load_points(None)
+    roots, files = [], []
+    for s in submissions:
+        p = Path(s)
+        if p.is_dir():
+            roots.append(p)
+            files += sorted(f for f in p.rglob("*.ipynb") if ".ipynb_checkpoints" not in f.parts)
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise ValueError(f"submissions: {str(p)!r} is neither a file nor a folder")
+    if not files:
+        raise ValueError("submissions: no .ipynb found")
+
+    def one(path: Path) -> Row:
+        row = Row(who=who_of(path, roots), file=str(path))
+        nb = notebook_of(path, notebook)
+        if nb is None:
+            row.error = f"cannot tell which notebook this answers from its name: pass --notebook (one of {NOTEBOOKS})"
+            return row
+        row.notebook = nb
+        result = grade_one(path, nb, timeout_s, memory_gb)
+        row.seconds, row.error = result["seconds"], result["error"]
+        for task in tasks_of(nb):
+            status, hint = result["tasks"].get(task, ["not attempted", "not graded: " + (row.error or "no result")])
+            row.tasks[task] = {"status": status, "hint": hint}
+            row.max_score += points[task]
+            row.score += points[task] if status == "pass" else 0.0
+        if progress is not None:
+            progress(row)
+        return row
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(one, files))
+
+
+def write_csv(rows: list[Row], path) -> Path:
+    """One row per submission: who, notebook, each task's status and hint, score, max, seconds, error."""
+    tasks = [t for nb in NOTEBOOKS for t in tasks_of(nb) if any(r.notebook == nb for r in rows)]
+    path = Path(path)
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["who", "notebook", "file", *[c for t in tasks for c in (t, f"{t} hint")], "score", "max_score",
+                    "seconds", "error"])
+        for r in rows:
+            cells = []
+            for t in tasks:
+                g = r.tasks.get(t)
+                cells += [g["status"], g["hint"]] if g else ["", ""]
+            w.writerow([r.who, r.notebook, r.file, *cells, f"{r.score:g}", f"{r.max_score:g}", f"{r.seconds:.1f}", r.error])
+    return path
+
+
+NBGRADER_COLUMNS = ("assignment", "duedate", "timestamp", "student_id", "last_name", "first_name", "email",
+                    "raw_score", "late_submission_penalty", "score", "max_score")
+
+
+def write_nbgrader_csv(rows: list[Row], path) -> Path:
+    """The same grades in the columns ``nbgrader export`` writes (assignment = the notebook), so a course
+    on nbgrader can merge them into its gradebook's export."""
+    path = Path(path)
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(NBGRADER_COLUMNS)
+        for r in rows:
+            w.writerow([r.notebook, "", "", r.who, "", "", "", f"{r.score:g}", "0.0", f"{r.score:g}", f"{r.max_score:g}"])
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main(sys.argv[1:]))
