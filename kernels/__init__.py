@@ -175,7 +175,7 @@ def skip_cells_without_triton(shell=None) -> bool:
 _LAZY = {
     "paged_decode": "decode", "online_softmax_update": "decode", "convert_all_values": "decode",
     "write_kv": "write", "round_half_even": "write", "cast_demo": "write",
-    "Operand": "pool", "KERNEL_FORMATS": "pool", "skeleton_decode": "skeleton",
+    "Operand": "pool", "skeleton_decode": "skeleton",
 }
 
 

@@ -334,7 +334,7 @@ def default_splits(programs_per_split: int, max_blocks: int, pages: int) -> int:
 def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  scale: float, k_own: torch.Tensor | None = None, v_own: torch.Tensor | None = None,
                  num_splits: int | None = None, pages: int | None = None, group_heads: bool = True,
-                 out: torch.Tensor | None = None, num_warps: int | None = None, *, window: int | None = None,
+                 out: torch.Tensor | None = None, *, window: int | None = None,
                  softcap: float | None = None, sinks: torch.Tensor | None = None, convert: str = "cast",
                  num_stages: int | None = None) -> torch.Tensor:
     """Decode attention of one query token per sequence over a paged pool.
@@ -348,8 +348,8 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
     ``softcap``, ``sinks`` (H_q,): sliding window, soft cap and attention sinks, as in
     :mod:`kvlab.attention`. ``convert``: how int8/int4 pages become matmul operands, one of
     :data:`kvlab.kernels.convert.CONVERSIONS` (the module's table; "prmt" and "bf16" run compiled on a
-    GPU only, "dot8" needs int8 K pages). ``num_warps``, ``num_stages``: Triton's launch options (on a
-    GPU; the interpreter ignores them). Returns (B, H_q, D) in q's dtype.
+    GPU only, "dot8" needs int8 K pages). ``num_stages``: Triton's launch option (on a GPU; the
+    interpreter ignores it). Returns (B, H_q, D) in q's dtype.
     """
     C.check_convert(convert)
     if triton_mode() == "interpreter" and convert in C.NOT_INTERPRETABLE:
@@ -437,7 +437,7 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
     dot_dtype = tl.float32 if triton_mode() == "interpreter" else _DOT_DTYPES.get(q.dtype, tl.float32)
     if convert == "bf16":
         dot_dtype = tl.bfloat16
-    launch = {"num_warps": num_warps} if num_warps else {}
+    launch = {}
     if num_stages is not None:
         launch["num_stages"] = check_int("num_stages", num_stages)
     grid = (bsz, h_q // qpp, num_splits)

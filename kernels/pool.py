@@ -34,8 +34,6 @@ def kernel_formats() -> tuple[str, ...]:
     return tuple(f.name + words.get(f.kind, "") for f in ELEMENT_FORMATS.values() if f.kernel)
 
 
-KERNEL_FORMATS = kernel_formats()
-
 
 @dataclass
 class Operand:

@@ -285,17 +285,12 @@ def greedy_agreement(model, prompts: list[list[int]], config: KVQuantConfig, cal
 FP = TensorFormat("fp32")
 
 
-def layer_sensitivity(model, tokens: list[int], calibration=None, fmt: TensorFormat = TensorFormat("int4"),
-                      which: str = "kv", chunk: int = 32, policy: str = "static") -> list[float]:
-    """KL per layer when only that layer's K (``which="k"``), V ("v") or both ("kv") use ``fmt``."""
-    if which not in ("k", "v", "kv"):
-        raise ValueError(f"which must be 'k', 'v' or 'kv', got {which!r}")
+def layer_sensitivity(model, tokens: list[int], calibration=None, chunk: int = 32,
+                      policy: str = "static") -> list[float]:
+    """KL per layer when only that layer's K and V are INT4 (the rest full precision)."""
     layers = kv_config(model).num_layers
-    configs = {}
-    for layer in range(layers):
-        k = fmt if "k" in which else FP
-        v = fmt if "v" in which else FP
-        configs[layer] = KVQuantConfig(FP, FP, policy=policy, layers={layer: (k, v)})
+    int4 = TensorFormat("int4")
+    configs = {layer: KVQuantConfig(FP, FP, policy=policy, layers={layer: (int4, int4)}) for layer in range(layers)}
     res = evaluate(model, tokens, configs, calibration, window=len(tokens), stride=len(tokens), chunk=chunk)
     return [res["configs"][layer]["kl"] for layer in range(layers)]
 

@@ -71,10 +71,6 @@ class ElementFormat:
         return self.kind != "float"
 
     @property
-    def element_bytes(self) -> float:
-        return self.bits / 8
-
-    @property
     def codes_per_storage_element(self) -> int:
         """Codes in one element of the page tensor: 2 for int4 in uint8, else 1."""
         return 8 * self.storage.itemsize // self.bits if self.kind == "packed" else 1
@@ -140,10 +136,6 @@ def engine_kv_cache_dtypes() -> tuple[str, ...]:
     return ("auto", *KV_CACHE_DTYPES)
 
 
-def float_names() -> tuple[str, ...]:
-    return tuple(n for n, f in ELEMENT_FORMATS.items() if f.kind == "float")
-
-
 def kernel_names() -> tuple[str, ...]:
     """kv_cache_dtypes whose K and V the Triton kernels read and write."""
     return tuple(n for n, (k, v) in KV_CACHE_DTYPES.items() if ELEMENT_FORMATS[k].kernel and ELEMENT_FORMATS[v].kernel)
@@ -165,4 +157,4 @@ register_pair("k8v4", "int8", "int4")
 
 __all__ = ["ElementFormat", "ELEMENT_FORMATS", "KV_CACHE_DTYPES", "KINDS", "GRANULARITIES", "STATIC_GRANULARITIES",
            "TOKEN_GRANULARITIES", "register", "register_pair", "unregister", "element_format", "kv_cache_dtype",
-           "engine_kv_cache_dtypes", "float_names", "kernel_names"]
+           "engine_kv_cache_dtypes", "kernel_names"]

@@ -188,10 +188,6 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return quantize_scaled(x, scale, element_format("fp8"))
 
 
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return dequantize_scaled(q, scale, dtype)
-
-
 def channel_spread(x: torch.Tensor) -> float:
     """How much one scale per head must stretch for its outlier channels: for x (T, H, D), the largest
     channel's abs-max over the median channel's, per head, averaged over heads (1.0: no outliers)."""

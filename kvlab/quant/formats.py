@@ -107,9 +107,6 @@ class KVQuantConfig:
     def formats(self, layer: int) -> tuple[TensorFormat, TensorFormat]:
         return self.layers.get(layer, (self.k, self.v))
 
-    def with_layers(self, overrides: dict) -> "KVQuantConfig":
-        return replace(self, layers={**self.layers, **overrides})
-
     def needs_calibration(self, num_layers: int) -> bool:
         return self.policy in ("static", "corrected") and any(
             f.static_scales for layer in range(num_layers) for f in self.formats(layer))
