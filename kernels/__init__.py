@@ -57,8 +57,9 @@ def _triton_imports() -> bool:
     return True
 
 
-#: below this compute capability Triton's ``tl.dot`` has no tensor-core path: it falls back to FMA
-#: (correct, slower). Triton 3 supports 8.0+ officially; Colab's free T4 (7.5) runs the kernels unofficially.
+#: below this compute capability Triton's ``tl.dot`` has no tensor-core path: since Triton 3.2 it falls back
+#: to FMA (correct, slower; triton-lang/triton#5066). Triton supports 8.0+ officially; Colab's free T4 (7.5)
+#: runs the kernels unofficially.
 TENSOR_CORES = (8, 0)
 
 
@@ -78,7 +79,7 @@ def why_not(fmt: str, capability: tuple[int, int] | None = None) -> str | None:
     el = ELEMENT_FORMATS[fmt]
     if not el.kernel:
         return f"the Triton kernels do not read {fmt} pages; attn_backend='torch' runs them on any device"
-    cap = gpu_capability() if capability is None else tuple(capability)
+    cap = (gpu_capability() if triton_mode() == "compiled" else None) if capability is None else tuple(capability)
     if cap is not None and cap < el.gpu_capability:
         need = "".join(map(str, el.gpu_capability))
         return (f"{fmt} pages need compute capability {el.gpu_capability[0]}.{el.gpu_capability[1]} (sm_{need}) in the "
@@ -99,7 +100,7 @@ def available(fmt: str | None = None, capability: tuple[int, int] | None = None)
 def formats_available(capability: tuple[int, int] | None = None) -> dict[str, str]:
     """Every element format and what the kernels do with it here (or on a GPU of ``capability``):
     "runs", "runs, without tensor cores (...)", or the one line of :func:`why_not`."""
-    cap = gpu_capability() if capability is None else tuple(capability)
+    cap = (gpu_capability() if triton_mode() == "compiled" else None) if capability is None else tuple(capability)
     out = {}
     for name in ELEMENT_FORMATS:
         reason = why_not(name, capability)

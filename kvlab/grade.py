@@ -4,11 +4,13 @@
 Each submission runs headless (nbclient) in its own worker process, in a scratch copy of the file,
 with its own progress file, a time limit for the whole notebook and (on Linux) a memory limit. After
 its last cell the worker grades in the same kernel: it drops every ``kvlab`` module the notebook
-imported, imports kvlab afresh from disk and calls the task's checker on the participant's function
-taken from the kernel's namespace. What the notebook printed is never read, so a participant who
-edits or deletes the checker call, prints ``[ok]`` or patches ``kvlab.check`` gains nothing. A
-submission that misbehaves (invalid JSON, another notebook, a cell that never ends, memory
-exhausted, ``sys.exit``, a dead kernel) costs only its own row, which says what went wrong.
+imported, imports kvlab again from the installed package (refusing one the notebook put in front of
+it), switches off the IPython hooks the notebook registered, and calls the task's checker on the
+participant's function taken from the kernel's namespace. What the notebook printed is never read, so
+a participant who edits or deletes the checker call, prints ``[ok]`` or patches ``kvlab.check`` gains
+nothing. A submission that misbehaves (invalid JSON, another notebook, a cell that never ends, memory
+exhausted, ``sys.exit``, a dead kernel, a crash of its worker) costs only its own row, which says
+what went wrong.
 
 Grading runs the participants' code with your rights: run it in a container or a throwaway account
 (docs/COURSE.md says how). Patching Python's builtins or torch can still fool a checker; this
@@ -110,22 +112,33 @@ def notebook_of(path: Path, forced: str | None = None) -> str | None:
 
 
 def _title_number(nb: dict) -> str | None:
+    """The number of the notebook's title, its first ``# NN · ...`` heading (a participant may add cells above)."""
     for cell in nb.get("cells", []):
         if cell.get("cell_type") == "markdown":
-            m = re.match(r"#\s+(\d\d)\s", "".join(cell.get("source", "")))
-            return m.group(1) if m else None
+            m = re.search(r"^#\s+(\d\d)\s+·", "".join(cell.get("source", "")), re.M)
+            if m:
+                return m.group(1)
     return None
 
 
 # Runs in the participant's kernel after their last cell. Every kvlab module goes, so that nothing the
 # notebook patched survives; the checkers and their references are imported afresh from disk.
 _GRADER = r'''
-def __kvlab_grade(tasks, token):
-    import contextlib, io, json, sys
+def __kvlab_grade(tasks, token, package):
+    import contextlib, io, json, os, sys
+    shell = get_ipython()
+    for callbacks in shell.events.callbacks.values():  # the notebook's hooks run no more
+        callbacks.clear()
     for name in [m for m in sys.modules if m == "kvlab" or m.startswith("kvlab.")]:
         del sys.modules[name]
+    sys.path[:] = [p for p in sys.path if p not in ("", ".", os.getcwd())]  # no kvlab/ of the submission's
     import kvlab.check as fresh
     from kvlab.check.progress import _is_learners
+    here = os.path.dirname(os.path.dirname(os.path.realpath(sys.modules["kvlab"].__file__)))
+    if here != package:
+        with open(token, "w") as f:
+            json.dump({"__error__": f"kvlab was shadowed by {here!r}: not graded"}, f)
+        return
     ns, out = globals(), {}
     for task, fname in tasks:
         fn = ns.get(fname)
@@ -152,14 +165,22 @@ def __kvlab_grade(tasks, token):
 '''
 
 
-def _limit_memory(gb: float):  # pragma: no cover - runs in the child before exec
-    def apply():
-        import resource  # Unix only: the memory limit applies on Linux
+def _limit_memory(gb: float) -> None:
+    """The worker's data segment (and so its kernel's, inherited) capped at ``gb`` GiB; Linux only.
+    RLIMIT_DATA, not RLIMIT_AS: a GPU's driver reserves address space it never fills."""
+    if not sys.platform.startswith("linux"):
+        return
+    import resource  # Unix only: the memory limit applies on Linux
 
-        cap = int(gb * 2**30)
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-        os.setsid()  # its own process group: a kill takes the kernel too
-    return apply
+    cap = int(gb * 2**30)
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
+
+
+def _package_dir() -> str:
+    """The folder that holds the installed kvlab package (what the grading cell must import)."""
+    import kvlab
+
+    return os.path.dirname(os.path.dirname(os.path.realpath(kvlab.__file__)))
 
 
 def run_one(path, notebook: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
@@ -194,7 +215,7 @@ def run_one(path, notebook: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
                     continue
                 client.timeout = max(1, int(deadline - time.perf_counter()))
                 client.execute_cell(cell, index)
-            grader = nbformat.v4.new_code_cell(_GRADER + f"\n__kvlab_grade({tasks!r}, {token!r})\n")
+            grader = nbformat.v4.new_code_cell(_GRADER + f"\n__kvlab_grade({tasks!r}, {token!r}, {_package_dir()!r})\n")
             nb.cells.append(grader)
             client.timeout = 300
             client.execute_cell(grader, len(nb.cells) - 1)
@@ -202,7 +223,7 @@ def run_one(path, notebook: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
         error = f"a cell was still running when the {timeout_s:.0f} s limit came: stopped"
     except DeadKernelError:
         error = "the kernel died (it exited, or ran out of memory)"
-    except CellExecutionError as e:  # pragma: no cover - allow_errors: only the grader's own cell
+    except CellExecutionError as e:  # pragma: no cover - allow_errors=True: nbclient raises none of these
         error = f"grading failed: {str(e).splitlines()[0][:200]}"
     except Exception as e:
         error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
@@ -210,42 +231,70 @@ def run_one(path, notebook: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
         with open(token) as f:
             grades = json.load(f)
         os.remove(token)
+        error = grades.pop("__error__", error) if isinstance(grades, dict) else "the grades file was not grades"
     elif not error:
-        error = "the grading cell did not finish (the kernel stopped before it)"
+        error = "the grading cell did not finish (the kernel stopped before it, or the cell raised)"
     return {"tasks": grades, "error": error, "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def _worker_main(argv) -> int:
-    path, notebook, timeout_s, out = argv
+    path, notebook, timeout_s, out, memory_gb = argv
+    if float(memory_gb) > 0:
+        _limit_memory(float(memory_gb))
     result = run_one(path, notebook, float(timeout_s))
     Path(out).write_text(json.dumps(result))
     return 0
 
 
+def _kill_tree(pid: int) -> None:
+    """The worker and everything it started (its kernel, the kernel's children)."""
+    import psutil  # comes with ipykernel, which grading needs anyway
+
+    try:
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
 def grade_one(path, notebook: str, timeout_s: float = DEFAULT_TIMEOUT_S, memory_gb: float | None = DEFAULT_MEMORY_GB,
               python: str | None = None) -> dict:
     """Grade one submission in a worker process of its own: a scratch copy of the file, a fresh progress
-    file, the time limit (plus a minute to start and grade), the memory limit on Linux."""
+    file, the time limit (plus 6 minutes to start the kernel and run the checkers), the memory limit on
+    Linux. Its result counts only when the worker itself ends well."""
     scratch = Path(tempfile.mkdtemp(prefix="kvlab-grade-"))
+    work = scratch / "work"  # the kernel's folder: the worker's files stay one level up
+    work.mkdir()
     try:
-        copy = scratch / Path(path).name
+        copy = work / Path(path).name
         shutil.copyfile(path, copy)
-        out = scratch / "result.json"
+        out, log = scratch / f"result-{os.urandom(8).hex()}.json", scratch / "worker.log"
         env = dict(os.environ, KVLAB_PROGRESS=str(scratch / "progress.json"), PYTHONUNBUFFERED="1")
-        cmd = [python or sys.executable, "-m", "kvlab.grade", str(copy), notebook, str(timeout_s), str(out)]
-        limit = memory_gb if (memory_gb and sys.platform.startswith("linux")) else None
-        proc = subprocess.Popen(cmd, cwd=scratch, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                preexec_fn=_limit_memory(limit) if limit else os.setsid)
-        try:
-            _, err = proc.communicate(timeout=timeout_s + 120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.communicate()
-            return {"tasks": {}, "error": f"the worker ran past {timeout_s:.0f} s + 120 s and was killed", "seconds": timeout_s}
-        if out.exists():
-            return json.loads(out.read_text())
-        tail = (err or b"").decode(errors="replace").strip().splitlines()[-1:] or [""]
-        return {"tasks": {}, "error": f"the worker died (status {proc.returncode}): {tail[0][:200]}", "seconds": 0.0}
+        cmd = [python or sys.executable, "-m", "kvlab.grade", str(copy), notebook, str(timeout_s), str(out),
+               str(memory_gb or 0)]
+        limit = timeout_s + 360
+        with open(log, "wb") as err:  # a file, not a pipe: a process the kernel leaves behind cannot block it
+            proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                    start_new_session=True)
+            try:
+                rc = proc.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                _kill_tree(proc.pid)
+                return {"tasks": {}, "error": f"the worker ran past {limit:.0f} s and was killed", "seconds": timeout_s}
+        if rc == 0 and out.exists():
+            result = json.loads(out.read_text())
+            if isinstance(result, dict) and {"tasks", "error", "seconds"} <= set(result):
+                return result
+        if rc is not None and rc < 0:  # a signal: the notebook (or the system) killed it
+            return {"tasks": {}, "error": f"the worker died: killed by signal {-rc}", "seconds": 0.0}
+        tail = log.read_text(errors="replace").strip().splitlines()[-1:] or [""]
+        return {"tasks": {}, "error": f"the worker died (status {rc}): {tail[0][:200]}", "seconds": 0.0}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -261,7 +310,9 @@ def grade(submissions, notebook: str | None = None, timeout_s: float = DEFAULT_T
         raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
     if notebook is not None and notebook not in NOTEBOOKS:
         raise ValueError(f"notebook must be one of {NOTEBOOKS}, got {notebook!r}")
-    points = points or load_points(None)
+    if memory_gb is not None and not (isinstance(memory_gb, (int, float)) and 0 < memory_gb < float("inf")):
+        raise ValueError(f"memory_gb must be a number of GiB > 0 (or None: no limit), got {memory_gb!r}")
+    points = {**load_points(None), **(points or {})}
     roots, files = [], []
     for s in submissions:
         p = Path(s)
@@ -282,10 +333,15 @@ def grade(submissions, notebook: str | None = None, timeout_s: float = DEFAULT_T
             row.error = f"cannot tell which notebook this answers from its name: pass --notebook (one of {NOTEBOOKS})"
             return row
         row.notebook = nb
-        result = grade_one(path, nb, timeout_s, memory_gb)
+        try:
+            result = grade_one(path, nb, timeout_s, memory_gb)
+        except Exception as e:  # one submission's trouble stays in its row
+            result = {"tasks": {}, "error": f"grading failed: {type(e).__name__}: {str(e)[:200]}", "seconds": 0.0}
         row.seconds, row.error = result["seconds"], result["error"]
         for task in tasks_of(nb):
-            status, hint = result["tasks"].get(task, ["not attempted", "not graded: " + (row.error or "no result")])
+            got = result["tasks"].get(task)
+            status, hint = got if (isinstance(got, list) and len(got) == 2 and got[0] in STATUSES) else (
+                "not attempted", "not graded: " + (row.error or "no result"))
             row.tasks[task] = {"status": status, "hint": hint}
             row.max_score += points[task]
             row.score += points[task] if status == "pass" else 0.0

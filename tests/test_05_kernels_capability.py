@@ -51,6 +51,7 @@ def test_a_pool_in_a_format_the_gpu_lacks_is_refused_where_it_is_built(monkeypat
     from kvlab.quant import TensorFormat
 
     monkeypatch.setattr(kernels, "gpu_capability", lambda: T4)
+    monkeypatch.setattr(kernels, "triton_mode", lambda: "compiled")  # a T4 compiling, not the interpreter
     with pytest.raises(ValueError, match=r"layer 0's K: bf16 pages need compute capability 8.0 \(sm_80\)"):
         check_kernel_format(TensorFormat("bf16"), "layer 0's K")
     check_kernel_format(TensorFormat("int8"), "layer 0's K")  # runs on a T4

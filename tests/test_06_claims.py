@@ -163,7 +163,7 @@ def test_every_row_carries_the_rule_and_tolerance_it_was_judged_by():
         assert r["rule"] != "none" and r["tolerance"], r["id"]  # no verdict typed in
     by_id = {r["id"]: r for r in rows}
     assert by_id["kv-7b"]["rule"] == "ratio x5" and by_id["kv-7b"]["tolerance"] == "within ±15% of the claimed figure"
-    assert by_id["util-30-80"]["rule"] == "in_range x2, judged_on" and "[0.3, 0.4]" in by_id["util-30-80"]["tolerance"]
+    assert by_id["util-30-80"]["rule"] == "in_range x2, parts, judged_on" and "[0.3, 0.4]" in by_id["util-30-80"]["tolerance"]
     assert by_id["24-to-16gb"]["rule"] == "margin"
     assert claims.format_table(rows).count("\n      rule ") == len(rows)
     with claims.rules.recording() as calls:

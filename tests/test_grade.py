@@ -1,11 +1,13 @@
 """`kvlab grade` on a folder of planted submissions of notebook 00 (its two tasks): solved, untouched,
 wrong, a tampered checker, a printed fake [ok], invalid JSON, a cell that never ends, sys.exit, a cell
-that asks for 64 GiB, one that deletes the files around it, and another notebook's content. Each submission is notebook 00 up to its tasks (the rest would only add
+that asks for more memory than the limit, one that deletes the files around it, a kvlab of its own
+put first on sys.path, one that kills its worker, and another notebook's content. Each submission is notebook 00 up to its tasks (the rest would only add
 minutes), edited as a participant would."""
 
 import copy
 import csv
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,8 +70,25 @@ def graded(tmp_path_factory):
             "print('[ok] kv_token_bytes: 16 cases')\nprint('[ok] mla_bytes_per_token: 5 cases')"]),
         "endless": _edit(base, SOLVED, extra=["while True:\n    pass"]),
         "exits": _edit(base, SOLVED, extra=["import sys\nsys.exit(3)", "print('still here')"]),
-        "hog": _edit(base, SOLVED, extra=["hog = bytearray(64 * 2**30)  # more than the --memory-gb limit"]),
+        # 12 GiB: more than --memory-gb 8, less than overcommit would refuse without a limit; if the limit
+        # did not hold, the second line would run and spoil the answer
+        "hog": _edit(base, SOLVED, extra=["hog = bytearray(12 * 2**30)\n"
+                                          "def kv_token_bytes(*args):\n    return 0"]),
         "deleter": _edit(base, SOLVED, extra=["import os\nfor f in os.listdir('.'):\n    os.remove(f)"]),
+        # a kvlab of its own beside the notebook, put first on sys.path, whose checkers pass anything
+        "shadow": _edit(base, WRONG, extra=[
+            "import os, sys\nos.makedirs('kvlab/check', exist_ok=True)\n"
+            "open('kvlab/__init__.py', 'w').close()\n"
+            "open('kvlab/check/__init__.py', 'w').write('kv_token_bytes = mla_bytes_per_token = lambda fn: "
+            "print(\"[ok]\") or True\\n')\n"
+            "open('kvlab/check/progress.py', 'w').write('_is_learners = lambda fn: True\\n')\n"
+            "sys.path.insert(0, os.getcwd())"]),
+        # kills the worker that runs it, after writing a result file where the worker's would be
+        "killer": _edit(base, WRONG, extra=[
+            "import json, os, signal\n"
+            "open('../result.json', 'w').write(json.dumps({'tasks': {'kv_token_bytes': ['pass', ''], "
+            "'mla_bytes_per_token': ['pass', '']}, 'error': '', 'seconds': 1}))\n"
+            "os.kill(os.getppid(), signal.SIGKILL)"]),
     }
     for who, nb in plant.items():
         (folder / who).mkdir()
@@ -103,13 +122,22 @@ def test_every_row_is_as_expected(graded):
     assert status["fake-ok"] == ("not attempted", "not attempted")  # printed [ok] lines are not read
     assert status["exits"] == ("pass", "pass") and rows["exits"]["error"] == ""  # sys.exit in a cell: the kernel lives
     # memory beyond the limit fails that cell alone (Linux); deleting files reaches only the scratch copy
-    assert status["hog"] == ("pass", "pass") and status["deleter"] == ("pass", "pass")
+    if sys.platform.startswith("linux"):
+        assert status["hog"] == ("pass", "pass"), rows["hog"]
+    assert status["deleter"] == ("pass", "pass") and Path(rows["deleter"]["file"]).exists()
+    assert status["shadow"] == ("fail", "fail")  # the real kvlab graded it
+    assert status["killer"] == ("not attempted", "not attempted") and rows["killer"]["error"].startswith(
+        "the worker died")
     assert "60 s limit" in rows["endless"]["error"] and rows["endless"]["score"] == "0"
     assert rows["broken"]["error"].startswith("not a readable notebook") and rows["broken"]["max_score"] == "3"
     assert rows["mixed-up"]["error"] == "this is notebook 01's content, submitted as 00_memory_wall"
     assert all(r["notebook"] == "00_memory_wall" for r in rows.values())
     # the endless cell is stopped at its limit; two at a time, the folder takes well under a minute each
     assert float(rows["endless"]["seconds"]) <= 60 + 30 and took < 9 * 60
+    # a participant's own heading above the title does not hide which notebook it is
+    nb = _base()
+    nb["cells"].insert(0, {"cell_type": "markdown", "id": "me", "metadata": {}, "source": "Name: Alice"})
+    assert G._title_number(nb) == "00"
 
 
 def test_the_nbgrader_export_has_its_columns(graded):

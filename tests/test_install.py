@@ -51,8 +51,7 @@ def test_pyproject_declares_ranges_and_the_lock_pins_every_one():
     from packaging.specifiers import SpecifierSet
 
     project, lock = _project(), {_canon(k): v for k, v in _lock().items()}
-    declared = _pins(project["dependencies"] + project["optional-dependencies"]["lab"]
-                     + project["optional-dependencies"]["test"])
+    declared = _pins(project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra])
     for name, (spec, _) in declared.items():
         assert not spec.startswith("=="), f"pyproject.toml pins {name}{spec}: declare a range, pin in constraints.txt"
         locked = lock[_canon(name)][0]
@@ -66,8 +65,8 @@ def test_pyproject_declares_ranges_and_the_lock_pins_every_one():
 def test_environment_yml_pins_the_locked_versions():
     lock = {_canon(k): v for k, v in _lock().items()}
     env = _pins(_environment_yml_requirements())
-    declared = _pins(_project()["dependencies"] + _project()["optional-dependencies"]["lab"]
-                     + _project()["optional-dependencies"]["test"])
+    declared = _pins(_project()["dependencies"] + [r for extra in _project()["optional-dependencies"].values()
+                                                   for r in extra])
     assert {_canon(n) for n in env} == {_canon(n) for n in declared}
     for name, (spec, marker) in env.items():
         assert (spec, marker) == lock[_canon(name)], name

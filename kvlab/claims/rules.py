@@ -50,10 +50,11 @@ def detail(verdict: str) -> str:
 
 
 def worst(verdicts) -> Verdict:
-    """The verdict of a claim with several measured parts: the first that is not ``holds``, else ``holds``.
-    Used where every part must hold for the claim to (a table of figures)."""
-    verdicts = list(verdicts)
-    return next((v for v in verdicts if v != HOLDS), verdicts[0] if verdicts else Verdict(HOLDS))
+    """The verdict of a claim whose figures must all hold (a table of figures): the worst of them, ``wrong``
+    before ``partly`` before ``not checkable here`` before ``holds`` (the first of equals, with its detail)."""
+    verdicts = list(verdicts) or [Verdict(HOLDS)]
+    rank = {WRONG: 0, PARTLY: 1, NOT_CHECKABLE: 2, HOLDS: 3}
+    return min(verdicts, key=lambda v: rank[str(v)])
 
 
 @contextmanager

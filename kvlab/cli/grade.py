@@ -10,6 +10,11 @@ from kvlab.cli.common import CLIError, emit
 
 
 def cmd_grade(args) -> int:
+    import importlib.util  # only to ask whether the grading tools are installed
+
+    missing = [m for m in ("nbclient", "nbformat", "ipykernel", "psutil") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise CLIError(f"grading runs notebooks and needs {', '.join(missing)}: pip install 'kvlab[grade]'")
     if args.notebook is not None and args.notebook not in G.NOTEBOOKS:
         raise CLIError(f"--notebook must be one of {G.NOTEBOOKS}, got {args.notebook!r}")
     if not args.memory_gb > 0:
