@@ -68,6 +68,14 @@ def gpu_capability() -> tuple[int, int] | None:
     return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
 
 
+def _capability(capability) -> tuple[int, int] | None:
+    """``capability`` as a tuple, else this machine's when the kernels compile (the interpreter runs
+    every format, whatever GPU is present)."""
+    if capability is not None:
+        return tuple(capability)
+    return gpu_capability() if triton_mode() == "compiled" else None
+
+
 def why_not(fmt: str, capability: tuple[int, int] | None = None) -> str | None:
     """None when the Triton kernels run element format ``fmt`` here; else one line saying why not
     (no triton, a format the kernels do not read, or a GPU older than the format needs).
@@ -79,7 +87,7 @@ def why_not(fmt: str, capability: tuple[int, int] | None = None) -> str | None:
     el = ELEMENT_FORMATS[fmt]
     if not el.kernel:
         return f"the Triton kernels do not read {fmt} pages; attn_backend='torch' runs them on any device"
-    cap = (gpu_capability() if triton_mode() == "compiled" else None) if capability is None else tuple(capability)
+    cap = _capability(capability)
     if cap is not None and cap < el.gpu_capability:
         need = "".join(map(str, el.gpu_capability))
         return (f"{fmt} pages need compute capability {el.gpu_capability[0]}.{el.gpu_capability[1]} (sm_{need}) in the "
@@ -100,7 +108,7 @@ def available(fmt: str | None = None, capability: tuple[int, int] | None = None)
 def formats_available(capability: tuple[int, int] | None = None) -> dict[str, str]:
     """Every element format and what the kernels do with it here (or on a GPU of ``capability``):
     "runs", "runs, without tensor cores (...)", or the one line of :func:`why_not`."""
-    cap = (gpu_capability() if triton_mode() == "compiled" else None) if capability is None else tuple(capability)
+    cap = _capability(capability)
     out = {}
     for name in ELEMENT_FORMATS:
         reason = why_not(name, capability)
