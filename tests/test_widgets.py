@@ -12,17 +12,22 @@ from kvlab.viz import render as L
 MODES = ("figurewidget", "output")
 
 
+def _walk(box, kinds):
+    """The widgets of ``kinds`` inside a widget tree."""
+    found, todo = [], [box]
+    while todo:
+        w = todo.pop()
+        if isinstance(w, kinds):
+            found.append(w)
+        todo.extend(getattr(w, "children", ()))
+    return found
+
+
 def _figures(box):
     """The live figures inside a widget tree: FigureWidgets, and the Outputs of redrawn figures."""
     import ipywidgets as W
 
-    found, todo = [], [box]
-    while todo:
-        w = todo.pop()
-        if isinstance(w, (go.FigureWidget, W.Output)):
-            found.append(w)
-        todo.extend(getattr(w, "children", ()))
-    return found
+    return _walk(box, (go.FigureWidget, W.Output))
 
 
 def _snapshot(box):
@@ -35,13 +40,7 @@ def _snapshot(box):
 def _controls(box):
     import ipywidgets as W
 
-    found, todo = [], [box]
-    while todo:
-        w = todo.pop()
-        if isinstance(w, (W.Dropdown, W.SelectionSlider, W.IntSlider, W.FloatSlider, W.ToggleButtons)):
-            found.append(w)
-        todo.extend(getattr(w, "children", ()))
-    return found
+    return _walk(box, (W.Dropdown, W.SelectionSlider, W.IntSlider, W.FloatSlider, W.ToggleButtons))
 
 
 def _move(control):
