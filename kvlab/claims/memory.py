@@ -148,7 +148,7 @@ def c_39pct(lab, context: int = 16384, batch: int = 32, hbm: int = A100_BYTES,
                 f"would allow up to {bound:.2f}x", Verdict(truth(fits), "stated at a setting that cannot run"),
                 f"claimed {claimed:.2f}x at 32 x 16K, a batch that cannot fit the card (b32-16k-fits), so the figure "
                 f"cannot have been measured as stated; at a batch that fits the bytes allow it, and nothing the lab "
-                "ran confirms it (its own INT8 attention kernel: {h200:.2f}x FP16 on an H200 at 8 x 16K, Llama-3-8B shape)")
+                f"ran confirms it (its own INT8 attention kernel: {h200:.2f}x FP16 on an H200 at 8 x 16K, Llama-3-8B shape)")
     share = fp16["kv"] / fp16["total"]  # the KV's share of an FP16 step's bytes
     step = 1 / ((1 - share) + share / attention_speedup) if attention_speedup else 0.0  # Amdahl
     return (f"{setting}: it fits; the bytes allow up to {bound:.2f}x" +
