@@ -164,5 +164,74 @@ def test_the_check_can_fail(tmp_path, monkeypatch):
     assert any("imports kvlab.engine inside a function" in w for w in lazy_kvlab)
 
 
+#: the size of the house (issue 48): the library's lines in all, and the most one file may hold
+MAX_LIBRARY_LINES, MAX_FILE_LINES = 14_000, 450
+
+
+def _private_uses(path: Path, module: str):
+    """Each ``_name`` this module takes from another kvlab module: ``from kvlab.x import _y`` or ``x._y``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    imported = {}  # local name -> kvlab module it stands for
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvlab"):
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    yield node.lineno, f"{node.module}.{a.name}"
+                target = f"{node.module}.{a.name}"
+                if target in MODULES:
+                    imported[a.asname or a.name] = target
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("kvlab") and a.asname:
+                    imported[a.asname] = a.name
+    mine = _private_attributes(tree)
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+            continue
+        if isinstance(node.value, ast.Name) and node.value.id in imported and imported[node.value.id] != module:
+            yield node.lineno, f"{imported[node.value.id]}.{node.attr}"
+        elif (node.attr in KVLAB_PRIVATE_ATTRIBUTES and node.attr not in mine
+              and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+            yield node.lineno, f"{ast.unparse(node)} (another kvlab class's private state)"
+
+
+def _private_attributes(tree) -> set[str]:
+    """The ``_names`` a module's classes define: methods and ``self._x = ...``."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for n in ast.walk(node):
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name.startswith("_"):
+                    names.add(n.name)
+                elif (isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and n.attr.startswith("_")
+                      and isinstance(n.value, ast.Name) and n.value.id == "self"):
+                    names.add(n.attr)
+    return {n for n in names if not n.startswith("__")}
+
+
+KVLAB_PRIVATE_ATTRIBUTES = set().union(*(_private_attributes(ast.parse(p.read_text(encoding="utf-8")))
+                                         for p in MODULES.values()))
+
+
+def test_the_house_stays_small():
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text(encoding="utf-8").splitlines()) for p in MODULES.values()}
+    big = {p: n for p, n in sizes.items() if n > MAX_FILE_LINES}
+    assert not big, f"files over {MAX_FILE_LINES} lines: {big}"
+    assert sum(sizes.values()) <= MAX_LIBRARY_LINES, f"{sum(sizes.values())} lines in kvlab/ + kernels/"
+
+
+def test_no_module_uses_another_modules_private_names():
+    found = [f"{path.relative_to(ROOT)}:{line} uses {name}" for module, path in MODULES.items()
+             for line, name in _private_uses(path, module)]
+    assert not found, "\n".join(found)
+
+
+def test_the_private_name_check_can_fail(tmp_path):
+    fake = tmp_path / "x.py"
+    fake.write_text("from kvlab.check.core import _run\nfrom kvlab.viz import paged\npaged._grid\nllm._evict_states\n")
+    assert [n for _, n in _private_uses(fake, "kvlab.x")] == [
+        "kvlab.check.core._run", "kvlab.viz.paged._grid", "llm._evict_states (another kvlab class's private state)"]
+
+
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-q"])
