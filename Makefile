@@ -70,9 +70,9 @@ OLDEST       := .venv-oldest
 test-oldest: setup
 	$(BIN)/python tools/oldest.py --venv $(OLDEST)
 
-# One GPU check (kvlab/gpu_check.py): on a CUDA GPU, every notebook executed, `kvlab bench kernels` and the
-# engine benchmark on the triton and torch backends, within 8 minutes; the executed notebooks, the JSON
-# and summary.md go into $(OUT). On a CPU: `.venv/bin/kvlab gpu-check --out DIR --dry-run` (a test runs it).
+# One GPU check (kvlab/gpu_check.py): on a CUDA GPU, `kvlab bench kernels`, `kvlab bench engine` on both
+# backends and the notebooks under nbval, each under a time limit (470 s in all); logs and summary.md go
+# into $(OUT). On a CPU: `.venv/bin/kvlab gpu-check --out DIR --dry-run` (a test runs it).
 OUT ?= gpu-check-out
 
 gpu-check: setup

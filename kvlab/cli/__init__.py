@@ -21,9 +21,8 @@ one JSON object on stdout instead of a table):
 - ``convert``: convert the bundled SmolLM2 GGUF to safetensors (once).
 - ``grade``: submitted notebooks executed headless, each task graded by kvlab's own checker on the
   participant's function; a CSV and, with ``--nbgrader``, nbgrader export's columns (:mod:`kvlab.grade`).
-- ``gpu-check``: on a CUDA GPU, every notebook executed, ``bench kernels`` and ``bench engine`` (triton
-  and torch backends), their JSON and a one-screen summary into ``--out DIR``, inside 8 minutes
-  (:mod:`kvlab.gpu_check`); ``--dry-run`` rehearses the same plan on a CPU.
+- ``gpu-check``: on a CUDA GPU, ``bench kernels``, ``bench engine`` on both backends and the notebooks
+  under nbval, each under a time limit, and a summary (:mod:`kvlab.gpu_check`); ``--dry-run``: on a CPU.
 
 The parser is ``kvlab.cli.parser``; each subcommand's handler ``cmd_<name>(args) -> int`` lives in
 the module ``parser.COMMAND_MODULES`` names (``info``, ``generate``, ``bench``, ``quant``, ``export``,

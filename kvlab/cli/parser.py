@@ -12,11 +12,12 @@ its own options, in the order its help lists them. Building the parser imports n
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from kvlab.cache import CACHE_KINDS
 from kvlab.attention import BACKEND_NAMES
 from kvlab.formats import GRANULARITIES, KV_CACHE_DTYPES, engine_kv_cache_dtypes
-from kvlab.gpu_check import DEFAULT_DEADLINE_S, DEFAULT_JOBS, GOAL_S, STEP_NAMES, check_only
+from kvlab.gpu_check import DEFAULT_JOBS, STEP_NAMES, check_only
 from kvlab.sizing import dtypes
 
 #: the subcommand -> the module of kvlab.cli that holds its handler ``cmd_<name>`` (imported when it runs)
@@ -44,20 +45,6 @@ def positive_int(name: str):
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
         if value < 1:
             raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
-        return value
-
-    return parse
-
-
-def seconds(name: str):
-    """An argparse ``type`` for a time limit: a finite number >= 0; the error names the option."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number of seconds, got {text!r}") from None
-        if not 0 <= value < float("inf"):
-            raise argparse.ArgumentTypeError(f"{name} must be a number of seconds >= 0, got {text}")
         return value
 
     return parse
@@ -241,19 +228,13 @@ def _convert_options() -> argparse.ArgumentParser:
 
 def _gpu_check_options() -> argparse.ArgumentParser:
     s = argparse.ArgumentParser(add_help=False)
-    s.add_argument("--out", required=True, metavar="DIR",
-                   help="folder for the executed notebooks, the benchmarks' JSON and summary.md")
+    s.add_argument("--out", required=True, metavar="DIR", type=Path,
+                   help="folder for the logs, bench_kernels.json, gpu_check.json and summary.md")
     s.add_argument("--dry-run", action="store_true",
-                   help="rehearse the same plan on a CPU: notebooks parsed and one rehearsal notebook executed, "
-                        "the benchmarks on their smallest settings")
-    s.add_argument("--jobs", type=positive_int("--jobs"), default=DEFAULT_JOBS, help="notebooks executed at once")
-    s.add_argument("--deadline-s", type=seconds("--deadline-s"), default=DEFAULT_DEADLINE_S,
-                   help=f"stop by then; steps with no time left are 'not run (deadline)' (default {GOAL_S:.0f}: "
-                        "the 8-minute goal)")
+                   help="run the same commands on a CPU at their smallest settings, the notebooks collected only")
+    s.add_argument("--jobs", type=positive_int("--jobs"), default=DEFAULT_JOBS, help="notebooks run at once")
     s.add_argument("--only", type=step_names, default=None, metavar="STEP,STEP",
                    help=f"run only these steps ({', '.join(STEP_NAMES)}), e.g. to redo a failed one")
-    s.add_argument("--model", default=None,
-                   help="the engine benchmark's model (default smollm2-135m; the dry run: tiny)")
     return s
 
 
@@ -283,8 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("claims", help="every numeric claim of the three source articles, measured now, with a verdict",
         parents=[_claims_options(), out])
     add("convert", help="convert the bundled SmolLM2 GGUF to safetensors (once)", parents=[_convert_options(), out])
-    add("gpu-check", help="the whole lab on one CUDA GPU within 8 minutes: every notebook, the kernel and engine "
-                          "benchmarks, a summary (--dry-run rehearses it on a CPU)", parents=[_gpu_check_options(), out])
+    add("gpu-check", help="the lab's commands on one CUDA GPU, each under a time limit: the kernel and engine benchmarks, "
+                          "the notebooks, a summary (--dry-run: on a CPU)", parents=[_gpu_check_options(), out])
     add("grade", help="execute submitted notebooks and grade every task with kvlab's checkers (CSV, nbgrader CSV)",
         parents=[_grade_options(), out])
     assert set(sub.choices) == set(COMMAND_MODULES), "every subcommand needs a module in COMMAND_MODULES"
