@@ -412,8 +412,7 @@ def after_forward(policy: EvictionPolicy, bm, seq_id: int, state: EvictionState,
                   num_computed: int, mass: torch.Tensor | None = None) -> int:
     """One sequence after a good forward: add the attention observed (``mass``, over the kept keys in
     the order attention read them) to its scores, then, once its whole prompt is computed, let the
-    policy drop blocks. Returns the blocks dropped. The engine (``LLM(eviction=...)``) and the quality
-    runs (:func:`kvlab.eval.eviction_quality`) both go through here."""
+    policy drop blocks. Returns the blocks dropped. ``LLM`` calls it for every request with a policy."""
     if mass is not None:
         # the mass covers the keys this forward read: the first len(mass) kept positions (a chunked
         # prompt's blocks are all allocated up front, its later chunks not computed yet)

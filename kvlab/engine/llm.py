@@ -71,6 +71,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     metrics: dict
+    logits: list | None = None  # one (V,) tensor per output token, when SamplingParams(return_logits=True)
 
 
 def _make_cache(model, tokenizer, num_blocks, block_size, kv_cache_dtype, quant_config, calibration, model_name):
@@ -119,14 +120,12 @@ class LLM:
                  admission_rule=None, schedule_decodes=None, chunk_prefills=None):
         self.model, self.tokenizer = model, tokenizer
         layers = paged_attention_spec(model)  # a model the paged attention cannot run is refused before any pool
+        self._layers = layers
         if eviction is not None:
             if not isinstance(eviction, EvictionPolicy):
                 raise TypeError(f"eviction must be a kvlab.cache.evict policy (SlidingWindow, SinksWindow, HeavyHitters, "
                                 f"PromptSelect) or None, got {type(eviction).__name__} {eviction!r}")
-            eviction.budget_blocks(block_manager.block_size if block_manager is not None else block_size)
-            if any(a.sliding_window is not None or a.softcap is not None or a.sinks for a in layers):
-                raise ValueError("eviction cannot be combined with a model whose attention slides, soft-caps or has "
-                                 "sinks: its masks count positions, and an evicted cache has gaps")
+            self._check_eviction(eviction, block_manager.block_size if block_manager is not None else block_size)
         if eos_token_id is not None and not is_int(eos_token_id):
             raise TypeError(f"eos_token_id must be an int token id or None, got {type(eos_token_id).__name__} "
                             f"{eos_token_id!r}")
@@ -169,6 +168,15 @@ class LLM:
 
     # ---- requests --------------------------------------------------------------------------------
 
+    def _check_eviction(self, policy: EvictionPolicy, block_size: int) -> None:
+        policy.budget_blocks(block_size)
+        if any(a.sliding_window is not None or a.softcap is not None or a.sinks for a in self._layers):
+            raise ValueError("eviction cannot be combined with a model whose attention slides, soft-caps or has "
+                             "sinks: its masks count positions, and an evicted cache has gaps")
+
+    def _policy(self, seq: Sequence) -> EvictionPolicy | None:
+        return seq.params.eviction if seq.params.eviction is not None else self.eviction
+
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt.strip():
@@ -193,8 +201,11 @@ class LLM:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit the model's context of {self.max_model_len}")
         bm = self.block_manager
         worst = bm.blocks_needed(min(len(ids) + params.max_tokens, self.max_model_len))
-        if self.eviction is not None:
-            worst = min(worst, self.eviction.max_blocks(len(ids), params.max_tokens, bm.block_size))
+        policy = params.eviction if params.eviction is not None else self.eviction
+        if params.eviction is not None:
+            self._check_eviction(params.eviction, bm.block_size)
+        if policy is not None:
+            worst = min(worst, policy.max_blocks(len(ids), params.max_tokens, bm.block_size))
         if worst > bm.num_blocks:  # alone in the pool it could never finish: refuse it now
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} needs {worst} blocks of "
                              f"{bm.block_size} tokens; the whole pool has {bm.num_blocks}")
@@ -267,9 +278,7 @@ class LLM:
             raise
         t3 = time.perf_counter()
         with hold_interrupts():
-            outputs, finished = self._commit(batch, rows, sampled, t3)
-            if self.eviction is not None:
-                self._evict(batch, observer)
+            outputs, finished = self._commit(batch, rows, sampled, t3, logits, observer)
             t4 = time.perf_counter()
             self.step_stats.append(StepStats(
                 step=batch.step, running=len(sched.running) + finished, waiting=len(sched.waiting),
@@ -282,20 +291,26 @@ class LLM:
             self.on_step(self.step_stats[-1])
         return outputs
 
-    def _commit(self, batch, rows, sampled, now) -> tuple[list[RequestOutput], int]:
-        """After a good forward: the new tokens' K/V count as computed, sampled tokens are appended,
-        finished requests free their blocks."""
+    def _commit(self, batch, rows, sampled, now, logits, observer) -> tuple[list[RequestOutput], int]:
+        """After a good forward: the new tokens' K/V count as computed, eviction policies act, sampled
+        tokens are appended, finished requests free their blocks."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):  # their K/V are in the pool now
             seq.num_computed_tokens += n
+        self._evict(batch, observer)
         outputs, finished = [], 0
-        for i, token in zip(rows, sampled):
+        for k, (i, token) in enumerate(zip(rows, sampled)):
             seq = batch.seqs[i]
+            if seq.params.return_logits:
+                seq.logits.append(logits[k].float().clone())
             seq.append_token(token)
             seq.metrics.token_times.append(now)
             if seq.metrics.first_token is None:
                 seq.metrics.first_token = now
             reason = self._stop_reason(seq, token)
             if reason is not None:
+                bm = self.block_manager
+                seq.metrics.held_blocks, seq.metrics.held_tokens = len(bm.block_table(seq.seq_id)), bm.kept_tokens(seq.seq_id)
+                self._evict_states.pop(seq.seq_id, None)
                 self.scheduler.finish(seq, reason)
                 seq.metrics.finished = now
                 finished += 1
@@ -311,14 +326,20 @@ class LLM:
             state = self._evict_states[seq.seq_id] = EvictionState(blocks)
         return state
 
+    def eviction_scores(self, seq_id: int) -> torch.Tensor | None:
+        """A running sequence's attention scores per logical position (a scoring policy), or None."""
+        state = self._evict_states.get(seq_id)
+        return None if state is None or not len(state.scores) else state.scores
+
     def _observer(self, batch) -> AttentionMass | None:
-        """For a policy that scores blocks: which sequences' attention to watch in this forward."""
-        if self.eviction is None or not self.eviction.needs_scores:
-            return None
+        """For policies that score blocks: which sequences' attention to watch in this forward."""
         watch = {}
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            policy = self._policy(seq)
+            if policy is None or not policy.needs_scores:
+                continue
             end = seq.num_computed_tokens + n
-            from_pos = watch_from(self.eviction, self._state(seq), len(seq.prompt_token_ids), end)
+            from_pos = watch_from(policy, self._state(seq), len(seq.prompt_token_ids), end)
             if from_pos is not None:
                 watch[i] = (end, from_pos)
         return AttentionMass(watch) if watch else None
@@ -328,11 +349,11 @@ class LLM:
         its blocks, once its prompt is computed)."""
         bm = self.block_manager
         for i, seq in enumerate(batch.seqs):
-            if seq.is_finished or seq.seq_id not in bm.seqs:
-                self._evict_states.pop(seq.seq_id, None)
+            policy = self._policy(seq)
+            if policy is None or seq.seq_id not in bm.seqs:
                 continue
             mass = observer.mass.get(i) if observer is not None else None
-            after_forward(self.eviction, bm, seq.seq_id, self._state(seq), len(seq.prompt_token_ids),
+            after_forward(policy, bm, seq.seq_id, self._state(seq), len(seq.prompt_token_ids),
                           seq.num_computed_tokens, mass)
 
     def _abort_step(self, saved_counters, reason: str) -> None:
@@ -357,7 +378,8 @@ class LLM:
         if self.tokenizer is not None and seq.is_finished:
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
         return RequestOutput(seq.seq_id, seq.prompt_token_ids, list(seq.output_token_ids), text, seq.is_finished,
-                             seq.finish_reason, seq.metrics.as_dict(len(seq.output_token_ids)))
+                             seq.finish_reason, seq.metrics.as_dict(len(seq.output_token_ids)),
+                             list(seq.logits) if seq.params.return_logits else None)
 
     def iter_steps(self):
         """Run until every queued request finished, yielding ``(StepStats, outputs)`` after each step."""

@@ -30,8 +30,10 @@ def sample(logits: torch.Tensor, seqs) -> list[int]:
     """logits (B, V), one row per sequence in ``seqs`` -> one token id per sequence."""
     out = logits.argmax(dim=-1).tolist()  # greedy for everyone; sampled rows overwrite below
     for i, seq in enumerate(seqs):
-        p = seq.params
-        if not p.greedy:
+        p, n = seq.params, len(seq.output_token_ids)
+        if n < len(p.forced_token_ids):  # teacher forcing: the text's own next token
+            out[i] = p.forced_token_ids[n]
+        elif not p.greedy:
             probs = _filtered_probs(logits[i], p.temperature, p.top_k, p.top_p)
             out[i] = int(torch.multinomial(probs.cpu(), 1, generator=seq.generator))
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvlab.cache.evict import EvictionPolicy
 from kvlab.validate import is_int
 
 
@@ -25,6 +26,9 @@ class SamplingParams:
     Every request draws from its own ``torch.Generator`` seeded with ``seed`` (a fresh random seed
     when None), so what it samples never depends on which other requests share its batch.
     ``ignore_eos`` keeps generating past EOS (benchmarks that need exact output lengths).
+    ``eviction``: this request's :mod:`kvlab.cache.evict` policy (None: the engine's).
+    ``forced_token_ids``: the first outputs are these tokens, not sampled ones (a quality run feeds a
+    text's own tokens); ``return_logits``: keep the logits of every output (``RequestOutput.logits``).
     """
 
     max_tokens: int = 16
@@ -34,6 +38,9 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
+    eviction: EvictionPolicy | None = None
+    forced_token_ids: tuple[int, ...] = field(default=())
+    return_logits: bool = False
 
     def __post_init__(self):
         _int("max_tokens", self.max_tokens, 1)
@@ -52,8 +59,16 @@ class SamplingParams:
                 any(not is_int(t) or t < 0 for t in stops):
             raise ValueError(f"stop_token_ids must be a token id or a list of token ids (ints >= 0), got {stops!r}")
         object.__setattr__(self, "stop_token_ids", tuple(sorted(set(stops))))
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "return_logits"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.eviction is not None and not isinstance(self.eviction, EvictionPolicy):
+            raise TypeError(f"eviction must be a kvlab.cache.evict policy (SlidingWindow, SinksWindow, HeavyHitters, "
+                            f"PromptSelect) or None, got {type(self.eviction).__name__} {self.eviction!r}")
+        forced = self.forced_token_ids
+        if not isinstance(forced, (list, tuple)) or any(not is_int(t) or t < 0 for t in forced):
+            raise ValueError(f"forced_token_ids must be a list of token ids (ints >= 0), got {forced!r}")
+        object.__setattr__(self, "forced_token_ids", tuple(forced))
 
     @property
     def greedy(self) -> bool:

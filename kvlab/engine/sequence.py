@@ -34,6 +34,8 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at (last) admission
+    held_blocks: int = 0  # blocks, and tokens in them, the sequence held when it finished
+    held_tokens: int = 0
 
     def as_dict(self, num_output_tokens: int) -> dict:
         """Queue time, TTFT, TPOT (mean time per output token after the first), end-to-end latency."""
@@ -64,6 +66,7 @@ class Sequence:
         self.metrics = RequestMetrics(arrival)
         seed = params.seed if params.seed is not None else random.randrange(2**63)
         self.generator = torch.Generator().manual_seed(seed)
+        self.logits: list[torch.Tensor] = []  # one per output, when params.return_logits
 
     def append_token(self, token: int) -> None:
         """A sampled token joins the output (and the sequence the next step feeds)."""
