@@ -1,13 +1,10 @@
 """Paged KV cache: PagedAttention's memory manager, made inspectable (notebook 02).
 
-The pool holds ``num_blocks`` blocks of ``block_size`` token slots. Logical block i of a sequence lives
-in physical block ``block_table[i]``, so token t is stored at slot
-``block_table[t // block_size] * block_size + t % block_size``, the layout the kernels read.
+Token t of a sequence is stored at slot ``block_table[t // block_size] * block_size + t % block_size``.
 :class:`BlockManager` is bookkeeping only (vLLM's names): allocate on demand, free tail first, share
-full blocks between prompts with the same prefix (hash chain + token check + refcounts, LRU of freed
-but cached blocks), fork with copy-on-write. Its collaborators: :mod:`kvlab.cache.host_tier` (cached
-blocks kept in host memory), :mod:`kvlab.cache.dropped` (blocks a policy dropped, sliding windows);
-:mod:`kvlab.cache.blocks` holds its parts and checks. :class:`~kvlab.cache.PagedKVCache` holds the tensors.
+full blocks of equal prefixes (hash chain + token check + refcounts, LRU of freed cached blocks), fork
+with copy-on-write. Collaborators: :mod:`~kvlab.cache.host_tier`, :mod:`~kvlab.cache.dropped`
+(policy eviction, sliding windows); :mod:`~kvlab.cache.blocks` holds its parts and checks.
 """
 
 from __future__ import annotations
@@ -16,14 +13,13 @@ import math
 from collections import OrderedDict, deque
 from types import MappingProxyType
 
+# INT32, Block, OutOfBlocksError, check_token_ids ...: imported from here too (kvlab.cache.paged's names)
 from kvlab.cache.blocks import (INT32, Block, OutOfBlocksError, SeqBlocks, block_hash, check_append,  # noqa: F401
                                 check_block_size, check_hits, check_pool, check_token_ids)
 from kvlab.cache.dropped import blocks_outside_window, checked_drop, shift_after_drops
 from kvlab.cache.host_tier import HostHit, HostTier
 from kvlab.validate import check_int, is_int
 
-__all__ = ["BlockManager", "OutOfBlocksError", "block_hash", "append_slot", "prefix_hits", "check_token_ids",
-           "check_block_size", "Block", "SeqBlocks", "HostHit"]
 
 def append_slot(block_table: list[int], num_tokens: int, block_size: int, ref_count, take_block):
     """Room for one more token of a sequence (notebook 02, Task 2): returns ``(slot, copy)``.
