@@ -1,13 +1,10 @@
 """The two contiguous KV caches every inference engine starts from (notebook 01).
 
-Both keep, per layer, keys and values as ``[B, H_kv, T, D]`` tensors, exactly what attention
-consumes, and know nothing of transformers: :mod:`kvlab.hf` plugs them into an unmodified model.
-
-* :class:`ContiguousCache` grows by concatenation. Simple and tight, but every append copies the
-  whole layer cache into a new tensor: it counts the bytes it copies.
-* :class:`StaticCache` reserves ``[max_batch, H_kv, max_seq_len, D]`` up front, like early serving
-  systems and HF's ``StaticCache``. Nothing is ever copied, but every slot a sequence does not
-  use is reserved for nothing: it reports its utilization (tokens stored / slots reserved).
+Both keep keys and values per layer as ``[B, H_kv, T, D]``, what attention consumes, and know nothing of
+transformers (:mod:`kvlab.hf` plugs them into a model). :class:`ContiguousCache` grows by concatenation:
+tight, but every append copies the layer cache (it counts the bytes copied). :class:`StaticCache`
+reserves ``[max_batch, H_kv, max_seq_len, D]`` up front, like HF's ``StaticCache``: nothing is copied,
+but unused slots are reserved for nothing (it reports its utilization, tokens stored / slots reserved).
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """Where KV memory goes, for a whole workload, without running a model (notebook 02).
 
-A request needs ``prompt + output`` token slots by the time it finishes, but a contiguous
-allocator must decide its reservation up front. Following the PagedAttention paper (SOSP 2023,
-Fig. 2), every reserved slot at every decode step is one of:
-
-* **token states**: it holds a token's K/V now;
-* **reservation**: empty now, a later token of the same request will fill it;
-* **internal fragmentation**: reserved, but no token of this request will ever fill it.
-
-(The paper adds *external* fragmentation, the gaps a buddy allocator leaves between reservations;
-our contiguous policies get one private tensor each, so it is 0 here and we do not invent it.)
-
-Contiguous policies follow the paper's Orca baselines: ``max`` reserves ``max_seq_len`` for every
-request, ``pow2`` the next power of two at or above its real length, ``oracle`` exactly its real
-length (what it will store: prompt + output - 1, as the last sampled token is never fed back). ``paged`` runs the real :class:`~kvlab.cache.paged.BlockManager`, so the paged figures are
-our block manager's own accounting.
+Following the PagedAttention paper (SOSP 2023, Fig. 2), every reserved slot at every decode step is
+**token states** (holds a token's K/V now), **reservation** (empty, a later token of the request fills
+it) or **internal fragmentation** (no token of the request will ever fill it). External fragmentation
+is 0 here: each contiguous policy gets one private tensor. The contiguous policies are the paper's
+Orca baselines: ``max`` reserves ``max_seq_len`` per request, ``pow2`` the next power of two at or above
+its real length, ``oracle`` exactly that length (prompt + output - 1: the last sampled token is never
+fed back). ``paged`` runs the real :class:`~kvlab.cache.paged.BlockManager` and reports its accounting.
 """
 
 from __future__ import annotations
