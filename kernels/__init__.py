@@ -1,12 +1,9 @@
-"""kvlab.kernels: the lab's Triton kernels (notebook 05).
-
-This folder sits at the top of the repository and ships as ``kvlab.kernels`` (see pyproject's
-``package-dir``), because a bare ``import kernels`` would shadow Hugging Face's ``kernels``
-package, which transformers probes for.
+"""kvlab.kernels: the lab's Triton kernels (notebook 05). The folder ships as ``kvlab.kernels``
+(pyproject's ``package-dir``): a bare ``import kernels`` would shadow Hugging Face's ``kernels`` package.
 
 | file          | what                                                                        |
 |---------------|-----------------------------------------------------------------------------|
-| `pool.py`     | a pool's K or V as the kernels see it (data, format, scales)                |
+| `pool.py`     | a pool's K or V as the kernels see it; the table of kernel formats (KERNEL_KINDS) |
 | `write.py`    | quantize-on-write: new K/V -> their slots, round half to even, counters     |
 | `decode.py`   | paged decode attention: block-table walk, online softmax, GQA, fused dequant, split-KV |
 | `skeleton.py` | the decode kernel stripped to its three ideas (walk, online softmax, dequant): notebook 05's build tasks run inside it |
@@ -15,10 +12,9 @@ package, which transformers probes for.
 | `ptx.py`      | the decode kernel compiled for sm_90 without a GPU: the instructions each variant becomes |
 | `bench_h200.json` | one ``kvlab bench kernels`` run on an H200 (the benchmark: `kvlab/bench/kernels.py`) |
 
-Every kernel runs compiled on a GPU and interpreted on the CPU (``TRITON_INTERPRET=1``). PyPI has
-triton for Linux only: on a Mac or Windows :func:`available` is False, the kernels say why they
-cannot run (:data:`WHY_NO_TRITON`), and everything else — the byte model, the recorded H200 run,
-the rest of kvlab — runs as usual.
+Every kernel runs compiled on a GPU and interpreted on the CPU (``TRITON_INTERPRET=1``). PyPI has triton
+for Linux only: elsewhere :func:`available` is False, the kernels say why (:data:`WHY_NO_TRITON`), and the
+rest of kvlab (the byte model, the recorded H200 run) runs as usual.
 """
 
 from __future__ import annotations
@@ -69,17 +65,15 @@ def gpu_capability() -> tuple[int, int] | None:
 
 
 def _capability(capability) -> tuple[int, int] | None:
-    """``capability`` as a tuple, else this machine's when the kernels compile (the interpreter runs
-    every format, whatever GPU is present)."""
+    """``capability`` as a tuple, else this machine's when the kernels compile (the interpreter runs all)."""
     if capability is not None:
         return tuple(capability)
     return gpu_capability() if triton_mode() == "compiled" else None
 
 
 def why_not(fmt: str, capability: tuple[int, int] | None = None) -> str | None:
-    """None when the Triton kernels run element format ``fmt`` here; else one line saying why not
-    (no triton, a format the kernels do not read, or a GPU older than the format needs).
-    ``capability``: a GPU's (major, minor) to ask about instead of this machine's."""
+    """None when the kernels run element format ``fmt`` here (or on a GPU of ``capability``); else one line
+    saying why not: no triton, a format the kernels do not read, or a GPU older than it needs."""
     if fmt not in ELEMENT_FORMATS:
         raise ValueError(f"fmt must be one of {tuple(ELEMENT_FORMATS)}, got {fmt!r}")
     if not _triton_imports():
@@ -96,8 +90,8 @@ def why_not(fmt: str, capability: tuple[int, int] | None = None) -> str | None:
 
 
 def available(fmt: str | None = None, capability: tuple[int, int] | None = None) -> bool:
-    """Whether triton imports here (Linux: yes; macOS, Windows: no wheel on PyPI); with ``fmt``, whether
-    the kernels run that element format on this machine (or on a GPU of ``capability``): :func:`why_not`."""
+    """Whether triton imports here (no wheel for macOS, Windows); with ``fmt``, whether the kernels run that
+    element format here (or on a GPU of ``capability``): :func:`why_not`."""
     if fmt is None and capability is None:
         return _triton_imports()
     if fmt is None:
@@ -129,10 +123,8 @@ def require_triton(what: str) -> None:
 
 
 def triton_mode() -> str:
-    """``"interpreter"`` when kernels run on the CPU through Triton's interpreter, else ``"compiled"``.
-
-    ``import kvlab`` sets ``TRITON_INTERPRET=1`` on machines without a GPU before triton loads.
-    """
+    """``"interpreter"`` when kernels run through Triton's interpreter (``import kvlab`` sets
+    ``TRITON_INTERPRET=1`` without a GPU), else ``"compiled"``."""
     return "interpreter" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "compiled"
 
 
@@ -145,9 +137,8 @@ def triton_version() -> str | None:
 
 
 def _skip_if_marked(lines: list[str]) -> list[str]:
-    """IPython input transformer: a cell whose leading comments include ``# needs triton`` prints why it
-    is skipped instead of running, where triton is missing; one marked ``# needs triton's interpreter``
-    also where the kernels run compiled (only the interpreter can count their bytes)."""
+    """IPython input transformer: a cell whose leading comments hold a marker prints why it is skipped
+    instead of running, where that marker's need is not met."""
     for line in lines:
         text = line.strip().lower()
         if text and not text.startswith("#"):
@@ -160,10 +151,9 @@ def _skip_if_marked(lines: list[str]) -> list[str]:
 
 
 def skip_cells_without_triton(shell=None) -> bool:
-    """Where triton is missing, make every notebook cell marked ``# needs triton`` print one line saying
-    why it is skipped and where it runs, instead of failing on ``import triton``; the cells after it
-    that do not need the kernels run as usual. Where the kernels run compiled (a GPU), the same for the
-    cells marked ``# needs triton's interpreter``. ``kvlab.setup()`` calls this; returns whether it is on."""
+    """Where triton is missing, make every notebook cell marked ``# needs triton`` print why it is skipped
+    instead of failing (the other cells run as usual); where the kernels run compiled, the same for cells
+    marked ``# needs triton's interpreter``. ``kvlab.setup()`` calls this; returns whether it is on."""
     if available() and triton_mode() == "interpreter":
         return False
     if shell is None:

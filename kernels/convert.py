@@ -1,38 +1,34 @@
 """From stored bytes to the numbers a matmul takes: the decode kernel's conversion variants (notebook 05).
 
-Halving the bytes of the cache halves what a decode step reads, but every int8 value read must
-still become an fp16 (or bf16) number before the tensor cores can use it. On Hopper a plain
-``int8.to(tl.float16)`` is one conversion instruction per value (``cvt.rn.f16.s8``), and the
-conversion pipe runs at 16 results per clock per SM against 256 for fp16 arithmetic (CUDA C++
-Programming Guide, arithmetic instruction throughput, compute capability 9.0). At batch 32 x 16K
-tokens x 8 KV heads x 128 channels x (K and V) that is about 1e9 conversions per layer: as long as
-reading the bytes. :mod:`kvlab.kernels.traffic` counts them (``decode_ops``); this module holds the
-ways round them, each a ``convert=`` variant of :func:`~kvlab.kernels.decode.paged_decode`:
+On Hopper a plain ``int8.to(tl.float16)`` is one ``cvt.rn.f16.s8`` per value, and the conversion pipe
+runs 16 results per clock per SM against 256 for fp16 arithmetic (CUDA C++ Programming Guide,
+compute capability 9.0): at batch 32 x 16K tokens that costs about as long as reading the bytes.
+:mod:`kvlab.kernels.traffic` counts it (``decode_ops``); each way round it is a ``convert=`` variant
+of :func:`~kvlab.kernels.decode.paged_decode`:
 
 | variant | int8 value -> fp16                                                    | runs under the interpreter |
 |---------|-----------------------------------------------------------------------|----------------------------|
 | `cast`  | ``x.to(tl.float16)``: one ``cvt`` per value                           | yes |
 | `magic` | the byte ``x ^ 0x80`` as the low byte of fp16 ``0x64XX`` = 1024 + (x + 128), minus 1152: integer ops and one fp16 subtract, no ``cvt`` | yes |
-| `prmt`  | the same number trick four values at a time in inline PTX: one ``xor``, two ``prmt`` (byte permute) and two ``sub.f16x2`` per four values (LMDeploy's ``cvt_f16x4_u8`` idea) | no: the interpreter cannot run inline assembly; :func:`prmt_replica` replays its instructions |
+| `prmt`  | the same trick four values at a time in inline PTX: one ``xor``, two ``prmt`` (byte permute), two ``sub.f16x2`` (LMDeploy's ``cvt_f16x4_u8`` idea) | no: inline assembly; :func:`prmt_replica` replays it |
 | `bf16`  | ``x.to(tl.bfloat16)`` and bf16 matmuls: Triton's own Hopper fast path | no: the interpreter keeps bf16 as raw integers |
-| `dot8`  | K is never converted: q is quantized per row to int8 and QK^T runs as an int8 x int8 -> int32 ``tl.dot`` (as SageAttention does), the scales after; V as `magic` | yes (numpy's integer matmul) |
+| `dot8`  | K is never converted: q is quantized per row to int8 and QK^T runs as an int8 x int8 -> int32 ``tl.dot`` (as SageAttention does); V as `magic` | yes |
 
-int4 values (K8V4's V) take the same trick with ``0x6400 | n`` = 1024 + n, minus 1032 (the stored
-nibble is q + 8); ``cast`` widens them through fp32 as before.
-
-Every variant gives bit-identical values to ``cast`` (``dot8``: the same values, a quantized q);
-``tests/test_05_kernels.py`` checks all 256 int8 values and all 16 nibbles, through the Triton
-functions under the interpreter and through the Python replicas here, and compiles each variant
-for sm_90 without a GPU.
+int4 values take the same trick with ``0x6400 | n`` = 1024 + n, minus 1032 (the stored nibble is
+q + 8). Every variant gives bit-identical values to ``cast`` (``dot8``: a quantized q).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-#: the conversion variants of paged_decode, in the order the notebook shows them
-CONVERSIONS = ("cast", "magic", "prmt", "bf16", "dot8")
-#: which of them Triton's interpreter cannot run, and why (the tests check their logic another way)
+#: how stored integers become matmul operands, the kernel's codes: RAW = not at all (dot8's K, an int8 dot)
+CAST, MAGIC, PRMT, RAW = 0, 1, 2, 3
+#: the conversion variants of paged_decode, in the order the notebook shows them: (K code, V code)
+CONVERT_CODES = {"cast": (CAST, CAST), "magic": (MAGIC, MAGIC), "prmt": (PRMT, PRMT), "bf16": (CAST, CAST),
+                 "dot8": (RAW, MAGIC)}
+CONVERSIONS = tuple(CONVERT_CODES)
+#: which of them Triton's interpreter cannot run, and why
 NOT_INTERPRETABLE = {
     "prmt": "inline PTX (tl.inline_asm_elementwise) cannot run in Triton's interpreter; "
             "kvlab.kernels.convert.prmt_replica replays its instructions on the CPU",
@@ -57,7 +53,6 @@ sub.f16x2 $1, $1, m;
 
 
 def check_convert(convert: str) -> str:
-    """ValueError unless ``convert`` names a variant."""
     if not isinstance(convert, str) or convert not in CONVERSIONS:
         raise ValueError(f"convert must be one of {CONVERSIONS}, got {convert!r}")
     return convert
@@ -120,5 +115,5 @@ def quantize_rows_replica(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q8, scale
 
 
-__all__ = ["CONVERSIONS", "NOT_INTERPRETABLE", "PRMT_ASM", "check_convert", "magic_int8_replica",
+__all__ = ["CONVERSIONS", "CONVERT_CODES", "CAST", "MAGIC", "PRMT", "RAW", "NOT_INTERPRETABLE", "PRMT_ASM", "check_convert", "magic_int8_replica",
            "magic_int4_replica", "prmt", "prmt_replica", "quantize_rows_replica", "INT8_BIAS", "INT4_BIAS"]

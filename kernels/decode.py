@@ -1,36 +1,21 @@
 """Paged decode attention in Triton, with the dequantization fused in (notebook 05).
 
 One query token per sequence attends over its cache, read through its block table straight from
-the pool, whatever the pool stores. The specification is :func:`kvlab.attention.paged_attention`
-(float pools) and :func:`kvlab.attention.quantized_batched_decode_attention` (quantized pools);
-``tests/test_05_kernels.py`` holds the kernel to both.
+the pool; the specification is :mod:`kvlab.attention` (``paged_attention``,
+``quantized_batched_decode_attention``). One program = one sequence x one KV head (x one split):
 
-One program = one sequence x one KV head (x one split of its context):
-
-1. **GQA grouping**: the G query heads that share a KV head ride in one program, so each K/V
-   byte is loaded once for all of them (``group_heads=False`` loads it G times, for comparison).
-   They are padded to 16 rows, the smallest ``tl.dot`` a GPU's tensor cores take: QK and P.V are
-   two small matmuls per tile.
-2. **Block-table walk**: the program reads ``PAGES`` block ids at a time from the table and loads
-   those pages; positions past the context are masked, nothing else of the pool is touched.
-3. **Online softmax** in fp32 (:func:`online_softmax_update`): a running max ``m``, sum ``l`` and
-   output ``acc``, so the scores never exist for the whole context at once.
-4. **Fused dequantization**: int8 pages are loaded as int8 (int4 as packed bytes) and widened in
-   registers. Scales are folded where they cost least: a static K scale into q once (q * s_k
-   before the loop), a per-slot K scale into the scores, a per-slot V scale into P before P.V, a
-   static V scale into the output once at the end; int4 group scales multiply their 32-channel
-   groups in registers. No dequantized copy of the cache exists anywhere.
-5. **Split-KV** (flash-decoding): with few sequences and long contexts, each sequence's context is
-   cut into ``num_splits`` ranges processed by separate programs; each writes its normalized
-   partial output and its log-sum-exp, and :func:`_merge_kernel` combines them exactly.
-
-For a quantized pool, the sequence's own new token is attended at full precision (``k_own``,
-``v_own``), as the PyTorch reference does: only what is stored is quantized.
-
-6. **What the model asks for**, as :mod:`kvlab.attention` does it: a sliding ``window``
-   starts the block-table walk at the first tile the window reaches (the tiles before it are not
-   read at all) and masks the keys before it; ``softcap`` caps the scores with tanh; ``sinks`` join
-   the softmax once, in the last split, as a key whose value is zero.
+1. **GQA grouping**: the G query heads of a KV head ride in one program, so each K/V byte is loaded
+   once for all of them, padded to 16 rows (the smallest ``tl.dot``): QK and P.V are two small matmuls.
+2. **Block-table walk**: ``PAGES`` block ids at a time; positions past the context are masked.
+3. **Online softmax** in fp32 (:func:`online_softmax_update`): running max, sum and output.
+4. **Fused dequantization**: int8/int4 pages are widened in registers; scales are folded where they
+   cost least (a static K scale into q, per-slot scales into the scores and P, a static V scale into
+   the output). No dequantized copy of the cache exists anywhere.
+5. **Split-KV** (flash-decoding): few sequences with long contexts are cut into ``num_splits``
+   ranges; :func:`_merge_kernel` combines their partial outputs exactly through their log-sum-exp.
+6. **What the model asks for**: a sliding ``window`` (tiles before it are not read), ``softcap``,
+   ``sinks`` (a key of value zero, in the last split). A quantized pool's own new token is attended
+   at full precision (``k_own``, ``v_own``), as the reference does.
 """
 
 from __future__ import annotations
@@ -39,9 +24,9 @@ import math
 
 import torch
 
+from kvlab.kernels import require_triton
 from kvlab.validate import cdiv, check_int, check_power_of_two
 from kvlab.validate import check_attention_features as check_features
-from kvlab.kernels import require_triton
 
 require_triton("kvlab.kernels.decode")  # where triton is missing (macOS, Windows): an ImportError that says why
 import triton  # noqa: E402
@@ -52,12 +37,11 @@ from kvlab.kernels import pool as O
 from kvlab.kernels import triton_mode
 from kvlab.kernels.pool import Operand
 
-# format and scale codes as compile-time constants: a @triton.jit function reads globals only as tl.constexpr
+# the codes of kvlab.kernels.pool and .convert as compile-time constants (a @triton.jit function reads globals
+# only as tl.constexpr)
 FLOAT, INT8, INT4 = tl.constexpr(O.FLOAT), tl.constexpr(O.INT8), tl.constexpr(O.INT4)
 NO_SCALE, STATIC, PER_SLOT = tl.constexpr(O.NO_SCALE), tl.constexpr(O.STATIC), tl.constexpr(O.PER_SLOT)
-# how stored integers become matmul operands (kvlab.kernels.convert): RAW = not at all (dot8's K, int8 x int8 dot)
-CAST, MAGIC, PRMT, RAW = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
-_CONVERT_CODES = {"cast": (0, 0), "magic": (1, 1), "prmt": (2, 2), "bf16": (0, 0), "dot8": (3, 1)}  # (K, V)
+CAST, MAGIC, PRMT, RAW = tl.constexpr(C.CAST), tl.constexpr(C.MAGIC), tl.constexpr(C.PRMT), tl.constexpr(C.RAW)
 
 
 @triton.jit
@@ -70,8 +54,7 @@ def int8_magic(u):
 
 @triton.jit
 def int8_prmt(x):
-    """int8 -> fp16 four values at a time in inline PTX (:data:`kvlab.kernels.convert.PRMT_ASM`):
-    compiled GPUs only; :func:`kvlab.kernels.convert.prmt_replica` replays it on the CPU."""
+    """int8 -> fp16 four values at a time in inline PTX (``convert.PRMT_ASM``): compiled GPUs only."""
     return tl.inline_asm_elementwise(C.PRMT_ASM, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
 
 
@@ -93,12 +76,10 @@ def dot(a, b):
 
 @triton.jit
 def online_softmax_update(m, l, acc, s, v, v_scale):
-    """Fold one tile of scores into the running softmax state (FlashAttention's recurrence).
+    """Fold one tile into the running softmax state (FlashAttention's recurrence); returns (m, l, acc).
 
-    m, l: (G,) running max and running sum of exp(score - m); acc: (G, D) running sum of
-    exp(score - m) * value; s: (G, N) this tile's scores, -inf where a position does not exist;
-    v: (N, D) this tile's stored values; v_scale: (N,) the scale of each position's value row,
-    folded into P before P.V (ones when there is none). Returns the new (m, l, acc).
+    m, l: (G,) running max and sum of exp(score - m); acc: (G, D) running sum of exp(score - m) * value;
+    s: (G, N) scores, -inf where no position; v: (N, D) stored values; v_scale: (N,) their scales (or ones).
     """
     m_new = tl.maximum(m, tl.max(s, axis=1))  # (G,)
     alpha = tl.exp(m - m_new)  # how much the old state shrinks; exp(-inf) = 0 on the first tile
@@ -123,15 +104,10 @@ def _load_pages(ptr, scale_ptr, blk, offs_t, tok_mask, head,
                 s_blk, s_tok, s_head, c_blk, c_tok, c_head, c_grp,
                 FMT: tl.constexpr, SCALE: tl.constexpr, PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, DTYPE: tl.constexpr, CONVERT: tl.constexpr):
-    """PAGES pages of one KV head -> (PAGES * BLOCK_SIZE, D) values in DTYPE (the matmul dtype) and
-    (PAGES * BLOCK_SIZE,) fp32 per-slot scales still to apply (1.0 where there are none or they were
-    applied here). int8 values become DTYPE as CONVERT says (every int8 is exact in fp16 and bf16):
-    CAST widens them, MAGIC and PRMT go through fp16 bits (``ptr`` then holds the bytes as uint8 for
-    MAGIC), RAW leaves them int8 for an integer dot. int4: CAST widens through fp32, MAGIC/PRMT
-    through fp16 bits with the group scales rounded to fp16 (the product is rounded once either way).
-
-    blk (PAGES,) int64 block ids; offs_t (BLOCK_SIZE,) offsets in a block; tok_mask (PAGES, BLOCK_SIZE).
-    """
+    """PAGES pages of one KV head -> (N, D) values in DTYPE (the matmul dtype) and (N,) fp32 per-slot
+    scales still to apply (1.0 if none). int8 becomes DTYPE as CONVERT says (CAST widens, MAGIC/PRMT go
+    through fp16 bits, RAW stays int8 for an integer dot); int4: CAST widens through fp32, MAGIC/PRMT go
+    through fp16 bits with fp16 group scales. blk (PAGES,) int64 ids; tok_mask (PAGES, BLOCK_SIZE)."""
     N: tl.constexpr = PAGES * BLOCK_SIZE
     base = blk[:, None] * s_blk + offs_t[None, :] * s_tok + head * s_head  # (PAGES, BS) int64 element offsets
     sc = tl.full((N,), 1.0, tl.float32)
@@ -171,7 +147,7 @@ def _load_pages(ptr, scale_ptr, blk, offs_t, tok_mask, head,
 
 
 @triton.jit
-def _paged_decode_kernel(
+def paged_decode_kernel(
     q_ptr, out_ptr, lse_ptr,  # q, out (B, H_q, D); with splits out/lse are the partials (B, H_q, S, D) / (B, H_q, S)
     k_ptr, v_ptr, ks_ptr, vs_ptr,  # pool pages and their scales (static [H, D] or per-slot pages)
     kown_ptr, vown_ptr,  # (B, H_kv, D) the own new token at full precision (HAS_OWN)
@@ -311,7 +287,8 @@ def check_interpretable(*tensors: torch.Tensor) -> None:
         raise ValueError("bf16 tensors cannot run in Triton's interpreter (CPU); use fp32 or fp16")
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1)."""
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
@@ -337,19 +314,13 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
                  out: torch.Tensor | None = None, *, window: int | None = None,
                  softcap: float | None = None, sinks: torch.Tensor | None = None, convert: str = "cast",
                  num_stages: int | None = None) -> torch.Tensor:
-    """Decode attention of one query token per sequence over a paged pool.
+    """Decode attention of one query token per sequence over a paged pool: (B, H_q, D) in q's dtype.
 
-    q (B, H_q, D); k, v operands (a pool's ``kernel_operands(layer)``); block_tables (B, max_blocks)
-    int32/int64 physical block ids; seq_lens (B,) tokens per sequence INCLUDING the new one, each
-    at most max_blocks * block_size (checked when the tensors are on the CPU; on a GPU the check would
-    cost a synchronization per layer, and the engine's ``DecodeIndex`` guarantees it).
-    ``k_own, v_own`` (B, H_kv, D): give them to attend the new token at full precision (it is then
-    not read from the pool). ``out``: write the result here (same shape as q). ``window``,
-    ``softcap``, ``sinks`` (H_q,): sliding window, soft cap and attention sinks, as in
-    :mod:`kvlab.attention`. ``convert``: how int8/int4 pages become matmul operands, one of
-    :data:`kvlab.kernels.convert.CONVERSIONS` (the module's table; "prmt" and "bf16" run compiled on a
-    GPU only, "dot8" needs int8 K pages). ``num_stages``: Triton's launch option (on a GPU; the
-    interpreter ignores it). Returns (B, H_q, D) in q's dtype.
+    q (B, H_q, D); k, v a pool's ``kernel_operands(layer)``; block_tables (B, max_blocks) block ids;
+    seq_lens (B,) tokens INCLUDING the new one (range-checked where they are on the CPU: on a GPU the
+    check would synchronize every layer). ``k_own, v_own`` (B, H_kv, D): the new token, attended at
+    full precision. ``window``, ``softcap``, ``sinks`` (H_q,): as in :mod:`kvlab.attention`.
+    ``convert``: one of :data:`kvlab.kernels.convert.CONVERSIONS`. ``num_stages``: Triton's launch option.
     """
     C.check_convert(convert)
     if triton_mode() == "interpreter" and convert in C.NOT_INTERPRETABLE:
@@ -361,30 +332,25 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
         raise ValueError(f"q must be (B, H_q, D), got shape {tuple(q.shape)}")
     bsz, h_q, d = q.shape
     h_kv, block_size = k.data.shape[2], k.data.shape[1]
-    if k.head_dim != d or v.head_dim != d:
-        raise ValueError(f"head_dim mismatch: q has {d}, K pages {k.head_dim}, V pages {v.head_dim}")
+    # what the pool and its DecodeIndex guarantee (the triton backend's check is the user-facing one)
+    assert k.head_dim == d == v.head_dim and v.data.shape[:3] == k.data.shape[:3], "q, K and V pages disagree"
+    assert q.device == k.data.device == v.data.device, "q, K and V pages on different devices"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == bsz and seq_lens.shape == (bsz,)
+    assert block_tables.stride(1) == 1 and seq_lens.stride(0) == 1 and q.stride(-1) == 1
+    assert k.data.stride(-1) == 1 and v.data.stride(-1) == 1, "pages must be contiguous along head_dim"
     if d & (d - 1) or d < 16 or block_size & (block_size - 1):
         raise ValueError(f"the kernel needs a power-of-two head_dim >= 16 (tl.dot's smallest) and a power-of-two "
                          f"block_size, got {d} and {block_size}")
-    if v.data.shape[:3] != k.data.shape[:3] or v.data.device != q.device or k.data.device != q.device:
-        raise ValueError(f"K and V pools must share (blocks, block_size, heads) and q's device, got K "
-                         f"{tuple(k.data.shape[:3])} and V {tuple(v.data.shape[:3])}")
     check_interpretable(q, k.data, v.data)
     if h_q % h_kv:
         raise ValueError(f"query heads ({h_q}) must be a multiple of KV heads ({h_kv})")
-    if block_tables.dim() != 2 or block_tables.shape[0] != bsz or seq_lens.shape != (bsz,):
-        raise ValueError(f"block_tables must be (B={bsz}, max_blocks) and seq_lens (B,), got "
-                         f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
     if (k_own is None) != (v_own is None):
         raise ValueError("give both k_own and v_own, or neither")
     check_features(h_q, window, softcap, sinks)
-    if sinks is not None and sinks.device != q.device:
-        raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
+    assert sinks is None or sinks.device == q.device, "sinks must be on q's device"
     if out is not None and (out.shape != q.shape or out.stride(-1) != 1):
         raise ValueError(f"out must have q's shape {tuple(q.shape)} and be contiguous along head_dim, "
                          f"got {tuple(out.shape)}")
-    if block_tables.stride(1) != 1 or seq_lens.stride(0) != 1:
-        raise ValueError("block_tables rows and seq_lens must be contiguous")
     if seq_lens.device.type == "cpu" and bsz:
         lo, hi = int(seq_lens.min()), int(seq_lens.max())
         if lo < 1 or hi > block_tables.shape[1] * block_size:
@@ -392,20 +358,15 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
                              f"block_size), got {lo}..{hi}")
         if block_tables.numel() and (int(block_tables.min()) < 0 or int(block_tables.max()) >= k.data.shape[0]):
             raise ValueError(f"block_tables must hold block ids in 0..{k.data.shape[0] - 1}")
-    for t, name in ((q, "q"), (k.data, "K pages"), (v.data, "V pages")):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous along head_dim")
     gqa = h_q // h_kv
     qpp = gqa if group_heads else 1
-    pages = pages or default_pages(block_size)
-    pages = check_power_of_two("pages", pages)
+    pages = check_power_of_two("pages", pages or default_pages(block_size))
     pages = max(pages, 16 // block_size)  # a tile of >= 16 tokens: tl.dot's smallest dimension on a GPU
     max_blocks = block_tables.shape[1]
     if num_splits is None:
         num_splits = default_splits(bsz * (h_q // qpp), max_blocks, pages)
     num_splits = check_int("num_splits", num_splits)
-    n_iters = cdiv(max_blocks, pages)
-    iters_per_split = max(1, cdiv(n_iters, num_splits))
+    iters_per_split = max(1, cdiv(cdiv(max_blocks, pages), num_splits))
     has_own = k_own is not None
     if has_own:
         for t, name in ((k_own, "k_own"), (v_own, "v_own")):
@@ -417,31 +378,23 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
         own_k = own_v = q  # unused placeholders keep the signature fixed
     out = torch.empty_like(q) if out is None else out
     split = num_splits > 1
-    if split:
+    if split:  # fp32 partial outputs and their log-sum-exp, merged after
         part = torch.empty((bsz, h_q, num_splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((bsz, h_q, num_splits), dtype=torch.float32, device=q.device)
-        dst, s_o = part, (part.stride(0), part.stride(1), part.stride(2))
+        dst, lse_arg, s_o, s_l = part, lse, part.stride()[:3], lse.stride()[:2]
     else:
-        part = lse = None
-        dst, s_o = out, (out.stride(0), out.stride(1), 0)
-    lse_arg = lse if split else out
-    s_l = (lse.stride(0), lse.stride(1)) if split else (0, 0)
+        dst, lse_arg, s_o, s_l = out, out, (out.stride(0), out.stride(1), 0), (0, 0)
     ks = k.static_scale if k.scale_kind == O.STATIC else k.slot_scale if k.slot_scale is not None else q
     vs = v.static_scale if v.scale_kind == O.STATIC else v.slot_scale if v.slot_scale is not None else q
-    kd, vd = k.data, v.data
-    k_conv, v_conv = _CONVERT_CODES[convert]
-    if k_conv == 1 and k.fmt == O.INT8:  # the magic number works on the bytes as unsigned: a view, no copy
-        kd = kd.view(torch.uint8)
-    if v_conv == 1 and v.fmt == O.INT8:
-        vd = vd.view(torch.uint8)
+    k_conv, v_conv = C.CONVERT_CODES[convert]
+    # the magic number works on int8 bytes as unsigned: a view, no copy
+    kd = k.data.view(torch.uint8) if k_conv == C.MAGIC and k.fmt == O.INT8 else k.data
+    vd = v.data.view(torch.uint8) if v_conv == C.MAGIC and v.fmt == O.INT8 else v.data
     dot_dtype = tl.float32 if triton_mode() == "interpreter" else _DOT_DTYPES.get(q.dtype, tl.float32)
-    if convert == "bf16":
-        dot_dtype = tl.bfloat16
-    launch = {}
-    if num_stages is not None:
-        launch["num_stages"] = check_int("num_stages", num_stages)
+    dot_dtype = tl.bfloat16 if convert == "bf16" else dot_dtype
+    launch = {} if num_stages is None else {"num_stages": check_int("num_stages", num_stages)}
     grid = (bsz, h_q // qpp, num_splits)
-    _paged_decode_kernel[grid](
+    paged_decode_kernel[grid](
         q, dst, lse_arg, kd, vd, ks, vs, own_k, own_v, block_tables, seq_lens,
         sinks.float().contiguous() if sinks is not None else q,
         float(scale), iters_per_split, window or 1 << 30, float(softcap or 1.0),
@@ -452,16 +405,15 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
         K_FMT=k.fmt, K_SCALE=k.scale_kind, V_FMT=v.fmt, V_SCALE=v.scale_kind,
         K_GROUP=k.group_size or 1, V_GROUP=v.group_size or 1,
         HEAD_DIM=d, BLOCK_SIZE=block_size, PAGES=pages,
-        QPP=qpp, QPP_PAD=max(16, _pow2(qpp)), GQA=gqa, HAS_OWN=has_own, SPLIT=split,
+        QPP=qpp, QPP_PAD=max(16, pow2(qpp)), GQA=gqa, HAS_OWN=has_own, SPLIT=split,
         HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
         DOT_DTYPE=dot_dtype, K_CONVERT=k_conv, V_CONVERT=v_conv, **launch,
     )
     if split:
         _merge_kernel[(bsz, h_q)](part, lse, out, num_splits, part.stride(0), part.stride(1), part.stride(2),
                                   lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-                                  HEAD_DIM=d, SPLITS_PAD=_pow2(num_splits))
+                                  HEAD_DIM=d, SPLITS_PAD=pow2(num_splits))
     return out
-
 
 
 # ---- every int8 value and every nibble through each conversion: exhaustive, on the CPU and on a GPU ---------
@@ -479,9 +431,8 @@ def _convert_all_kernel(x_ptr, u_ptr, cast_ptr, magic_ptr, int4_ptr, prmt_ptr, P
 
 
 def convert_all_values(device="cpu") -> dict[str, bool]:
-    """Run the kernel's conversion functions over all 256 int8 values (and their low nibbles as int4)
-    and say which give exactly ``x.half()``: "cast", "magic", "int4 magic", and "prmt" where the kernels
-    run compiled (the interpreter cannot run inline PTX)."""
+    """Which of the kernel's conversions give exactly ``x.half()`` for all 256 int8 values (and their low
+    nibbles as int4): "cast", "magic", "int4 magic", and "prmt" where the kernels run compiled."""
     x = torch.arange(-128, 128, dtype=torch.int8, device=device)
     outs = [torch.full((256,), float("nan"), dtype=torch.float16, device=device) for _ in range(4)]
     prmt_too = triton_mode() == "compiled"
@@ -493,39 +444,6 @@ def convert_all_values(device="cpu") -> dict[str, bool]:
         got["prmt"] = torch.equal(outs[3], x.half())
     return got
 
-# ---- the online-softmax recurrence alone: notebook 05's exercise runs a learner's update here ----------
 
-@triton.jit
-def _softmax_harness_kernel(s_ptr, v_ptr, vs_ptr, out_ptr, num_tiles, UPDATE: tl.constexpr, G: tl.constexpr,
-                            TILE: tl.constexpr, D: tl.constexpr):
-    """out (G, D) = softmax(s) @ (v * v_scale) over num_tiles tiles of TILE positions, folded one tile at a
-    time by UPDATE(m, l, acc, s, v, v_scale) -> (m, l, acc), as the decode kernel's loop does."""
-    offs_g = tl.arange(0, G)
-    offs_n = tl.arange(0, TILE)
-    offs_d = tl.arange(0, D)
-    m = tl.full((G,), float("-inf"), tl.float32)
-    l = tl.zeros((G,), tl.float32)
-    acc = tl.zeros((G, D), tl.float32)
-    for t in range(num_tiles):
-        n = t * TILE + offs_n
-        s = tl.load(s_ptr + offs_g[:, None] * (num_tiles * TILE) + n[None, :])  # (G, TILE), -inf = masked
-        v = tl.load(v_ptr + n[:, None] * D + offs_d[None, :])  # (TILE, D)
-        vs = tl.load(vs_ptr + n)  # (TILE,)
-        m, l, acc = UPDATE(m, l, acc, s, v, vs)
-    tl.store(out_ptr + offs_g[:, None] * D + offs_d[None, :], acc / l[:, None])
-
-
-def run_online_softmax(update, s: torch.Tensor, v: torch.Tensor, v_scale: torch.Tensor, tile: int) -> torch.Tensor:
-    """Run a ``@triton.jit`` update function (the signature of :func:`online_softmax_update`) over the
-    scores ``s`` (G, N) in tiles of ``tile`` positions; v (N, D), v_scale (N,). Returns (G, D)."""
-    g, n = s.shape
-    if n % tile or v.shape[0] != n or v_scale.shape != (n,):
-        raise ValueError(f"need N a multiple of tile and v (N, D), v_scale (N,): got s {tuple(s.shape)}, "
-                         f"v {tuple(v.shape)}, v_scale {tuple(v_scale.shape)}, tile {tile}")
-    out = torch.full((g, v.shape[1]), float("nan"), dtype=torch.float32, device=s.device)
-    _softmax_harness_kernel[(1,)](s.float().contiguous(), v.float().contiguous(), v_scale.float().contiguous(), out,
-                                  n // tile, UPDATE=update, G=g, TILE=tile, D=v.shape[1])
-    return out
-
-
-__all__ = ["convert_all_values", "run_online_softmax", "online_softmax_update", "paged_decode", "default_splits", "default_pages"]
+__all__ = ["convert_all_values", "online_softmax_update", "paged_decode", "paged_decode_kernel", "default_splits",
+           "default_pages", "pow2", "check_interpretable"]

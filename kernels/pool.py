@@ -1,9 +1,8 @@
-"""What a kernel needs to know about one of K or V in one layer of a pool (notebook 05).
+"""What a kernel needs to know about one of K or V in one layer of a pool, and the one table of what
+the kernels do with each kind of format (notebook 05).
 
-The kernels take tensors, never caches: a pool's ``kernel_operands(layer)``
-(:class:`~kvlab.cache.PagedKVCache`, :class:`~kvlab.cache.QuantizedPagedKVCache`) hands them two
-:class:`Operand` s, each the data pages plus how to read them. Nothing is copied: an operand holds
-views of the pool's tensors.
+The kernels take tensors, never caches: a pool's ``kernel_operands(layer)`` hands them two
+:class:`Operand` s, views of the pool's pages plus how to read them.
 
 | storage                     | data                    | scales                                  |
 |-----------------------------|-------------------------|-----------------------------------------|
@@ -21,18 +20,60 @@ import torch
 
 from kvlab.formats import ELEMENT_FORMATS
 from kvlab.kernels import available, why_not
+from kvlab.kernels.convert import CONVERSIONS
 
-# format codes the kernels branch on (tl.constexpr)
-FLOAT, INT8, INT4 = 0, 1, 2
+
+@dataclass(frozen=True)
+class KernelKind:
+    """What the kernels do with the formats of one registry kind (:data:`kvlab.formats.KINDS`)."""
+
+    code: int  # the format code the kernels branch on (a tl.constexpr)
+    words: str  # what of it they take, for error messages
+    #: instructions per stored value by conversion variant (kvlab.kernels.convert) and pipe, as the kernel is
+    #: written for fp16 matmuls: "cvt" conversions, "int" integer/logic ops, "fp16"/"fp32" arithmetic results
+    #: (16-bit covers bf16). The byte shuffles the compiler adds to pack loaded bytes (prmt) are not counted.
+    cost: dict
+
+
+#: THE table of kernel formats: a registry format with ``kernel=True`` is read as the row of its kind.
+#: A new kind needs a row here, a branch in the write and decode kernels, and a test.
+KERNEL_KINDS = {
+    "float": KernelKind(0, "", dict.fromkeys(CONVERSIONS, {})),
+    "int": KernelKind(1, " (any granularity)", {
+        "cast": {"cvt": 1},  # cvt.rn.f16.s8
+        "magic": {"int": 3, "fp16": 1},  # xor 0x80, widen to 16 bits, or 0x6400; subtract 1152
+        "prmt": {"int": 0.75, "fp16": 1},  # per 4 values: xor + 2 prmt, 2 sub.f16x2 (4 results)
+        "bf16": {"int": 1, "fp16": 1},  # Triton's own Hopper lowering, read off its sm_90 PTX (kernels/ptx.py)
+        "dot8": {},  # K: never converted (int8 dot); V as magic (decode_ops)
+    }),
+    "packed": KernelKind(2, " (symmetric)", {
+        "cast": {"int": 1, "cvt": 1.5, "fp32": 2},  # mask/shift, u8 -> f32, - 8, x scale, f32 -> f16 (2 per cvt)
+        "magic": {"int": 2, "fp16": 2},  # mask/shift, or 0x6400; subtract 1032, x group scale (fp16)
+        "prmt": {"int": 2, "fp16": 2},  # int4 pages take the magic path under prmt too
+        "bf16": {"int": 1, "cvt": 1.5, "fp32": 2},  # as cast (the PTX shows the same u8 -> f32 cvt)
+        "dot8": {"int": 2, "fp16": 2},  # dot8's V is converted as magic
+    }),
+}
+FLOAT, INT8, INT4 = (KERNEL_KINDS[k].code for k in ("float", "int", "packed"))
 # scale codes: none, one static [H, D] tensor, one scale per slot (and head, or all heads)
 NO_SCALE, STATIC, PER_SLOT = 0, 1, 2
 
-def kernel_formats() -> tuple[str, ...]:
-    """The storage formats the Triton kernels read and write, from the registry (FP8 stays on the
-    PyTorch path), in words for error messages."""
-    words = {"int": " (any granularity)", "packed": " (symmetric)"}
-    return tuple(f.name + words.get(f.kind, "") for f in ELEMENT_FORMATS.values() if f.kernel)
 
+def kernel_kind(fmt: str | int) -> KernelKind:
+    """The row of a registry format name (``"int8"``) or of a kernel format code (``Operand.fmt``)."""
+    if isinstance(fmt, str):
+        return KERNEL_KINDS[ELEMENT_FORMATS[fmt].kind]
+    return next(k for k in KERNEL_KINDS.values() if k.code == fmt)
+
+
+def scale_code(fmt) -> int:
+    """The scale code of a :class:`~kvlab.quant.TensorFormat`: static scales, one per slot, or none."""
+    return NO_SCALE if not fmt.quantized else STATIC if fmt.static_scales else PER_SLOT
+
+
+def kernel_formats() -> tuple[str, ...]:
+    """The storage formats the kernels read and write, from the registry, in words for error messages."""
+    return tuple(f.name + KERNEL_KINDS[f.kind].words for f in ELEMENT_FORMATS.values() if f.kernel)
 
 
 @dataclass

@@ -1,15 +1,10 @@
 """The decode kernel compiled for a Hopper GPU on a machine without one: what each variant becomes.
 
-Triton ships its own PTX assembler, so :func:`compile_variants` can compile
-:func:`~kvlab.kernels.decode.paged_decode`'s kernel for sm_90 (the H100/H200) on any Linux machine,
-GPU or not, and count the instructions the conversion variants turn into (notebook 05): ``cast``
-leaves one ``cvt`` from int8 per value in the loop, ``magic`` and ``prmt`` none. This proves that the
-GPU-only variants (inline PTX, bf16) compile before a GPU is borrowed, and shows the instruction mix;
-it is not a timing.
-
-The kernels under the interpreter (``TRITON_INTERPRET=1``, which ``import kvlab`` sets on a CPU) are
-not compilable, so the compile runs in a child process with the interpreter off:
-``python -m kvlab.kernels.ptx`` prints the counts as JSON.
+Triton ships its own PTX assembler, so :func:`compile_variants` compiles the decode kernel for sm_90
+on any Linux machine and counts the instructions each conversion variant turns into (notebook 05):
+``cast`` leaves one ``cvt`` per int8 value in the loop, ``magic`` and ``prmt`` none. It proves the
+GPU-only variants compile before a GPU is borrowed; it is not a timing. Kernels under the interpreter
+cannot compile, so it runs ``python -m kvlab.kernels.ptx`` in a child process with the interpreter off.
 """
 
 from __future__ import annotations
@@ -20,8 +15,14 @@ import re
 import subprocess
 import sys
 
+import torch
+
+from kvlab.formats import kernel_names
 from kvlab.kernels import require_triton
-from kvlab.kernels.convert import CONVERSIONS, check_convert
+from kvlab.kernels.convert import CONVERSIONS, CONVERT_CODES, MAGIC, check_convert
+from kvlab.kernels.pool import INT4, INT8
+from kvlab.kernels.traffic import spec_of_format
+from kvlab.quant.formats import named_config
 
 require_triton("kvlab.kernels.ptx")  # where triton is missing (macOS, Windows): an ImportError that says why
 import triton  # noqa: E402
@@ -40,28 +41,29 @@ PATTERNS = {
     "tensor core": r"\b(mma\.sync|wgmma\.mma_async)\b",
 }
 
-#: the formats of the kernel's pools: name -> (K fmt, K scale kind, V fmt, V scale kind, K/V pointer types)
-_FORMATS = {"fp16": (0, 0, 0, 0, "*fp16", "*fp16"), "int8": (1, 1, 1, 1, "*i8", "*i8"),
-            "k8v4": (1, 1, 2, 2, "*i8", "*u8")}
+#: Triton's names of the page dtypes
+_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "i8", torch.uint8: "u8"}
 
 
 def _signature(convert: str, fmt: str) -> tuple[dict, dict]:
-    k_fmt, k_scale, v_fmt, v_scale, k_ty, v_ty = _FORMATS[fmt]
-    k_conv, v_conv = D._CONVERT_CODES[convert]
-    if k_conv == 1 and k_fmt == 1:
-        k_ty = "*u8"
-    if v_conv == 1 and v_fmt == 1:
-        v_ty = "*u8"
+    """The kernel's signature and constants for kv_cache_dtype ``fmt`` (a pool at its default granularity)."""
+    formats = named_config(fmt).formats(0)
+    k, v = (spec_of_format(f) for f in formats)
+    k_conv, v_conv = CONVERT_CODES[convert]
+    # magic reads int8 pages as bytes (as paged_decode's view does)
+    k_ty, v_ty = ("*u8" if conv == MAGIC and s.fmt == INT8 else "*" + _TYPES[f.element.storage]
+                  for f, s, conv in zip(formats, (k, v), (k_conv, v_conv)))
     ptrs = {"q_ptr": "*fp16", "out_ptr": "*fp16", "lse_ptr": "*fp16", "k_ptr": k_ty, "v_ptr": v_ty,
             "ks_ptr": "*fp32", "vs_ptr": "*fp32", "kown_ptr": "*fp16", "vown_ptr": "*fp16", "table_ptr": "*i32",
             "ctx_ptr": "*i64", "sinks_ptr": "*fp16"}
     floats = {"sm_scale", "softcap"}
-    constexprs = dict(K_FMT=k_fmt, K_SCALE=k_scale, V_FMT=v_fmt, V_SCALE=v_scale, K_GROUP=1, V_GROUP=32,
+    constexprs = dict(K_FMT=k.fmt, K_SCALE=k.scale_kind, V_FMT=v.fmt, V_SCALE=v.scale_kind,
+                      K_GROUP=k.group_size if k.fmt == INT4 else 1, V_GROUP=v.group_size if v.fmt == INT4 else 1,
                       HEAD_DIM=128, BLOCK_SIZE=16, PAGES=8, QPP=4, QPP_PAD=16, GQA=4, HAS_OWN=False, SPLIT=False,
                       DOT_DTYPE=tl.bfloat16 if convert == "bf16" else tl.float16, HAS_SOFTCAP=False,
                       HAS_SINKS=False, K_CONVERT=k_conv, V_CONVERT=v_conv)
     sig = {}
-    for p in D._paged_decode_kernel.params:
+    for p in D.paged_decode_kernel.params:
         if p.is_constexpr:
             sig[p.name] = "constexpr"
         elif p.name in ptrs:
@@ -80,9 +82,9 @@ def count_instructions(ptx: str) -> dict[str, int]:
 def _compile_here(convert: str, fmt: str, arch: int) -> dict:
     sig, constexprs = _signature(convert, fmt)
     # pointers 16-byte aligned and strides multiples of 16, as Triton assumes for the real launch
-    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(D._paged_decode_kernel.params)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(D.paged_decode_kernel.params)
              if not p.is_constexpr and sig[p.name] not in ("fp32",) and p.name not in ("iters_per_split", "window")}
-    src = triton.compiler.ASTSource(fn=D._paged_decode_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    src = triton.compiler.ASTSource(fn=D.paged_decode_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32))
     ptx = compiled.asm["ptx"]
     return {"convert": convert, "format": fmt, "arch": f"sm_{arch}", "ptx_lines": len(ptx.splitlines()),
@@ -99,8 +101,8 @@ def compile_variants(converts=CONVERSIONS, formats=("int8",)) -> list[dict]:
     for c in converts:
         check_convert(c)
     for f in formats:
-        if f not in _FORMATS:
-            raise ValueError(f"formats must be among {tuple(_FORMATS)}, got {f!r}")
+        if f not in kernel_names():
+            raise ValueError(f"formats must be among {kernel_names()}, got {f!r}")
     jobs = [(c, f) for f in formats for c in converts if not (c == "dot8" and f == "fp16")]
     env = dict(os.environ, TRITON_INTERPRET="0")
     arg = json.dumps({"jobs": jobs, "arch": ARCH})

@@ -139,4 +139,37 @@ def run_dequant(dequant, codes: torch.Tensor, scale: float) -> torch.Tensor:
     return out
 
 
-__all__ = ["block_walk", "dequant_int8", "skeleton_decode", "run_walk", "run_dequant"]
+@triton.jit
+def _softmax_harness_kernel(s_ptr, v_ptr, vs_ptr, out_ptr, num_tiles, UPDATE: tl.constexpr, G: tl.constexpr,
+                            TILE: tl.constexpr, D: tl.constexpr):
+    """out (G, D) = softmax(s) @ (v * v_scale) over num_tiles tiles of TILE positions, folded one tile at a
+    time by UPDATE(m, l, acc, s, v, v_scale) -> (m, l, acc), as the decode kernel's loop does."""
+    offs_g = tl.arange(0, G)
+    offs_n = tl.arange(0, TILE)
+    offs_d = tl.arange(0, D)
+    m = tl.full((G,), float("-inf"), tl.float32)
+    l = tl.zeros((G,), tl.float32)
+    acc = tl.zeros((G, D), tl.float32)
+    for t in range(num_tiles):
+        n = t * TILE + offs_n
+        s = tl.load(s_ptr + offs_g[:, None] * (num_tiles * TILE) + n[None, :])  # (G, TILE), -inf = masked
+        v = tl.load(v_ptr + n[:, None] * D + offs_d[None, :])  # (TILE, D)
+        vs = tl.load(vs_ptr + n)  # (TILE,)
+        m, l, acc = UPDATE(m, l, acc, s, v, vs)
+    tl.store(out_ptr + offs_g[:, None] * D + offs_d[None, :], acc / l[:, None])
+
+
+def run_online_softmax(update, s: torch.Tensor, v: torch.Tensor, v_scale: torch.Tensor, tile: int) -> torch.Tensor:
+    """Run a ``@triton.jit`` update function (the signature of :func:`online_softmax_update`) over the
+    scores ``s`` (G, N) in tiles of ``tile`` positions; v (N, D), v_scale (N,). Returns (G, D)."""
+    g, n = s.shape
+    if n % tile or v.shape[0] != n or v_scale.shape != (n,):
+        raise ValueError(f"need N a multiple of tile and v (N, D), v_scale (N,): got s {tuple(s.shape)}, "
+                         f"v {tuple(v.shape)}, v_scale {tuple(v_scale.shape)}, tile {tile}")
+    out = torch.full((g, v.shape[1]), float("nan"), dtype=torch.float32, device=s.device)
+    _softmax_harness_kernel[(1,)](s.float().contiguous(), v.float().contiguous(), v_scale.float().contiguous(), out,
+                                  n // tile, UPDATE=update, G=g, TILE=tile, D=v.shape[1])
+    return out
+
+
+__all__ = ["block_walk", "dequant_int8", "skeleton_decode", "run_walk", "run_dequant", "run_online_softmax"]

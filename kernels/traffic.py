@@ -1,12 +1,9 @@
 """Bytes a decode step moves, predicted and counted (notebook 05).
 
-Decode is memory-bound: every step reads each sequence's whole cache to produce one token, so the
-bytes read ARE the step time on a GPU, to first order. :func:`decode_traffic` predicts, for one
-launch of :func:`~kvlab.kernels.decode.paged_decode`, every byte it loads and stores, by part (K, V,
-scales, block tables, q, out, split partials). :func:`count_traffic` counts what a launch really
-loads and stores under Triton's interpreter, so a test can hold the prediction to the kernel.
-:func:`step_bytes` and :func:`project` turn the prediction into whole-model numbers per format and
-GPU for the benchmark and the widget.
+Decode is memory-bound: the bytes read ARE the step time on a GPU, to first order.
+:func:`decode_traffic` predicts every byte one ``paged_decode`` launch loads and stores, by part;
+:func:`count_traffic` counts them under Triton's interpreter, so a test holds the prediction to the
+kernel; :func:`step_bytes` and :func:`project` scale it to a whole model per format and GPU.
 """
 
 from __future__ import annotations
@@ -15,15 +12,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from kvlab.formats import kernel_names
-from kvlab.kernels.convert import check_convert
 from kvlab.kernels import require_triton, triton_mode
-from kvlab.kernels.pool import FLOAT, INT4, INT8, NO_SCALE, PER_SLOT, STATIC
+from kvlab.kernels.convert import check_convert
+from kvlab.kernels.pool import FLOAT, INT4, INT8, NO_SCALE, PER_SLOT, STATIC, kernel_kind, scale_code
 from kvlab.quant.formats import TensorFormat, named_config
 from kvlab.sizing import kv_config
 from kvlab.validate import cdiv
 
 #: peak HBM bandwidth, bytes/s (vendor datasheets: A100 80GB SXM, H100 SXM, H200 SXM)
 GPU_BANDWIDTH = {"A100": 2.039e12, "H100": 3.35e12, "H200": 4.8e12}
+#: the formats the benchmark and the widget compare: FP16 against the two the kernels read fused
+COMPARED = ("fp16", "int8", "k8v4")
 
 
 @dataclass(frozen=True)
@@ -50,11 +49,7 @@ class Spec:
 def spec_of_format(fmt: TensorFormat) -> Spec:
     """The :class:`Spec` of a :class:`~kvlab.quant.TensorFormat` the kernels read, from its registry entry."""
     el = fmt.element
-    if el.kind == "float":
-        return Spec(FLOAT, el.storage.itemsize)
-    if el.kind == "packed":
-        return Spec(INT4, el.storage.itemsize, PER_SLOT, group_size=fmt.group_size)
-    return Spec(INT8, el.storage.itemsize, STATIC if fmt.static_scales else PER_SLOT)
+    return Spec(kernel_kind(el.name).code, el.storage.itemsize, scale_code(fmt), group_size=fmt.group_size)
 
 
 def format_specs() -> dict[str, tuple[Spec, Spec]]:
@@ -78,14 +73,9 @@ def spec_of(op) -> Spec:
 def decode_traffic(seq_lens, h_q: int, h_kv: int, d: int, k: Spec, v: Spec, *, block_size: int = 16,
                    num_splits: int = 1, group_heads: bool = True, has_own: bool = False,
                    q_bytes: int = 2, own_bytes: int | None = None, table_bytes: int = 8, ctx_bytes: int = 8) -> dict:
-    """Bytes one ``paged_decode`` launch reads and writes, by part, exactly as the kernel loads them
-    (masked lanes move nothing; how the context is cut into splits and tiles moves no extra bytes).
-
-    seq_lens: tokens per sequence including the new one; ``*_bytes``: element sizes of q (and out),
-    of the own token's k/v (default: q's), of block-table ids and of context lengths. Returns
-    ``{"read": {...}, "write": {...}, "total": n}`` with parts k, v, k_scales, v_scales, block_tables,
-    q, seq_lens, own, partials, out.
-    """
+    """``{"read": {part: bytes}, "write": {part: bytes}, "total": n}`` of one ``paged_decode`` launch, as the
+    kernel loads them (masked lanes move nothing). seq_lens: tokens per sequence including the new one;
+    ``*_bytes``: element sizes of q (and out), the own token's k/v (default: q's), block ids, lengths."""
     g = h_q // h_kv
     qpp = g if group_heads else 1
     programs_per_seq = h_q // qpp  # head groups per sequence
@@ -119,9 +109,8 @@ def decode_traffic(seq_lens, h_q: int, h_kv: int, d: int, k: Spec, v: Spec, *, b
 
 def step_bytes(fmt: str, batch: int, context: int, num_layers: int, h_q: int, h_kv: int, d: int,
                block_size: int = 16, fused: bool = True) -> int:
-    """Bytes the attention of one whole-model decode step moves: ``batch`` sequences of ``context``
-    tokens, every layer, fp16 q/out. ``fused=False``: dequantize the cache to an fp16 copy first,
-    then attend over the copy (the seed's warning: the copy costs more than the quantization saves)."""
+    """Bytes the attention of one whole-model decode step moves (fp16 q/out). ``fused=False``: dequantize
+    the cache to an fp16 copy first, then attend over it (the copy costs more than quantizing saves)."""
     specs = format_specs()
     if fmt not in specs:
         raise ValueError(f"fmt must be one of {sorted(specs)}, got {fmt!r}")
@@ -146,15 +135,14 @@ SHAPES = {name: _shape(name) for name in ("smollm2-135m", "llama-3-8b")}
 
 
 def project(shape: str, batch: int, context: int, gpu: str = "H100", fused: bool = True) -> dict:
-    """Bytes per decode step by format and the step time they imply at the GPU's peak bandwidth
-    (a projection: a lower bound, no kernel reaches peak)."""
+    """Bytes per decode step by format and the step time they imply at the GPU's peak bandwidth (a lower bound)."""
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
     if gpu not in GPU_BANDWIDTH:
         raise ValueError(f"gpu must be one of {sorted(GPU_BANDWIDTH)}, got {gpu!r}")
     layers, h_q, h_kv, d = SHAPES[shape]
     out = {}
-    for fmt in ("fp16", "int8", "k8v4"):
+    for fmt in COMPARED:
         b = step_bytes(fmt, batch, context, layers, h_q, h_kv, d, fused=fused)
         out[fmt] = {"bytes_per_step": b, "projected_ms": 1e3 * b / GPU_BANDWIDTH[gpu]}
     return out
@@ -190,25 +178,8 @@ def count_traffic():
         del b.create_masked_load, b.create_masked_store  # back to the class's methods
 
 
-# ---- the operations model: what converting the bytes costs ------------------------------------------
+# ---- the operations model: what converting the bytes costs (per value: kvlab.kernels.pool.KERNEL_KINDS) ----
 
-#: instructions per stored value, by (storage, conversion variant) and pipe, as the kernel is written for
-#: fp16 matmuls (kvlab.kernels.convert): "cvt" = conversion instructions, "int" = integer/logic ops,
-#: "fp16"/"fp32" = arithmetic results (16-bit covers bf16). None would mean: not modelled. The byte
-#: shuffles the compiler adds to pack loaded bytes into registers (prmt, in every variant) are not counted.
-CONVERT_COST = {
-    ("int8", "cast"): {"cvt": 1},  # cvt.rn.f16.s8
-    ("int8", "magic"): {"int": 3, "fp16": 1},  # xor 0x80, widen to 16 bits, or 0x6400; subtract 1152
-    ("int8", "prmt"): {"int": 0.75, "fp16": 1},  # per 4 values: xor + 2 prmt, 2 sub.f16x2 (4 results)
-    ("int8", "dot8"): {},  # K: never converted (int8 dot); V as magic (below, by the caller)
-    ("int8", "bf16"): {"int": 1, "fp16": 1},  # Triton's own Hopper lowering, read off its sm_90 PTX (kernels/ptx.py)
-    ("int4", "cast"): {"int": 1, "cvt": 1.5, "fp32": 2},  # mask/shift, u8 -> f32, - 8, x scale, f32 -> f16 (2 per cvt)
-    ("int4", "magic"): {"int": 2, "fp16": 2},  # mask/shift, or 0x6400; subtract 1032, x group scale (fp16)
-    ("int4", "prmt"): {"int": 2, "fp16": 2},  # int4 pages take the magic path under prmt too
-    ("int4", "dot8"): {"int": 2, "fp16": 2},  # dot8's V is converted as magic
-    ("int4", "bf16"): {"int": 1, "cvt": 1.5, "fp32": 2},  # as cast (the PTX shows the same u8 -> f32 cvt)
-    ("float", "cast"): {}, ("float", "magic"): {}, ("float", "prmt"): {}, ("float", "dot8"): {}, ("float", "bf16"): {},
-}
 #: results per clock per SM (CUDA C++ Programming Guide, arithmetic instruction throughput: compute
 #: capability 8.0 for the A100, 9.0 for the H100/H200; "cvt" is the guide's "all other type
 #: conversions", "sfu" its exp2/rsqrt row; prmt is counted on the integer pipe, which the guide omits)
@@ -228,23 +199,13 @@ GPU_CORES = {"A100": (108, 1.41e9, 312e12, 624e12), "H100": (132, 1.98e9, 989e12
              "H200": (132, 1.98e9, 989e12, 1979e12)}
 
 
-def _storage(spec: Spec) -> str:
-    return {FLOAT: "float", INT8: "int8", INT4: "int4"}[spec.fmt]
-
-
 def decode_ops(seq_lens, h_q: int, h_kv: int, d: int, k: Spec, v: Spec, *, convert: str = "cast",
                block_size: int = 16, pages: int | None = None, group_heads: bool = True) -> dict:
-    """Operations one ``paged_decode`` launch executes, by pipe, as the kernel is written (tiles of
-    ``pages * block_size`` token slots, masked lanes included: a GPU runs them too; the G query heads
-    of a KV head padded to 16 rows, tl.dot's smallest). Returns ``{"tiles", "values", "pipes": {cvt,
-    int, fp16, fp32, sfu}, "mma_flops": {"fp16", "int8"}, "modelled"}``; ``modelled`` is False where
-    a conversion's cost is Triton's own (``bf16``) and the pipes leave it out.
-
-    Counted per tile: each stored value's conversion (:data:`CONVERT_COST`), per-slot scales folded
-    into the scores and into P (one fp32 multiply per padded row and slot), one exp per padded row
-    and slot (the softmax; the rescaling exps per row are left out), the two matmuls, and for
-    ``dot8`` the int32 -> fp32 conversion and the row-scale multiply of every score.
-    """
+    """Operations one ``paged_decode`` launch executes: ``{"tiles", "values", "pipes": {cvt, int, fp16, fp32,
+    sfu}, "mma_flops": {"fp16", "int8"}, "modelled"}``, counted as the kernel is written (whole tiles, masked
+    lanes included; query heads padded to 16 rows). Per tile: each value's conversion (``KERNEL_KINDS``
+    costs), per-slot scale multiplies, one exp per padded row and slot (the rescaling exps left out), the
+    two matmuls, and for ``dot8`` each score's int32 -> fp32 conversion and row-scale multiply."""
     check_convert(convert)
     pages = pages or max(1, 128 // block_size)
     pages = max(pages, 16 // block_size)
@@ -257,8 +218,8 @@ def decode_ops(seq_lens, h_q: int, h_kv: int, d: int, k: Spec, v: Spec, *, conve
     mma = {"fp16": 0, "int8": 0}
     tiles = 0
     modelled = True
-    k_cost = CONVERT_COST[(_storage(k), convert)]
-    v_cost = CONVERT_COST[(_storage(v), "magic" if convert == "dot8" and v.fmt == INT8 else convert)]
+    k_cost = kernel_kind(k.fmt).cost[convert]
+    v_cost = kernel_kind(v.fmt).cost["magic" if convert == "dot8" and v.fmt == INT8 else convert]
     for ctx in seq_lens:
         t = cdiv(max(ctx, 0), n) * programs_per_seq
         tiles += t
@@ -282,9 +243,8 @@ def decode_ops(seq_lens, h_q: int, h_kv: int, d: int, k: Spec, v: Spec, *, conve
 
 
 def ops_time(ops: dict, nbytes: int, gpu: str = "H200") -> dict:
-    """Microseconds each pipe of :func:`decode_ops` needs at ``gpu``'s peak rates, beside the bytes'
-    time at its peak bandwidth; ``bound_us`` is the largest (a MODEL: pipes overlap at best, and no
-    kernel reaches peak; the measured table says how far the kernels are from it)."""
+    """Microseconds each pipe of :func:`decode_ops` needs at ``gpu``'s peak rates, beside the bytes' time at
+    its peak bandwidth; ``bound_us`` is the largest (a MODEL: pipes overlap at best, no kernel reaches peak)."""
     if gpu not in PIPE_RATE:
         raise ValueError(f"gpu must be one of {sorted(PIPE_RATE)}, got {gpu!r}")
     sms, clock, tc16, tc8 = GPU_CORES[gpu]

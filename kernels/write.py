@@ -1,14 +1,10 @@
 """Quantize-on-write in Triton: new K/V -> their slots in the pool, in the pool's format (notebook 05).
 
-One program per tile of up to 16 new tokens: it loads their (H, D) values once, computes whatever scales are
-per token inside the kernel (absmax per token-head, per token, or per 32-channel int4 group),
-rounds half to even, clamps, packs and scatters to ``slot_mapping[t]``. Slot -1 is padding and is
-skipped. For int8 it also returns, per token and head, how many values were clipped and how many
-landed on +-127, so the cache's saturation counters keep counting.
-
-The rounding matters: Triton's ``x.to(tl.int8)`` truncates toward zero and wraps on overflow
-(:func:`cast_demo` shows it), so the kernel rounds half to even and clamps first, and produces
-the same bytes as :mod:`kvlab.quant.core` bit for bit.
+One program per tile of up to 16 new tokens computes the per-token scales (absmax per token-head, per
+token, or per int4 group), rounds half to even, clamps, packs and scatters to ``slot_mapping[t]``
+(-1: padding, skipped); for int8 it also counts clipped and +-127 values per token and head. Triton's
+``x.to(tl.int8)`` truncates and wraps (:func:`cast_demo`), so the kernel rounds and clamps first: the
+same bytes as :mod:`kvlab.quant.core`, bit for bit.
 """
 
 from __future__ import annotations
@@ -21,14 +17,14 @@ require_triton("kvlab.kernels.write")  # where triton is missing (macOS, Windows
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kvlab.kernels.decode import _pow2
 from kvlab.kernels import pool as O
 from kvlab.kernels.decode import FLOAT, INT8, STATIC  # compile-time constants (tl.constexpr)
-from kvlab.kernels.decode import check_interpretable
+from kvlab.kernels.decode import check_interpretable, pow2
 from kvlab.kernels.pool import Operand, check_head_dim
+from kvlab.quant.core import ZERO_GUARD as _ZERO_GUARD
 from kvlab.validate import cdiv
 
-ZERO_GUARD = tl.constexpr(1e-6)  # kvlab.quant.core.ZERO_GUARD: an all-zero group gets scale 1.0
+ZERO_GUARD = tl.constexpr(_ZERO_GUARD)  # an all-zero group gets scale 1.0, as in kvlab.quant.core
 
 
 @triton.jit
@@ -123,9 +119,8 @@ def _write_kv_kernel(k_ptr, v_ptr, slot_ptr, num_tokens,
 
 
 def check_slots(slot_mapping: torch.Tensor, n_slots: int) -> None:
-    """ValueError unless every slot is in 0..n_slots-1 or -1. Checked where the slots live on the CPU
-    (on a GPU it would cost a synchronization per layer; the engine's slot mappings are valid by
-    construction): an out-of-range slot would be a write outside the pool."""
+    """ValueError unless every slot is in 0..n_slots-1 or -1, where the slots are on the CPU (on a GPU the
+    check would synchronize every layer; the engine's slot mappings are valid by construction)."""
     if slot_mapping.device.type == "cpu" and slot_mapping.numel():
         lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
         if lo < -1 or hi >= n_slots:
@@ -137,14 +132,13 @@ def _slot_strides(op: Operand) -> tuple[int, int, int]:
     if op.slot_scale is None:
         return 0, 0, 0
     blk, tok, head, grp = op.scale_strides()
-    if blk != tok * op.slot_scale.shape[1]:
-        raise ValueError("per-slot scale pages must be contiguous across a block's slots")
+    assert blk == tok * op.slot_scale.shape[1], "per-slot scale pages must be contiguous across a block's slots"
     return tok, head, grp
 
 
 def check_write(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, h: int, d: int, n_slots: int) -> None:
-    """ValueError unless k, v are (T, h, d), slot_mapping (T,) holds valid slots, and the interpreter
-    can run them: everything a write is checked for, before anything (scales included) changes."""
+    """ValueError unless k, v are (T, h, d), slot_mapping (T,) holds valid slots, and the interpreter can
+    run them: everything a write is checked for, before anything (scales included) changes."""
     if k.dim() != 3 or k.shape != v.shape or k.shape[1:] != (h, d):
         raise ValueError(f"k and v must both be (T, {h}, {d}), got {tuple(k.shape)} and {tuple(v.shape)}")
     if slot_mapping.shape != (k.shape[0],):
@@ -156,19 +150,13 @@ def check_write(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, h:
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_op: Operand, v_op: Operand):
-    """Write new K/V (T, H, D) to ``slot_mapping`` (T,) of the pools behind ``k_op`` / ``v_op``.
-
-    Per-slot scales are computed in the kernel; static scales must already be in the operands.
-    Returns ``(k_stats, v_stats)``: (T, H, 2) int32 counts of [clipped, at +-qmax] per token and
-    head for int8 operands, None for the others.
-    """
+    """Write new K/V (T, H, D) to ``slot_mapping`` (T,) of the pools behind ``k_op`` / ``v_op`` (static
+    scales already in the operands); returns (k_stats, v_stats): (T, H, 2) int32 [clipped, at +-qmax]
+    counts for int8 operands, else None."""
     n_blocks, bs, h = k_op.data.shape[:3]
-    for op, name in ((k_op, "K"), (v_op, "V")):
-        if op.data.shape[:3] != (n_blocks, bs, h) or op.head_dim != k_op.head_dim:
-            raise ValueError(f"K and V pages must have the same geometry, got {tuple(k_op.data.shape)} and "
-                             f"{tuple(v_op.data.shape)}")
-        if op.data.stride(0) != bs * op.data.stride(1) or op.data.stride(-1) != 1:
-            raise ValueError(f"{name} pages must be contiguous across a block's slots and along head_dim")
+    for op in (k_op, v_op):  # what a pool's kernel_operands guarantee
+        assert op.data.shape[:3] == (n_blocks, bs, h) and op.head_dim == k_op.head_dim, "K and V pages differ"
+        assert op.data.stride(0) == bs * op.data.stride(1) and op.data.stride(-1) == 1, "pages not contiguous"
     check_write(k, v, slot_mapping, h, k_op.head_dim, n_blocks * bs)
     check_interpretable(k_op.data, v_op.data)
     return launch_write(k, v, slot_mapping, k_op, v_op)
@@ -183,18 +171,16 @@ def launch_write(k, v, slot_mapping, k_op: Operand, v_op: Operand):
     k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
     stats = [torch.zeros((t, h, 2), dtype=torch.int32, device=k.device) if op.fmt == O.INT8 else None
              for op in (k_op, v_op)]
-    placeholder = slot_mapping
-    ks = k_op.static_scale if k_op.scale_kind == O.STATIC else k_op.slot_scale
-    vs = v_op.static_scale if v_op.scale_kind == O.STATIC else v_op.slot_scale
-    tokens = min(16, _pow2(t))  # tokens per program: one tile of (TOKENS, H, D)
+    # scales and counters the kernel uses; slot_mapping stands in where there are none
+    ks, vs = ((op.static_scale if op.scale_kind == O.STATIC else op.slot_scale) for op in (k_op, v_op))
+    ks, vs, k_stats, v_stats = (slot_mapping if x is None else x for x in (ks, vs, *stats))
+    tokens = min(16, pow2(t))  # tokens per program: one tile of (TOKENS, H, D)
     _write_kv_kernel[(cdiv(t, tokens),)](
-        k, v, slot_mapping, t,
-        k_op.data, placeholder if ks is None else ks, placeholder if stats[0] is None else stats[0],
-        v_op.data, placeholder if vs is None else vs, placeholder if stats[1] is None else stats[1],
+        k, v, slot_mapping, t, k_op.data, ks, k_stats, v_op.data, vs, v_stats,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_op.data.stride(1), k_op.data.stride(2), v_op.data.stride(1), v_op.data.stride(2),
         *_slot_strides(k_op), *_slot_strides(v_op), 2 * h,
-        H=h, H_PAD=_pow2(h), HEAD_DIM=d, TOKENS=tokens,
+        H=h, H_PAD=pow2(h), HEAD_DIM=d, TOKENS=tokens,
         K_FMT=k_op.fmt, K_SCALE=k_op.scale_kind, K_PER_HEAD=_per_head(k_op), K_GROUP=k_op.group_size or 1,
         V_FMT=v_op.fmt, V_SCALE=v_op.scale_kind, V_PER_HEAD=_per_head(v_op), V_GROUP=v_op.group_size or 1,
     )
@@ -217,14 +203,11 @@ def _cast_demo_kernel(x_ptr, trunc_ptr, round_ptr, N: tl.constexpr):
 
 
 def cast_demo(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(plain ``.to(tl.int8)``, round-half-even + clamp) of a 1-D float32 tensor, computed in Triton.
-
-    Under the interpreter the plain cast truncates toward zero and wraps beyond +-127 (numpy's
-    cast); compiled on a GPU it truncates too, and what it does out of range is undefined.
-    """
+    """(plain ``.to(tl.int8)``, round-half-even + clamp) of a 1-D float32 tensor, computed in Triton: the
+    plain cast truncates toward zero, and wraps beyond +-127 under the interpreter (undefined on a GPU)."""
     x = x.float().contiguous()
     n = x.numel()
-    padded = torch.zeros(_pow2(n), dtype=torch.float32, device=x.device)
+    padded = torch.zeros(pow2(n), dtype=torch.float32, device=x.device)
     padded[:n] = x
     trunc = torch.empty(padded.shape, dtype=torch.int8, device=x.device)
     rnd = torch.empty_like(trunc)

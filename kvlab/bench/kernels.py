@@ -1,13 +1,10 @@
 """``kvlab bench kernels``: the decode kernel's bytes and speed by format (notebook 05).
 
-On a GPU: a correctness sweep (kernel vs PyTorch reference, compiled), then batch x context for
-SmolLM2's attention shape and a Llama-3-8B-like one (32 query / 8 KV heads, head_dim 128), one
-layer at a time: ``triton.testing.do_bench`` means (its default) for FP16, INT8 and K8V4 pools, INT8 with the
-dequantization NOT fused (dequantize to an FP16 copy, then attend), and torch SDPA over a contiguous
-FP16 cache as the outside baseline; achieved GB/s against a device-to-device copy measured in the
-same run. On a CPU: the same correctness sweep under the interpreter on small shapes, and the
-byte-based projection for A100 / H100 / H200, labelled as a projection. Without triton (macOS,
-Windows): the projection only, and a line saying why the sweep is skipped.
+On a GPU: a correctness sweep (kernel vs PyTorch reference), then one layer of SmolLM2's and a
+Llama-3-8B-like attention shape per batch x context: ``triton.testing.do_bench`` means for the
+compared formats (``traffic.COMPARED``), INT8 through a dequantized FP16 copy, and torch SDPA over a
+contiguous FP16 cache; GB/s against a device-to-device copy. On a CPU: the sweep under the
+interpreter and the byte-based projection per GPU. Without triton: the projection only.
 """
 
 from __future__ import annotations
@@ -20,10 +17,11 @@ import torch
 
 from kvlab import kernels  # kernels.decode imports triton (Linux only) on first use, not here
 from kvlab.attention import paged_attention
-from kvlab.kernels.pool import FLOAT, INT4, INT8, STATIC, PER_SLOT, Operand
+from kvlab.formats import ELEMENT_FORMATS, KV_CACHE_DTYPES
 from kvlab.kernels.convert import CONVERSIONS, NOT_INTERPRETABLE, check_convert
-from kvlab.kernels.traffic import (FORMATS, GPU_BANDWIDTH, SHAPES, decode_ops, decode_traffic, ops_time, project,
-                                   step_bytes)
+from kvlab.kernels.pool import FLOAT, INT4, INT8, PER_SLOT, STATIC, Operand
+from kvlab.kernels.traffic import (COMPARED, FORMATS, GPU_BANDWIDTH, SHAPES, decode_ops, decode_traffic, ops_time,
+                                   project, step_bytes)
 from kvlab.quant.core import Int4Tensor, dequantize_int4
 from kvlab.validate import cdiv
 
@@ -35,30 +33,24 @@ BLOCK_SIZE = 16
 # ---- random pools in each format -----------------------------------------------------------------------
 
 def random_operands(fmt: str, num_blocks: int, h_kv: int, d: int, device, block_size: int = BLOCK_SIZE, seed: int = 0):
-    """(K, V) operands of a random pool in ``fmt`` ("fp16", "int8", "k8v4"); values ~ N(0, 1)."""
+    """(K, V) operands of a random pool in kv_cache_dtype ``fmt`` (one the kernels read); values ~ N(0, 1)."""
+    if fmt not in FORMATS or fmt not in KV_CACHE_DTYPES:
+        raise ValueError(f"fmt must be one of {tuple(f for f in FORMATS if f in KV_CACHE_DTYPES)}, got {fmt!r}")
     g = torch.Generator(device=device).manual_seed(seed)
     shape = (num_blocks, block_size, h_kv, d)
 
-    def float_op():
-        return Operand(torch.randn(shape, generator=g, device=device, dtype=torch.float16), FLOAT, label="fp16")
-
-    def int8_op():
-        data = torch.randint(-127, 128, shape, generator=g, device=device, dtype=torch.int8)
-        scale = torch.full((h_kv, d), 4.0 / 127, device=device)
-        return Operand(data, INT8, STATIC, static_scale=scale, label="int8 per-head")
-
-    def int4_op():
+    def operand(spec, el):  # random pages by the kernels' format code; int8 per-head, int4 in groups of 32
+        if spec.fmt == FLOAT:
+            return Operand(torch.randn(shape, generator=g, device=device, dtype=el.storage), FLOAT, label=el.name)
+        if spec.fmt == INT8:
+            data = torch.randint(-127, 128, shape, generator=g, device=device, dtype=torch.int8)
+            scale = torch.full((h_kv, d), 4.0 / 127, device=device)
+            return Operand(data, INT8, STATIC, static_scale=scale, label="int8 per-head")
         data = torch.randint(0, 256, (*shape[:3], d // 2), generator=g, device=device, dtype=torch.uint8)
         scales = torch.full((*shape[:3], d // 32, 1), 3.0 / 7, device=device)
         return Operand(data, INT4, PER_SLOT, slot_scale=scales, group_size=32, label="int4 g32")
 
-    if fmt == "fp16":
-        return float_op(), float_op()
-    if fmt == "int8":
-        return int8_op(), int8_op()
-    if fmt == "k8v4":
-        return int8_op(), int4_op()
-    raise ValueError(f"fmt must be one of ('fp16', 'int8', 'k8v4'), got {fmt!r}")
+    return tuple(operand(spec, ELEMENT_FORMATS[name]) for spec, name in zip(FORMATS[fmt], KV_CACHE_DTYPES[fmt]))
 
 
 #: how the unfused baseline dequantizes (recorded in each measured row): two PyTorch ops through FP16
@@ -90,9 +82,8 @@ CHECK_CASES = [  # (h_q, h_kv, d, batch, context, num_splits)
 
 
 def check_sweep(device, converts=CONVERSIONS) -> list[dict]:
-    """Kernel vs the float reference over the dequantized pool, for each format, case and conversion
-    variant that runs here (under the interpreter: not prmt or bf16). dot8 (q quantized per row) gets
-    a bound 10x the float one: its error is q's rounding, about 0.4 % of a score."""
+    """Kernel vs the float reference over the dequantized pool, per format, case and conversion variant that
+    runs here; dot8 (q quantized per row) gets a bound 10x the float one (q's rounding, ~0.4 % of a score)."""
     rows = []
     runnable = [c for c in converts if kernels.triton_mode() == "compiled" or c not in NOT_INTERPRETABLE]
     for h_q, h_kv, d, batch, context, splits in CHECK_CASES:
@@ -102,7 +93,7 @@ def check_sweep(device, converts=CONVERSIONS) -> list[dict]:
         # tolerance a draw, and a run under a busy test suite once drew 2 of 21 cases past it)
         q = torch.randn(batch, h_q, d, device=device, dtype=torch.float16,
                         generator=torch.Generator(device=device).manual_seed(1000 * h_q + d))
-        for fmt in ("fp16", "int8", "k8v4"):
+        for fmt in COMPARED:
             k_op, v_op = random_operands(fmt, n_blocks, h_kv, d, device, seed=h_q)
             kf, vf = dequantize(k_op, torch.float32), dequantize(v_op, torch.float32)
             ref = paged_attention(q.float(), kf, vf, table.tolist(), ctx.tolist(), [1] * batch, d ** -0.5)
@@ -137,11 +128,10 @@ STAGES = (None, 3)
 
 
 def time_case(shape: str, batch: int, context: int, device, converts=CONVERSIONS) -> dict:
-    """One (shape, batch, context) point on the GPU: microseconds and GB/s per format, the unfused
-    INT8 path and torch SDPA, all from ``triton.testing.do_bench`` means (its default). "int8" and "k8v4" are the
-    fastest of their conversion variants (``variants`` holds each, ``best_convert`` says which won),
-    every entry the best over :data:`STAGES`; ``model_us`` is the operations model's bound per
-    format and variant (:func:`kvlab.kernels.traffic.ops_time`), beside the measurement."""
+    """One (shape, batch, context) point on the GPU: ``do_bench`` microseconds and GB/s per format, the unfused
+    INT8 path and torch SDPA. A quantized format's entry is the fastest of its conversion variants (``variants``
+    holds each, ``best_convert`` the winner), each the best over :data:`STAGES`; ``model_us``: the operations
+    model's bound per format and variant, beside the measurement."""
     from triton.testing import do_bench  # triton: Linux only, and only a GPU run times anything
 
     decode = kernels.decode
@@ -155,7 +145,7 @@ def time_case(shape: str, batch: int, context: int, device, converts=CONVERSIONS
     splits = decode.default_splits(batch * h_kv, table.shape[1], decode.default_pages(BLOCK_SIZE))
     row["splits"] = splits
     row["variants"], row["best_convert"], row["stages"], row["model_us"] = {}, {}, {}, {}
-    for fmt in ("fp16", "int8", "k8v4"):
+    for fmt in COMPARED:
         k_op, v_op = random_operands(fmt, n_blocks, h_kv, d, device)
         nbytes = decode_traffic(ctx.tolist(), h_q, h_kv, d, *FORMATS[fmt], num_splits=splits)["total"]
         timed = {}
@@ -225,7 +215,7 @@ def run(shapes=None, batches=BATCHES, contexts=CONTEXTS, gpu: str = "H100", prog
         for b in batches:
             for c in contexts:
                 row = {"shape": shape, "batch": b, "context": c,
-                       "bytes_per_step": {f: step_bytes(f, b, c, layers, h_q, h_kv, d) for f in ("fp16", "int8", "k8v4")},
+                       "bytes_per_step": {f: step_bytes(f, b, c, layers, h_q, h_kv, d) for f in COMPARED},
                        "bytes_per_step_int8_unfused": step_bytes("int8", b, c, layers, h_q, h_kv, d, fused=False),
                        "projection_ms": {g: {f: v["projected_ms"] for f, v in project(shape, b, c, g).items()}
                                          for g in GPU_BANDWIDTH},
@@ -254,7 +244,7 @@ def _model_row(shape: str, batch: int, context: int, gpu: str = "H200") -> dict:
     layers, h_q, h_kv, d = SHAPES[shape]
     ctx = [context] * batch
     out = {}
-    for fmt in ("fp16", "int8", "k8v4"):
+    for fmt in COMPARED:
         nbytes = decode_traffic(ctx, h_q, h_kv, d, *FORMATS[fmt])["total"]
         for convert in (["cast"] if fmt == "fp16" else CONVERSIONS):
             t = ops_time(decode_ops(ctx, h_q, h_kv, d, *FORMATS[fmt], convert=convert), nbytes, gpu)
@@ -293,7 +283,7 @@ def format_table(result: dict) -> str:
             lines.append("conversion variants, us (fastest of Triton's default launch and num_stages=3; "
                          "model = the operations model's bound at H200 peaks):")
             for r in result["measured"]:
-                for fmt in ("int8", "k8v4"):
+                for fmt in COMPARED[1:]:
                     var = r.get("variants", {}).get(fmt, {})
                     lines.append(f"{r['shape']:<13}{r['batch']:>6}{r['context']:>7} {fmt:<5}| " + "".join(
                         f"{c} {t:.1f} (model {r['model_us'][f'{fmt} {c}']:.0f})  " for c, t in var.items()))
@@ -315,7 +305,6 @@ def format_table(result: dict) -> str:
             f"{name} {v['bound_us']:.1f} ({v['limit']})" for name, v in m.items()))
     lines.append(f"{result['seconds']:.1f} s")
     return "\n".join(lines)
-
 
 
 def recorded_h200() -> dict:

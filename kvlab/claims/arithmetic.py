@@ -14,8 +14,9 @@ from kvlab.cache import simulate
 from kvlab.claims.memory import A100_BW, A100_BYTES, GiB, KiB
 from kvlab.cache.paged import BlockManager
 from kvlab.claims.rules import margin, parts, ratio, shown, truth, worst
-from kvlab.kernels.traffic import (COMPUTE_CAPABILITY, CONVERT_COST, FP8_MIN_CAPABILITY, GPU_BANDWIDTH, GPU_CORES,
-                                   PIPE_RATE, SMEM_BYTES_PER_CLOCK)
+from kvlab.kernels.pool import kernel_kind
+from kvlab.kernels.traffic import (COMPUTE_CAPABILITY, FP8_MIN_CAPABILITY, GPU_BANDWIDTH, GPU_CORES, PIPE_RATE,
+                                   SMEM_BYTES_PER_CLOCK)
 from kvlab.sizing import fmt_bytes
 
 A100_FLOPS = GPU_CORES["A100"][2]  # dense fp16 tensor-core FLOP/s
@@ -403,7 +404,7 @@ def c_int4_half_again(lab, group: int = 32, scale_dtype: str = "fp32"):
 
 
 def c_dequant_one_fma(lab, ops: dict | None = None):
-    ops = CONVERT_COST[("int8", "cast")] if ops is None else ops
+    ops = kernel_kind("int8").cost["cast"] if ops is None else ops
     rate = PIPE_RATE["A100"]
     return (f"kvlab's INT8 kernel per value: " + ", ".join(f"{n} {p}" for p, n in ops.items())
             + f" (the scale folded after the dot product); the cvt pipe runs {rate['cvt']} results per clock per SM, "

@@ -1,8 +1,6 @@
-"""Bandwidth savings, made visible (notebook 05): bytes one decode step moves by KV format and
-context, the step time those bytes imply on a chosen GPU, and measured kernel times beside them.
-
-Only reads :mod:`kvlab.kernels.traffic` (the byte model the tests hold to the kernel's real loads)
-and, when given, the JSON of ``kvlab bench kernels`` run on a GPU.
+"""Bandwidth savings, made visible (notebook 05): bytes one decode step moves by KV format and context,
+the step time they imply on a GPU (:mod:`kvlab.kernels.traffic`), and measured kernel times beside them
+(the JSON of ``kvlab bench kernels``).
 """
 
 from __future__ import annotations
@@ -10,16 +8,16 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvlab.kernels.traffic import GPU_BANDWIDTH, SHAPES, step_bytes
+from kvlab.kernels.traffic import COMPARED, GPU_BANDWIDTH, SHAPES, step_bytes
 from kvlab.viz import COLORS
 from kvlab.viz.render import live, view
 from kvlab.viz.paged import PALETTE
 
-FORMAT_COLORS = {"fp16": COLORS["weights"], "int8": COLORS["tokens"], "k8v4": PALETTE[0],
-                 "int8_unfused": COLORS["kv"]}
+#: what is drawn: the compared formats and INT8 through a dequantized FP16 copy
+FORMAT_NAMES = {**{f: f.upper() for f in COMPARED}, "int8_unfused": "INT8 via FP16 copy"}
+FORMAT_COLORS = dict(zip(FORMAT_NAMES, (COLORS["weights"], COLORS["tokens"], PALETTE[0], COLORS["kv"])))
 # measured points of different formats can sit on top of each other: distinct shapes keep them apart
-FORMAT_SYMBOLS = {"fp16": "circle", "int8": "diamond", "k8v4": "square", "int8_unfused": "triangle-up"}
-FORMAT_NAMES = {"fp16": "FP16", "int8": "INT8", "k8v4": "K8V4", "int8_unfused": "INT8 via FP16 copy"}
+FORMAT_SYMBOLS = dict(zip(FORMAT_NAMES, ("circle", "diamond", "square", "triangle-up")))
 NUDGE = 1.12  # measured points of the four formats spread along x by this factor each, so none hides another
 CONTEXTS = [2**k for k in range(8, 16)]  # 256 ... 32768 tokens per sequence
 
@@ -44,8 +42,8 @@ def measured_points(bench: dict | None, shape: str, batch: int, fmt: str) -> tup
 
 def bandwidth_figure(shape: str = "llama-3-8b", batch: int = 32, context: int = 16384, gpu: str = "H100",
                      bench: dict | None = None, widget: bool = False):
-    """Left: bytes per whole-model decode step (attention only) by format at one context. Right: the
-    step time those bytes take at the GPU's peak bandwidth, by context, with measured points."""
+    """Left: bytes per whole-model decode step (attention only) by format at one context. Right: the step
+    time those bytes take at the GPU's peak bandwidth, by context, with measured points."""
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
     if gpu not in GPU_BANDWIDTH:
@@ -124,7 +122,7 @@ def bandwidth_widget(shape: str = "llama-3-8b", batch: int = 32, context: int = 
         nums = update_bandwidth_figure(fig, w_shape.value, w_batch.value, w_ctx.value, w_gpu.value, bench)
         f16, i8, kv4, unf = (nums[f] for f in ("fp16", "int8", "k8v4", "int8_unfused"))
         ms = {}  # the measured kernels at exactly this point: the result the lines alone do not show
-        for f in ("fp16", "int8", "k8v4"):
+        for f in COMPARED:
             xs, ys = measured_points(bench, w_shape.value, w_batch.value, f)
             if w_ctx.value in xs:
                 ms[f] = ys[xs.index(w_ctx.value)]
