@@ -133,7 +133,7 @@ def __kvlab_grade(tasks, token, package):
         del sys.modules[name]
     sys.path[:] = [p for p in sys.path if p not in ("", ".", os.getcwd())]  # no kvlab/ of the submission's
     import kvlab.check as fresh
-    from kvlab.check.progress import _is_learners
+    from kvlab.check.progress import is_learners
     here = os.path.dirname(os.path.dirname(os.path.realpath(sys.modules["kvlab"].__file__)))
     if here != package:
         with open(token, "w") as f:
@@ -145,7 +145,7 @@ def __kvlab_grade(tasks, token, package):
         if fn is None or not callable(fn):
             out[task] = ["not attempted", f"no function {fname!r} in the notebook"]
             continue
-        if not _is_learners(fn):
+        if not is_learners(fn):
             out[task] = ["fail", f"{fname!r} is kvlab's own function (or a lambda), not the participant's"]
             continue
         buf = io.StringIO()

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from kvlab.capstone import max_held as _max_held
-from kvlab.check.core import _run
+from kvlab.check.core import run_task
 from kvlab.export import fp8_scales as ref_fp8_scales
 from kvlab.validate import cdiv
 
@@ -63,11 +63,11 @@ def max_held(fn: Callable[[list, int, int, int], int]) -> bool:
             try:
                 if all(fn(*a) == formula(*a) for a, _ in cases):
                     return why
-            except Exception:  # noqa: BLE001  (the learner's error is reported by _run)
+            except Exception:  # noqa: BLE001  (the learner's error is reported by run_task)
                 return None
         return None
 
-    return _run("max_held", fn, cases, hint=hint)
+    return run_task("max_held", fn, cases, hint=hint)
 
 
 def fp8_scales(fn: Callable) -> bool:
@@ -102,5 +102,5 @@ def fp8_scales(fn: Callable) -> bool:
             return "an abs-max below 1e-6 gets scale 1.0 (the zero guard): a zero scale would divide by zero"
         return None
 
-    return _run("fp8_scales", fn, cases, hint=hint,  # exact: the checkpoint must hold the pool's own scales
-                same=lambda a, b: isinstance(a, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
+    return run_task("fp8_scales", fn, cases, hint=hint,  # exact: the checkpoint must hold the pool's own scales
+                   same=lambda a, b: isinstance(a, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))

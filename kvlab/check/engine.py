@@ -11,8 +11,8 @@ from kvlab.engine.dry_run import dry_run
 from kvlab.engine.scheduler import admission_rule as ref_admission_rule
 from kvlab.engine.scheduler import chunk_prefills as ref_chunk_prefills
 from kvlab.engine.scheduler import schedule_decodes as ref_schedule_decodes
-from kvlab.check.core import _run
-from kvlab.check.progress import _record
+from kvlab.check.core import run_task
+from kvlab.check.progress import record
 
 
 def admission_rule(fn: Callable[[int, int, int, int, int, int], "str | None"]) -> bool:
@@ -69,7 +69,7 @@ def admission_rule(fn: Callable[[int, int, int, int, int, int], "str | None"]) -
               f"yours {got[i] if i < len(got) else 'nothing'}, expected {expected[i] if i < len(expected) else 'nothing'}")
         return False
     print(f"[ok] admission_rule: {len(cases)} decisions and a {len(expected)}-event scheduler trace match")
-    _record("admission_rule", fn)
+    record("admission_rule", fn)
     return True
 
 
@@ -142,7 +142,7 @@ def schedule_decodes(fn: Callable) -> bool:
             return "return exactly the sequences whose append worked, in order"
         return None
 
-    return _run("schedule_decodes", run, cases, hint=hint, learner=fn)
+    return run_task("schedule_decodes", run, cases, hint=hint, learner=fn)
 
 
 def chunk_prefills(fn: Callable) -> bool:
@@ -162,5 +162,5 @@ def chunk_prefills(fn: Callable) -> bool:
             return "a prompt that does not fit whole takes a chunk of what is left: the rest follows next step"
         return None
 
-    return _run("chunk_prefills", lambda u, b: fn(list(u), b), cases,
-                same=lambda a, b: isinstance(a, (list, tuple)) and list(a) == b, hint=hint, learner=fn)
+    return run_task("chunk_prefills", lambda u, b: fn(list(u), b), cases,
+                   same=lambda a, b: isinstance(a, (list, tuple)) and list(a) == b, hint=hint, learner=fn)

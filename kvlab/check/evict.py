@@ -10,7 +10,7 @@ from kvlab.beyond import GPU_FLOPS, LINKS, prefill_flops
 from kvlab.cache.evict import SinksWindow
 from kvlab.cache.evict import h2o_keep as ref_h2o_keep
 from kvlab.cache.paged import BlockManager
-from kvlab.check.core import _run
+from kvlab.check.core import run_task
 from kvlab.sizing import kv_bytes_per_token, kv_config
 from kvlab.validate import cdiv
 
@@ -82,7 +82,7 @@ def sinks_window_blocks(fn: Callable[[int, int, int, int], list]) -> bool:
             return "return the blocks in ascending order"
         return None
 
-    return _run("sinks_window_blocks", fn, cases, same=lambda a, b: list(a) == list(b), hint=hint)
+    return run_task("sinks_window_blocks", fn, cases, same=lambda a, b: list(a) == list(b), hint=hint)
 
 
 # ---- Task 2: copy a block back, or compute it again? -------------------------------------------------
@@ -144,7 +144,7 @@ def copy_or_recompute(fn: Callable) -> bool:
                     return why
         return None
 
-    return _run("copy_or_recompute", fn, cases, same=close, hint=hint)
+    return run_task("copy_or_recompute", fn, cases, same=close, hint=hint)
 
 
 def _h2o_cases():
@@ -181,4 +181,4 @@ def h2o_keep(fn: Callable) -> bool:
             return "keep the blocks that received the MOST attention"
         return "on equal scores the earlier block wins: sort by (-score, block)"
 
-    return _run("h2o_keep", run, cases, same=lambda a, b: a == b, hint=hint, learner=fn)
+    return run_task("h2o_keep", run, cases, same=lambda a, b: a == b, hint=hint, learner=fn)

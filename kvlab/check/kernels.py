@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kvlab import kernels
-from kvlab.check.core import _run, _tensor_same
+from kvlab.check.core import run_task, tensor_same
 
 
 def _softmax_cases():
@@ -132,8 +132,8 @@ def online_softmax_update(fn) -> bool:
     def close(a, b):
         return isinstance(a, torch.Tensor) and a.shape == b.shape and bool(torch.allclose(a, b, rtol=1e-4, atol=1e-5))
 
-    return _run("online_softmax_update (whole run over all tiles: s, v, v_scale, tile -> softmax(s) @ (v * v_scale))",
-                _raised_todo(call), cases, same=close, exercise="online_softmax_update", learner=fn, hint=_softmax_hint)
+    return run_task("online_softmax_update (whole run over all tiles: s, v, v_scale, tile -> softmax(s) @ (v * v_scale))",
+                   _raised_todo(call), cases, same=close, exercise="online_softmax_update", learner=fn, hint=_softmax_hint)
 
 
 # (table row, page, seq_len, s_blk, s_tok, head, s_head, block_size): a scattered table; the last case's
@@ -180,7 +180,7 @@ def block_walk(fn) -> bool:
             return "a slot holds a token when its position, page * BLOCK_SIZE + offset, is < seq_len"
         return None
 
-    return _run("block_walk", _raised_todo(call), cases, same=_tensor_same, hint=hint, learner=fn)
+    return run_task("block_walk", _raised_todo(call), cases, same=tensor_same, hint=hint, learner=fn)
 
 
 def dequant_int8(fn) -> bool:
@@ -205,5 +205,5 @@ def dequant_int8(fn) -> bool:
             return "keep the values in fp32: converting back to an integer type throws away the fraction"
         return None
 
-    return _run("dequant_int8", _raised_todo(lambda codes, scale: kernels.skeleton.run_dequant(fn, codes, scale)),
-                cases, same=_tensor_same, hint=hint, learner=fn)
+    return run_task("dequant_int8", _raised_todo(lambda codes, scale: kernels.skeleton.run_dequant(fn, codes, scale)),
+                   cases, same=tensor_same, hint=hint, learner=fn)

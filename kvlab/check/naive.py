@@ -10,7 +10,7 @@ import torch
 
 from kvlab.cache.naive import grow as ref_grow
 from kvlab.cache.naive import static_write as ref_static_write
-from kvlab.check.core import _run, _tensor_same
+from kvlab.check.core import run_task, tensor_same
 from kvlab.generate import cached_generate
 
 
@@ -53,7 +53,7 @@ def grow(fn: Callable) -> bool:
                 raise RuntimeError(f"tokens are dim 2 of (B, H_kv, T, D): concatenate along it ({e})") from e
             raise
 
-    return _run("grow", raised, cases, same=_tensor_same, hint=hint, learner=fn)
+    return run_task("grow", raised, cases, same=tensor_same, hint=hint, learner=fn)
 
 
 class _ToyModel:
@@ -111,7 +111,7 @@ def decode_loop(fn: Callable) -> bool:
             return "feed back the token you just chose (the argmax of the last step's logits)"
         return "choose greedily: the id with the largest logit"
 
-    return _run("decode_loop", run, cases, same=lambda a, b: a == b, hint=hint, learner=fn)
+    return run_task("decode_loop", run, cases, same=lambda a, b: a == b, hint=hint, learner=fn)
 
 
 def static_write(fn: Callable) -> bool:
@@ -155,4 +155,4 @@ def static_write(fn: Callable) -> bool:
             return "return the batch's own rows (the first B), not every reserved row"
         return None
 
-    return _run("static_write", run, cases, same=_tensor_same, hint=hint, learner=fn)
+    return run_task("static_write", run, cases, same=tensor_same, hint=hint, learner=fn)

@@ -11,7 +11,7 @@ from kvlab.cache.paged import append_slot as ref_append_slot
 from kvlab.cache.paged import block_hash, prefix_hits as ref_prefix_hits
 from kvlab.cache.simulate import fork_blocks
 from kvlab.validate import cdiv
-from kvlab.check.core import _run
+from kvlab.check.core import run_task
 
 
 def slot_mapping(fn: Callable[[Sequence[int], int, int, int], list]) -> bool:
@@ -45,7 +45,7 @@ def slot_mapping(fn: Callable[[Sequence[int], int, int, int], list]) -> bool:
             return "the block table says where each block lives: slots are not the token positions"
         return None
 
-    return _run("slot_mapping", fn, cases, same=lambda a, b: list(a) == b, hint=hint)
+    return run_task("slot_mapping", fn, cases, same=lambda a, b: list(a) == b, hint=hint)
 
 
 def blocks_after_fork(fn: Callable[[int, int, int, int], int]) -> bool:
@@ -58,7 +58,7 @@ def blocks_after_fork(fn: Callable[[int, int, int, int], int]) -> bool:
     def follows(formula) -> bool:  # the learner's function agrees with a mistaken formula on every shape
         try:
             return all(fn(*a) == formula(*a) for a in shapes)
-        except Exception:  # noqa: BLE001  (the learner's error is reported by _run, not here)
+        except Exception:  # noqa: BLE001  (the learner's error is reported by run_task, not here)
             return False
 
     fresh = lambda p, bs, n, steps: cdiv(p, bs) + n * cdiv(steps, bs) if steps else cdiv(p, bs)  # noqa: E731
@@ -80,7 +80,7 @@ def blocks_after_fork(fn: Callable[[int, int, int, int], int]) -> bool:
             return "n - 1 copies, not n: the last sample to write finds the block no longer shared and keeps it"
         return None
 
-    return _run("blocks_after_fork", fn, cases, hint=hint)
+    return run_task("blocks_after_fork", fn, cases, hint=hint)
 
 
 def _append_run(fn):
@@ -126,7 +126,7 @@ def append_slot(fn: Callable) -> bool:
             return "slot = the last block's id x block_size + the offset inside it (num_tokens % block_size)"
         return None
 
-    return _run("append_slot", _append_run(fn), cases, hint=hint, learner=fn)
+    return run_task("append_slot", _append_run(fn), cases, hint=hint, learner=fn)
 
 
 def _cached(bs: int, *prompts, start: int = 100) -> dict:
@@ -177,5 +177,5 @@ def prefix_hits(fn: Callable) -> bool:
                     "- the same tokens after another prefix have other K/V")
         return None
 
-    return _run("prefix_hits", run, cases, same=lambda x, y: isinstance(x, (list, tuple)) and list(x) == y,
-                hint=hint, learner=fn)
+    return run_task("prefix_hits", run, cases, same=lambda x, y: isinstance(x, (list, tuple)) and list(x) == y,
+                   hint=hint, learner=fn)

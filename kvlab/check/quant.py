@@ -8,7 +8,7 @@ import torch
 
 from kvlab.quant.core import int8_roundtrip, quantize_int8
 from kvlab.quant.core import pack_int4 as ref_pack_int4
-from kvlab.check.core import _run, _tensor_same
+from kvlab.check.core import run_task, tensor_same
 
 
 def quantize_per_head(fn: Callable) -> bool:
@@ -45,7 +45,7 @@ def quantize_per_head(fn: Callable) -> bool:
             return "one scale for the whole tensor: per head means the abs-max over tokens and channels, one per head"
         return None
 
-    return _run("quantize_per_head", fn, cases, same=_tensor_same, hint=hint)
+    return run_task("quantize_per_head", fn, cases, same=tensor_same, hint=hint)
 
 
 def quantize_static(fn: Callable) -> bool:
@@ -82,7 +82,7 @@ def quantize_static(fn: Callable) -> bool:
             return "-128 appears: clamp to -127..127, a symmetric grid (notebook text, section 2)"
         return None
 
-    return _run("quantize_static", fn, cases, same=_tensor_same, hint=hint)
+    return run_task("quantize_static", fn, cases, same=tensor_same, hint=hint)
 
 
 def pack_int4(fn: Callable) -> bool:
@@ -102,4 +102,4 @@ def pack_int4(fn: Callable) -> bool:
             return "the nibbles are swapped: the even index goes in the LOW nibble, the odd one in the high"
         return None
 
-    return _run("pack_int4", fn, cases, same=_tensor_same, hint=hint)
+    return run_task("pack_int4", fn, cases, same=tensor_same, hint=hint)

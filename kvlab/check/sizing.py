@@ -6,7 +6,7 @@ from typing import Callable
 
 
 from kvlab import sizing
-from kvlab.check.core import _run
+from kvlab.check.core import run_task
 
 
 def _kv_bytes_cases():
@@ -44,7 +44,7 @@ def kv_token_bytes(fn: Callable[[int, int, int, int, int, int], int]) -> bool:
             return "that counts values: multiply by the bytes per element"
         return None
 
-    return _run("kv_token_bytes", fn, _kv_bytes_cases(), hint=hint)
+    return run_task("kv_token_bytes", fn, _kv_bytes_cases(), hint=hint)
 
 
 def mla_bytes_per_token(fn: Callable[[int, int, int, int, int], int]) -> bool:
@@ -70,4 +70,4 @@ def mla_bytes_per_token(fn: Callable[[int, int, int, int, int], int]) -> bool:
             return "the decoupled RoPE key is cached too"
         return None
 
-    return _run("mla_bytes_per_token", fn, cases, hint=hint)
+    return run_task("mla_bytes_per_token", fn, cases, hint=hint)

@@ -18,8 +18,8 @@ from plotly.subplots import make_subplots
 from kvlab.capstone import CONFIGS, quantized
 from kvlab.viz import COLORS
 from kvlab.viz.render import live, view
-from kvlab.viz.engine import EngineRecorder, _frame_html
-from kvlab.viz.paged import _grid, block_table_figure
+from kvlab.viz.engine import EngineRecorder, frame_html
+from kvlab.viz.paged import block_grid, block_table_figure
 
 
 WIDTH = 1000  # px: a widget in a box does not stretch its figures; fits a laptop screen beside the file browser
@@ -129,7 +129,7 @@ class Dashboard:
         index = max(0, min(index, len(frames) - 1))
         frame = frames[index]
         x, running, waiting, mib = self._series()
-        z, text, scale, n = _grid(frame["pool"], self.columns)
+        z, text, scale, n = block_grid(frame["pool"], self.columns)
         with self.pool.batch_update():
             self.pool.data[0].z, self.pool.data[0].text = z, text
             self.pool.data[0].colorscale, self.pool.data[0].zmax = scale, n
@@ -147,7 +147,7 @@ class Dashboard:
             total = sum(map(sum, self.clipped[index]))
             sat = f" · clipped values so far: <b>{total:,}</b>"
         self.info.value = (f"frame {index}: KV read by this step's decodes <b>{mib[index]:.2f} MiB</b> "
-                           f"({_bytes_per_token(s):,.0f} B per token){sat}<br>" + _frame_html(frame))
+                           f"({_bytes_per_token(s):,.0f} B per token){sat}<br>" + frame_html(frame))
 
     def busiest(self) -> int:
         """The frame with the most requests running (the first of them): a good one to look at."""

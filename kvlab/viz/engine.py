@@ -15,7 +15,7 @@ import warnings
 import plotly.graph_objects as go
 
 from kvlab.viz import COLORS
-from kvlab.viz.paged import PALETTE, SHARED, _grid, block_table_figure, seq_color, snapshot
+from kvlab.viz.paged import PALETTE, SHARED, block_grid, block_table_figure, seq_color, snapshot
 
 STATES = ("queued", "prefill", "decode", "preempted")  # a request's state in one step, for the timeline
 STATE_COLORS = {"queued": COLORS["empty"], "prefill": PALETTE[0], "decode": COLORS["tokens"],
@@ -136,7 +136,7 @@ class EngineRecorder:
 
 
 def _seq_colors(pool: dict) -> dict[int, str]:
-    """The colour ``paged._grid`` gives each block owner: chips match their blocks."""
+    """The colour ``paged.block_grid`` gives each block owner: chips match their blocks."""
     return {sid: seq_color(sid) for sid in {o for b in pool["blocks"] for o in b["owners"]}}
 
 
@@ -148,7 +148,7 @@ def _chip(label: str, color: str | None, title: str = "", outline: str | None = 
             f"{html.escape(label)}</span>")
 
 
-def _frame_html(frame: dict) -> str:
+def frame_html(frame: dict) -> str:
     colors = _seq_colors(frame["pool"])
     sched = {s["seq_id"]: s for s in frame["scheduled"]}
     prefill = sum(s["tokens"] for s in frame["scheduled"] if s["kind"] == "prefill")  # tokens
@@ -213,7 +213,7 @@ def scheduler_widget(recorder: EngineRecorder, columns: int = 16):
     recorder.sync()
     frames = recorder.frames
     fig = block_table_figure(frames[-1]["pool"], columns, widget=True)
-    info = W.HTML(_frame_html(frames[-1]))
+    info = W.HTML(frame_html(frames[-1]))
     first, last = frames[0]["step"], frames[-1]["step"]
     play = W.Play(min=first, max=last, value=last, interval=800, description="play")
     step = W.IntSlider(min=first, max=last, value=last, description="step")
@@ -221,11 +221,11 @@ def scheduler_widget(recorder: EngineRecorder, columns: int = 16):
 
     def draw(value: int):
         frame = recorder.frame_at(value)
-        z, text, scale, n = _grid(frame["pool"], columns)
+        z, text, scale, n = block_grid(frame["pool"], columns)
         with fig.batch_update():
             fig.data[0].z, fig.data[0].text = z, text
             fig.data[0].colorscale, fig.data[0].zmax = scale, n
-        info.value = _frame_html(frame)
+        info.value = frame_html(frame)
 
     def follow(index: int, new: bool):
         frame_step = recorder.frames[index]["step"]

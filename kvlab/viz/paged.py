@@ -66,7 +66,7 @@ class Trace:
 COMPACT_COLUMNS = 12  # wider grids label each block with its owner only (c = cached, ×n = shared by n)
 
 
-def _grid(frame: dict, columns: int):
+def block_grid(frame: dict, columns: int):
     rows = cdiv(len(frame["blocks"]), columns)
     compact = columns > COMPACT_COLUMNS
     z, text, colors = [], [], {}
@@ -130,7 +130,7 @@ def _tables_html(frame: dict) -> str:
 
 
 def block_table_figure(frame: dict, columns: int = 8, widget: bool = False):
-    z, text, scale, n = _grid(frame, columns)
+    z, text, scale, n = block_grid(frame, columns)
     fig = go.Figure(go.Heatmap(
         z=z, text=text, texttemplate="%{text}", textfont=dict(size=13 if columns <= COMPACT_COLUMNS else 11),
         colorscale=scale, zmin=0, zmax=n,
@@ -160,7 +160,7 @@ def block_table_widget(trace: Trace, columns: int = 8, start: int = 0):
 
     def show(change):
         frame = trace.frames[change["new"]]
-        z, text, scale, n = _grid(frame, columns)
+        z, text, scale, n = block_grid(frame, columns)
         with fig.batch_update():
             fig.data[0].z, fig.data[0].text = z, text
             fig.data[0].colorscale, fig.data[0].zmax = scale, n
