@@ -55,7 +55,6 @@ def silence_known_warnings() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:  # transformers loads here, not at `import kvlab`: `kvlab --help` and a mistyped command never need it
         from transformers.utils import logging as hf_logging
-
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
     except ImportError:  # pragma: no cover - transformers is a hard dependency

@@ -115,7 +115,6 @@ def greedy_generate(model, prompts, max_new_tokens: int, cache="dynamic", eos_to
     ids, mask = left_pad(prompts, pad_token_id)
     ids, mask = ids.to(device), mask.to(device)
     batch, width = ids.shape
-
     store = None
     if isinstance(cache, str):
         if cache not in CACHE_KINDS:
@@ -149,14 +148,12 @@ def _greedy_loop(model, prompts, max_new_tokens, store, kind, ids, mask, eos_tok
     device = ids.device
     batch, width = ids.shape
     hf_cache = KVLabCache(store) if store is not None else None
-
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     generated: list[list[int]] = [[] for _ in range(batch)]
     seq = ids  # only grows for the no-cache path
     cap = max_new_tokens
     if isinstance(store, StaticCache):
         cap = min(cap, store.max_seq_len - width + 1)  # the last token is sampled, never stored
-
     clock = _StepClock()
     for step in range(cap):
         if step == 0 or store is None:
@@ -308,13 +305,11 @@ def paged_generate(model, prompts, max_new_tokens: int, block_size: int = 16, nu
               max_num_batched_tokens=max(sum(map(len, prompts)), len(prompts)), attn_backend=attn_backend,
               eos_token_id=eos_token_id, watermark=0.0)
     peak: dict = {}
-
     def record(batch):  # the pool as the forward sees it
         nonlocal peak
         s = manager.stats()
         if s["blocks_used"] >= peak.get("blocks_used", -1):
             peak = s
-
     llm.on_scheduled = record
     ids = llm.add_requests(prompts, [SamplingParams(max_tokens=max_new_tokens)] * len(prompts))
     try:

@@ -171,7 +171,6 @@ def _limit_memory(gb: float) -> None:
     if not sys.platform.startswith("linux"):
         return
     import resource  # Unix only: the memory limit applies on Linux
-
     cap = int(gb * 2**30)
     resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
 
@@ -179,7 +178,6 @@ def _limit_memory(gb: float) -> None:
 def _package_dir() -> str:
     """The folder that holds the installed kvlab package (what the grading cell must import)."""
     import kvlab
-
     return os.path.dirname(os.path.dirname(os.path.realpath(kvlab.__file__)))
 
 
@@ -189,7 +187,6 @@ def run_one(path, notebook: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
     import nbformat  # the notebook runner loads in the worker only (nbformat, nbclient: the test tools)
     from nbclient import NotebookClient  # as above
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError  # as above
-
     t0 = time.perf_counter()
     tasks = [(t, function_name(t)) for t in tasks_of(notebook)]
     error = ""
@@ -249,7 +246,6 @@ def _worker_main(argv) -> int:
 def _kill_tree(pid: int) -> None:
     """The worker and everything it started (its kernel, the kernel's children)."""
     import psutil  # comes with ipykernel, which grading needs anyway
-
     try:
         root = psutil.Process(pid)
         procs = root.children(recursive=True) + [root]
@@ -325,7 +321,6 @@ def grade(submissions, notebook: str | None = None, timeout_s: float = DEFAULT_T
             raise ValueError(f"submissions: {str(p)!r} is neither a file nor a folder")
     if not files:
         raise ValueError("submissions: no .ipynb found")
-
     def one(path: Path) -> Row:
         row = Row(who=who_of(path, roots), file=str(path))
         nb = notebook_of(path, notebook)
@@ -348,7 +343,6 @@ def grade(submissions, notebook: str | None = None, timeout_s: float = DEFAULT_T
         if progress is not None:
             progress(row)
         return row
-
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         return list(pool.map(one, files))
 

@@ -93,7 +93,6 @@ def convert_smollm2(force: bool = False, verbose: bool = True) -> Path:
     if _is_converted(folder) and not force:
         return folder
     from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers loads only when a model is converted
-
     gguf = smollm2_gguf_path()
     if verbose:
         print(f"kvlab: converting {gguf.name} to safetensors in {folder} (once, ~20 s) ...", file=sys.stderr)
@@ -169,7 +168,6 @@ def tiny_llama(seed: int = 0, **overrides):
     wants: any numerical difference in a cache shows up as a different token.
     """
     from transformers import LlamaConfig, LlamaForCausalLM  # transformers loads only when a model is built
-
     config = LlamaConfig(**{**TINY_SIZES, "num_hidden_layers": 3, **overrides})
     gen = torch.random.fork_rng()
     with gen:
@@ -219,7 +217,6 @@ def tiny_model(arch: str, seed: int = 0, **overrides):
     uniform, and a soft cap or a wrong RoPE changes no token, so a token-identity test could not see them.
     """
     from transformers import AutoConfig, AutoModelForCausalLM  # transformers loads only when a model is built
-
     if arch not in TINY_ARCHS:
         raise ValueError(f"arch must be one of {sorted(TINY_ARCHS)}, got {arch!r}")
     model_type, extra, _ = TINY_ARCHS[arch]
@@ -252,7 +249,6 @@ def load_model(name: str = "smollm2-135m", dtype: torch.dtype | None = None, dev
         return tiny_llama().to(device=device, dtype=dtype), ByteTokenizer()
     if canonical.lower().startswith("tiny-") and canonical[5:].lower() in TINY_ARCHS:
         return tiny_model(canonical[5:].lower()).to(device=device, dtype=dtype), ByteTokenizer()
-
     if canonical == "smollm2-135m":
         folder = convert_smollm2()
         try:
@@ -289,7 +285,6 @@ def _from_pretrained(source, dtype, name: str | None = None):
     # transformers loads only when a model is loaded (kvlab --help and the byte model never need it)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging  # the same lazy transformers
-
     where = f"model folder {str(source)!r}" if isinstance(source, Path) else f"model {name!r}"
     if isinstance(source, Path):
         check_model_folder(source)

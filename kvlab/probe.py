@@ -155,13 +155,11 @@ def _rope_types(model) -> set[str]:
 
 def _probe(model) -> tuple[LayerAttention, ...]:
     name = _model_name(model)
-
     def refuse(reason: str, hf_attention_runs: bool = True):
         # where only the attention function is the problem, HF's own attention (and kvlab's caches that
         # plug into it) still runs the model; not where the cache shapes or the forward are the problem
         tail = "; the 'dynamic' and 'static' caches can (they use HF's own attention)" if hf_attention_runs else ""
         return UnsupportedModelError(f"kvlab's paged cache cannot run {name!r}: {reason}{tail}")
-
     rope = sorted(_rope_types(model) & set(SEQUENCE_DEPENDENT_ROPE))
     if rope:
         raise refuse(f"its RoPE ({rope[0]!r}) recomputes its frequencies from the largest position in each forward, "

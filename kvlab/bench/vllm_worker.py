@@ -55,7 +55,6 @@ def _probe():
 
 def _llm(job):
     from vllm import LLM  # the peer environment's vLLM: only this script imports it
-
     kw = dict(model=job["model"], dtype=job.get("dtype", "float32"), seed=0,
               max_num_seqs=job.get("max_num_seqs", 16), enable_prefix_caching=job.get("enable_prefix_caching", True),
               block_size=job.get("block_size", 32), enforce_eager=job.get("enforce_eager", False),
@@ -69,7 +68,6 @@ def _llm(job):
 
 def _params(max_tokens, ignore_eos=True):
     from vllm import SamplingParams  # the peer environment's vLLM
-
     return SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens if ignore_eos else 0, ignore_eos=ignore_eos,
                           temperature=0.0, detokenize=False)
 
@@ -143,7 +141,6 @@ def scales(job):
 
 def _versions():
     import vllm  # the peer environment's vLLM
-
     return {"vllm": vllm.__version__, "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 

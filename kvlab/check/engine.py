@@ -123,9 +123,7 @@ def schedule_decodes(fn: Callable) -> bool:
         pool = _Pool(running, decoding, tokens, held, free)
         got = f(pool.running, set(decoding), pool.append, pool.preempt)
         return (list(got) if isinstance(got, (list, tuple)) else got), pool.preempted, pool.appended
-
     cases = [(a, run(*a, f=ref_schedule_decodes)) for a in _DECODE_CASES]
-
     def hint(args, got, expected):
         running = args[0]
         decoded, preempted, appended = got
@@ -141,7 +139,6 @@ def schedule_decodes(fn: Callable) -> bool:
         if decoded != appended:
             return "return exactly the sequences whose append worked, in order"
         return None
-
     return run_task("schedule_decodes", run, cases, hint=hint, learner=fn)
 
 
@@ -149,7 +146,6 @@ def chunk_prefills(fn: Callable) -> bool:
     """``fn(uncomputed, budget) -> the prompt tokens each prefill feeds this step``."""
     shapes = [([10, 20, 3], 12), ([5], 100), ([], 10), ([4, 4], 8), ([30, 5], 0), ([7, 9, 2], 15), ([700], 64)]
     cases = [((list(u), b), ref_chunk_prefills(list(u), b)) for u, b in shapes]
-
     def hint(args, got, expected):
         need, budget = args
         if not isinstance(got, (list, tuple)) or len(got) != len(need):
@@ -161,6 +157,5 @@ def chunk_prefills(fn: Callable) -> bool:
         if all(g in (0, n) for g, n in zip(got, need)):
             return "a prompt that does not fit whole takes a chunk of what is left: the rest follows next step"
         return None
-
     return run_task("chunk_prefills", lambda u, b: fn(list(u), b), cases,
                    same=lambda a, b: isinstance(a, (list, tuple)) and list(a) == b, hint=hint, learner=fn)

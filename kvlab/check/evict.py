@@ -44,7 +44,6 @@ def sinks_window_blocks(fn: Callable[[int, int, int, int], list]) -> bool:
     """``fn(num_tokens, block_size, budget, sinks)`` -> the logical blocks (ascending) that sinks + window
     keeps once the sequence holds ``num_tokens`` tokens, the policy acting after every token."""
     cases = _cases()
-
     def rule(sink_blocks, budget_blocks, window_adjust=0, blocks=True, span=cdiv):
         def f(n, bs, budget, sinks):
             total = span(n, bs)
@@ -53,7 +52,6 @@ def sinks_window_blocks(fn: Callable[[int, int, int, int], list]) -> bool:
                 range(max(0, total - (b - s) - window_adjust), total)))
             return keep if blocks else [p for lb in keep for p in range(lb * bs, min(n, lb * bs + bs))]
         return f
-
     ceil_sinks, floor_budget = (lambda s, bs: cdiv(s, bs)), (lambda b, bs: b // bs)
     mistakes = [
         (rule(lambda s, bs: s, floor_budget), "the sinks are tokens: they sit in ceil(sinks / block_size) blocks"),
@@ -73,7 +71,6 @@ def sinks_window_blocks(fn: Callable[[int, int, int, int], list]) -> bool:
         (rule(ceil_sinks, floor_budget, blocks=False),
          "return logical block indices (position // block_size), not token positions"),
     ]
-
     def hint(args, got, expected):
         for formula, why in mistakes:
             if formula(*args) == got and formula(*args) != expected:
@@ -81,7 +78,6 @@ def sinks_window_blocks(fn: Callable[[int, int, int, int], list]) -> bool:
         if list(got) != sorted(got):
             return "return the blocks in ascending order"
         return None
-
     return run_task("sinks_window_blocks", fn, cases, same=lambda a, b: list(a) == list(b), hint=hint)
 
 
@@ -109,11 +105,9 @@ def copy_or_recompute(fn: Callable) -> bool:
     :class:`kvlab.sizing.KVConfig` ``cfg``: the FP16 K/V of ``tokens`` tokens over the link at its peak,
     and their prefill again at the GPU's peak FLOP/s (2 FLOPs per parameter per token)."""
     cases = _copy_cases()
-
     def close(a, b):
         return (isinstance(a, (tuple, list)) and len(a) == 2 and all(isinstance(x, (int, float)) for x in a)
                 and all(abs(x - y) <= 1e-6 * abs(y) for x, y in zip(a, b)))
-
     def hint(args, got, expected):
         if not (isinstance(got, (tuple, list)) and len(got) == 2):
             return "return two numbers: (copy seconds, recompute seconds)"
@@ -143,7 +137,6 @@ def copy_or_recompute(fn: Callable) -> bool:
                 if math.isclose(r / re_, f, rel_tol=1e-6):
                     return why
         return None
-
     return run_task("copy_or_recompute", fn, cases, same=close, hint=hint)
 
 
@@ -160,11 +153,9 @@ def h2o_keep(fn: Callable) -> bool:
     """``fn(logical, budget, recent, scores) -> the blocks H2O keeps``: the ``recent`` newest, then the
     older blocks with the most attention received (ties to the earlier block), ``budget`` in all."""
     cases = [(a, ref_h2o_keep(*a)) for a in _h2o_cases()]
-
     def run(logical, budget, recent, scores):
         got = fn(list(logical), budget, recent, dict(scores))
         return sorted(got) if isinstance(got, (list, tuple)) else got
-
     def hint(args, got, expected):
         logical, budget, recent, scores = args
         if not isinstance(got, list):
@@ -180,5 +171,4 @@ def h2o_keep(fn: Callable) -> bool:
         if sorted(logical[-recent:] + lightest) == got:
             return "keep the blocks that received the MOST attention"
         return "on equal scores the earlier block wins: sort by (-score, block)"
-
     return run_task("h2o_keep", run, cases, same=lambda a, b: a == b, hint=hint, learner=fn)

@@ -46,7 +46,6 @@ def positive_int(name: str):
         if value < 1:
             raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
         return value
-
     return parse
 
 

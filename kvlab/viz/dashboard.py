@@ -42,7 +42,6 @@ class Dashboard:
 
     def __init__(self, llm, columns: int = 32, title: str = ""):
         import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
-
         self.llm, self.columns, self.title = llm, columns, title
         self.recorder = EngineRecorder(llm)
         self.kv_read: list[float] = []  # per frame: bytes the step's decodes read
@@ -179,7 +178,6 @@ def comparison_figure(rows: dict[str, dict], title: str = "", modelled: tuple[st
     per generated token. Bars in ``modelled`` for the KV read are hatched and say so: the static cache's
     read is computed from its slab (every row, whole length), not counted by the engine. ``bounds``: each
     configuration's to-completion bound (notebook 06, section 1), drawn as a marker over its held bar."""
-
     names = [n for n in CONFIGS if n in rows]
     colors = ["#7f8c8d", "#2980b9", "#27ae60", "#16a085"][:len(names)]
     fig = make_subplots(rows=1, cols=3, subplot_titles=("requests held at once (where the budget limits)", "output tokens / s",

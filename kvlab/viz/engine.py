@@ -207,7 +207,6 @@ def scheduler_widget(recorder: EngineRecorder, columns: int = 16):
     newest step. With no frames yet, records the engine as it is now.
     """
     import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
-
     if not recorder.frames:
         recorder.capture()
     recorder.sync()
@@ -218,7 +217,6 @@ def scheduler_widget(recorder: EngineRecorder, columns: int = 16):
     play = W.Play(min=first, max=last, value=last, interval=800, description="play")
     step = W.IntSlider(min=first, max=last, value=last, description="step")
     W.jslink((play, "value"), (step, "value"))
-
     def draw(value: int):
         frame = recorder.frame_at(value)
         z, text, scale, n = block_grid(frame["pool"], columns)
@@ -226,7 +224,6 @@ def scheduler_widget(recorder: EngineRecorder, columns: int = 16):
             fig.data[0].z, fig.data[0].text = z, text
             fig.data[0].colorscale, fig.data[0].zmax = scale, n
         info.value = frame_html(frame)
-
     def follow(index: int, new: bool):
         frame_step = recorder.frames[index]["step"]
         if new:
@@ -236,7 +233,6 @@ def scheduler_widget(recorder: EngineRecorder, columns: int = 16):
             step.value = frame_step  # redraws through the observer
         elif recorder.frame_at(step.value) is recorder.frames[index]:
             draw(step.value)
-
     step.observe(lambda change: draw(change["new"]), names="value")
     recorder.listeners.append(follow)
     box = W.VBox([W.HBox([play, step]), info, fig])

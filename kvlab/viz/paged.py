@@ -149,7 +149,6 @@ def block_table_widget(trace: Trace, columns: int = 8, start: int = 0):
     """Step (or play) through a trace: the block grid and the per-sequence tables update together.
     It opens at frame ``start`` (a frame worth seeing before anyone moves the slider)."""
     import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
-
     if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < len(trace.frames):
         raise ValueError(f"start must be a frame index in 0..{len(trace.frames) - 1}, got {start!r}")
     fig = block_table_figure(trace.frames[start], columns, widget=True)
@@ -157,7 +156,6 @@ def block_table_widget(trace: Trace, columns: int = 8, start: int = 0):
     play = W.Play(min=0, max=len(trace.frames) - 1, interval=1200, description="play", value=start)
     step = W.IntSlider(min=0, max=len(trace.frames) - 1, description="step", value=start)
     W.jslink((play, "value"), (step, "value"))
-
     def show(change):
         frame = trace.frames[change["new"]]
         z, text, scale, n = block_grid(frame, columns)
@@ -165,7 +163,6 @@ def block_table_widget(trace: Trace, columns: int = 8, start: int = 0):
             fig.data[0].z, fig.data[0].text = z, text
             fig.data[0].colorscale, fig.data[0].zmax = scale, n
         info.value = _tables_html(frame)
-
     step.observe(show, names="value")
     return W.VBox([W.HBox([play, step]), info, view(fig)])
 

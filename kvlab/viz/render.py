@@ -31,7 +31,6 @@ class RedrawnFigure:
 
     def __init__(self, fig):
         import ipywidgets as W  # ipywidgets loads only when a widget is built
-
         self.figure = go.Figure(fig)
         self.output = W.Output()
         self.output.live_figure = self  # from the widget tree back to the figure it shows (tests read it)
@@ -40,7 +39,6 @@ class RedrawnFigure:
 
     def draw(self) -> None:
         from IPython.display import display  # IPython: only where a figure is drawn (a kernel has it)
-
         self.output.clear_output(wait=True)
         with self.output:
             display(self.figure)
