@@ -1,20 +1,14 @@
 """Grading a course: every submitted notebook executed, every task graded by kvlab's own checker
 (``kvlab grade``, docs/COURSE.md).
 
-Each submission runs headless (nbclient) in its own worker process, in a scratch copy of the file,
-with its own progress file, a time limit for the whole notebook and (on Linux) a memory limit. After
-its last cell the worker grades in the same kernel: it drops every ``kvlab`` module the notebook
-imported, imports kvlab again from the installed package (refusing one the notebook put in front of
-it), switches off the IPython hooks the notebook registered, and calls the task's checker on the
-participant's function taken from the kernel's namespace. What the notebook printed is never read, so
-a participant who edits or deletes the checker call, prints ``[ok]`` or patches ``kvlab.check`` gains
-nothing. A submission that misbehaves (invalid JSON, another notebook, a cell that never ends, memory
-exhausted, ``sys.exit``, a dead kernel, a crash of its worker) costs only its own row, which says
-what went wrong.
-
-Grading runs the participants' code with your rights: run it in a container or a throwaway account
-(docs/COURSE.md says how). Patching Python's builtins or torch can still fool a checker; this
-grader stops the plain ways of faking a pass, not a determined attacker.
+Each submission runs headless (nbclient) in its own worker process, on a scratch copy, with its own
+progress file, a time limit and (on Linux) a memory limit. After its last cell the worker drops every
+``kvlab`` module the notebook imported, imports kvlab afresh from the installed package, switches off
+the notebook's IPython hooks and calls each task's checker on the participant's function from the
+kernel's namespace. What the notebook printed is never read, so editing the checker call, printing
+``[ok]`` or patching ``kvlab.check`` gains nothing; a submission that misbehaves costs only its own
+row, which says what went wrong. This runs participants' code with your rights (use a container or a
+throwaway account) and stops the plain ways of faking a pass, not a determined attacker.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
-"""The PyTorch specification of paged attention (notebook 02).
+"""The PyTorch specification of paged attention (notebook 02): what every backend and the Triton
+kernels (notebook 05) are tested against. Plain tensor ops, one sequence at a time, K/V read through
+the block table. Queries arrive packed along one token axis; sequence i owns ``query_lens[i]`` of them,
+the LAST ``query_lens[i]`` positions of its ``seq_lens[i]`` cached tokens.
 
-This is what every backend and the Triton kernels (notebook 05) are tested against: plain tensor
-ops, one sequence at a time, K/V read through the block table. Queries of several sequences arrive
-packed along one token axis; sequence i owns ``query_lens[i]`` of them, which are the LAST
-``query_lens[i]`` positions of its ``seq_lens[i]`` cached tokens (prefill: all of a prompt
-not found in the prefix cache; decode: one).
-
-Every function here also honours what an HF model hands its attention function besides Q, K, V,
-as keyword arguments (:mod:`kvlab.probe` refuses models that need anything else):
-
-- ``window``: sliding-window attention (Mistral, Gemma-2/3's local layers, gpt-oss): the query at
-  position p sees keys ``p - window < j <= p``, HF's rule (``masking_utils.sliding_window_overlay``).
-  Only the mask changes: the paged cache keeps every block (see :mod:`kvlab.cache.paged`).
-- ``softcap``: logit soft-capping (Gemma-2): scores become ``softcap * tanh(scores / softcap)``
-  after scaling, before the mask.
-- ``sinks``: attention sinks (gpt-oss's ``s_aux``), one learned logit per query head that joins
-  every softmax as an extra key whose value is zero: it takes probability mass, adds nothing.
+Keyword arguments are what an HF model hands its attention function besides Q, K, V
+(:mod:`kvlab.probe` refuses models that need anything else): ``window`` (sliding window: the query
+at p sees keys ``p - window < j <= p``, HF's rule; only the mask changes, the cache keeps every
+block), ``softcap`` (Gemma-2: scores become ``softcap * tanh(scores / softcap)`` after scaling, before
+the mask) and ``sinks`` (gpt-oss's ``s_aux``: one logit per query head joining every softmax as a key
+whose value is zero: it takes probability mass, adds nothing).
 """
 
 from __future__ import annotations

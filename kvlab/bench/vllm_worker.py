@@ -1,19 +1,14 @@
 """The vLLM side of ``kvlab bench engine --systems vllm ...`` and of the bridge test: a script run by
-the PEER environment's Python (``make peer``: ``.venv-vllm``), never imported by kvlab.
-
-It imports nothing from kvlab (the peer environment has vLLM's own transformers, not the lab's) and
-talks through two JSON files::
+the PEER environment's Python (``make peer``: ``.venv-vllm``); it imports nothing from kvlab (the
+peer has vLLM's own transformers) and talks through JSON files::
 
     .venv-vllm/bin/python kvlab/bench/vllm_worker.py session job.json out_dir   # serves on "serve" lines
     .venv-vllm/bin/python kvlab/bench/vllm_worker.py scales  job.json result.json
 
-``session``: start vLLM once; on each "serve" line, the workload as token ids, output lengths and
-arrival offsets, served by vLLM's engine stepped by hand (requests added when their arrival time
-comes, as kvlab's bench does), every request's greedy tokens and clock (arrival, first token,
-finish) written back. ``scales``: open a
-model folder, read every attention layer's ``kv_cache_dtype`` / ``_k_scale`` / ``_v_scale`` inside
-vLLM's worker (``LLM.apply_model``), and greedy-decode a few prompts. :mod:`kvlab.bench.vllm_peer` is
-kvlab's half.
+``session`` starts vLLM once and serves each "serve" line's workload (token ids, output lengths,
+arrivals) by stepping its engine by hand, writing back every request's tokens and clock. ``scales``
+reads every attention layer's ``kv_cache_dtype`` / ``_k_scale`` / ``_v_scale`` inside vLLM's worker
+and greedy-decodes a few prompts. :mod:`kvlab.bench.vllm_peer` is kvlab's half.
 """
 
 import json
