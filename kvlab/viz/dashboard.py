@@ -1,10 +1,7 @@
 """One dashboard for a running engine (notebook 06): the block pool, the queues, the bytes each decode
-step reads, and, for a quantized pool, the saturation counters per layer x head.
-
-Only reads: an :class:`~kvlab.viz.engine.EngineRecorder` copies a frame off the engine at every step;
-this module adds, per frame, the KV bytes the step's decodes read (their contexts x the pool's bytes
-per token) and a copy of the cache's saturation counters. Live while the engine runs; afterwards the
-step slider replays any step.
+step reads and, for a quantized pool, the saturation counters per layer x head. It only reads the
+frames an :class:`~kvlab.viz.engine.EngineRecorder` copies off the engine; live while the engine
+runs, afterwards the step slider replays any step.
 """
 
 from __future__ import annotations
