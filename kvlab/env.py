@@ -24,8 +24,7 @@ def configure_triton() -> bool:
     """Turn Triton's interpreter on when there is no CUDA device; return whether it is on.
 
     An explicit ``TRITON_INTERPRET`` in the environment wins. If triton was already imported
-    before us we cannot change its mode any more, so we only report it.
-    """
+    before us we cannot change its mode any more, so we only report it."""
     if "TRITON_INTERPRET" not in os.environ and "triton" not in sys.modules:
         if not torch.cuda.is_available():
             os.environ["TRITON_INTERPRET"] = "1"

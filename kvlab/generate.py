@@ -25,8 +25,7 @@ def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor,
     """Left-pad token lists into ``input_ids`` and ``attention_mask``, both (B, T_max).
 
     Left padding keeps every row's last prompt token in the last column, so one decode step can
-    append a token to all rows at the same cache position.
-    """
+    append a token to all rows at the same cache position."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -105,8 +104,7 @@ def greedy_generate(model, prompts, max_new_tokens: int, cache="dynamic", eos_to
     :class:`ContiguousCache`), "static" (a :class:`StaticCache` of ``max_seq_len`` slots, default
     longest prompt + ``max_new_tokens``), "paged" (:func:`paged_generate`, ``block_size`` /
     ``num_blocks``), or a store object. With greedy fp32 decoding every cache must give the tokens
-    of HF's own ``generate()``: the tests hold us to that.
-    """
+    of HF's own ``generate()``: the tests hold us to that."""
     if cache == "paged":
         return paged_generate(model, prompts, max_new_tokens, block_size=block_size, num_blocks=num_blocks,
                               eos_token_id=eos_token_id)
@@ -192,8 +190,7 @@ class Stepper:
     ``step(token_ids) -> logits`` (vocab,) of the last token fed: the tokens go in at the next
     positions and the model attends over them and over everything the store already holds. The
     decode loop is the caller's: prefill the prompt once, then feed one token a step. Counts the
-    calls and the token positions fed (``calls``, ``forwards``).
-    """
+    calls and the token positions fed (``calls``, ``forwards``)."""
 
     def __init__(self, model, store):
         if not all(hasattr(store, a) for a in ("update", "seq_len", "reset", "num_layers")):
@@ -239,8 +236,7 @@ def hf_generate(model, prompts, max_new_tokens: int, eos_token_id: int | None = 
                 cache=None) -> list[list[int]]:
     """The reference: HF's own ``model.generate`` (greedy, its DynamicCache unless ``cache`` is given).
 
-    Returns the generated ids per row, cut after EOS like :func:`greedy_generate`.
-    """
+    Returns the generated ids per row, cut after EOS like :func:`greedy_generate`."""
     prompts = _validate(prompts, max_new_tokens, model)
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_token_id)
@@ -293,8 +289,7 @@ def paged_generate(model, prompts, max_new_tokens: int, block_size: int = 16, nu
     ``cache_stats`` is the block manager's ``stats()`` at the step that held the most blocks, with
     the prefix counters at the end. A model the paged attention cannot run faithfully (a feature it
     does not honour, :func:`kvlab.probe.paged_attention_spec`) is refused with an
-    :class:`~kvlab.hf.UnsupportedModelError` before any pool is allocated or any token computed.
-    """
+    :class:`~kvlab.hf.UnsupportedModelError` before any pool is allocated or any token computed."""
     prompts = _validate(prompts, max_new_tokens, model)
     if num_blocks is not None and (not is_int(num_blocks) or num_blocks < 1):
         raise ValueError(f"num_blocks must be a positive integer or None (enough for every prompt), got {num_blocks!r}")

@@ -163,8 +163,7 @@ def tiny_llama(seed: int = 0, **overrides):
     """A seeded, randomly initialised Llama with GQA: fast enough for token-identity tests.
 
     Random weights make near-ties in the logits common, which is exactly what a token-identity test
-    wants: any numerical difference in a cache shows up as a different token.
-    """
+    wants: any numerical difference in a cache shows up as a different token."""
     from transformers import LlamaConfig, LlamaForCausalLM  # transformers loads only when a model is built
     config = LlamaConfig(**{**TINY_SIZES, "num_hidden_layers": 3, **overrides})
     gen = torch.random.fork_rng()
@@ -212,8 +211,7 @@ def tiny_model(arch: str, seed: int = 0, **overrides):
 
     Weights are drawn 15x larger than HF's default (``initializer_range`` 0.3, not 0.02): at 0.02 the
     attention scores stay within a few hundredths of 0 (+-0.03 on Gemma-2), attention is close to
-    uniform, and a soft cap or a wrong RoPE changes no token, so a token-identity test could not see them.
-    """
+    uniform, and a soft cap or a wrong RoPE changes no token, so a token-identity test could not see them."""
     from transformers import AutoConfig, AutoModelForCausalLM  # transformers loads only when a model is built
     if arch not in TINY_ARCHS:
         raise ValueError(f"arch must be one of {sorted(TINY_ARCHS)}, got {arch!r}")

@@ -224,8 +224,7 @@ def kv_size(
 
     ``scales`` is the quantization granularity (default: none for float dtypes, per-head for int8,
     per-tensor for fp8, group-32 for int4). ``zero_points`` adds one zero point per scale
-    (asymmetric quantization), stored in ``scale_dtype`` too.
-    """
+    (asymmetric quantization), stored in ``scale_dtype`` too."""
     cfg = kv_config(model)
     _check_dtype(dtype)
     if not is_int(tokens) or not 0 <= tokens <= MAX_COUNT:
@@ -274,8 +273,7 @@ def decode_step_bytes(model: Any, context: int, batch: int = 1, kv_cache_dtype: 
     """Bytes one decode step must read: all weights once, plus every sequence's whole KV cache.
 
     The new token's query attends to all ``context`` cached tokens, so the cache is read in full on
-    every step; the weights are shared by the batch.
-    """
+    every step; the weights are shared by the batch."""
     if not is_int(context) or context < 0:
         raise ValueError(f"context must be an integer >= 0 (cached tokens), got {context!r}")
     w = weight_read_bytes(model, batch, weight_dtype)

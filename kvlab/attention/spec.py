@@ -55,8 +55,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, w
     q: (q_len, H_q, D); k, v: (ctx, H_kv, D) -> (q_len, H_q, D). Query j sits at position
     ``ctx - q_len + j`` and sees keys 0..that position (the last ``window`` of them under a sliding
     window). Without a soft cap or sinks this is one SDPA call; with them, the (q_len, ctx) scores of
-    every head are written out, as HF's eager attention does for Gemma-2 and gpt-oss.
-    """
+    every head are written out, as HF's eager attention does for Gemma-2 and gpt-oss."""
     q_len, h_q, d = q.shape
     ctx, h_kv, _ = k.shape
     if h_q % h_kv:
@@ -82,8 +81,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Packed queries (T, H_q, D) of several sequences -> outputs (T, H_q, D).
 
     Each sequence's K/V are gathered through its own block table; nothing outside its blocks
-    is read, and no padding exists anywhere. ``window``, ``softcap``, ``sinks``: see the module.
-    """
+    is read, and no padding exists anywhere. ``window``, ``softcap``, ``sinks``: see the module."""
     if len(block_tables) != len(seq_lens) or len(seq_lens) != len(query_lens):
         raise ValueError("block_tables, seq_lens and query_lens need one entry per sequence")
     if sum(query_lens) != q.shape[0]:
@@ -106,8 +104,7 @@ def _online_update(state, q, k, v, scale, mask=None, softcap=None):
     """One step of online softmax (FlashAttention's recurrence) over a chunk of keys.
 
     q (q_len, H_kv, G, D); k, v (n, H_kv, D); state = (running max m, running sum l, accumulator acc);
-    mask (q_len, n) the keys each query sees. A query that has seen no key yet keeps m = -inf.
-    """
+    mask (q_len, n) the keys each query sees. A query that has seen no key yet keeps m = -inf."""
     m, l, acc = state
     s = torch.einsum("qhgd,nhd->hgqn", q, k) * scale  # (H_kv, G, q_len, n)
     if softcap is not None:
@@ -132,8 +129,7 @@ def quantized_paged_attention(q, k_new, v_new, cache, layer: int, block_tables, 
     softmax, so no full-precision copy of a sequence's cache ever exists: the PyTorch picture of
     what a fused kernel does in registers. Under a sliding ``window`` the tiles that no query of the
     sequence can see are not read at all; ``sinks`` start the softmax state (a key of logit ``sink``
-    and value 0).
-    """
+    and value 0)."""
     check_features(q.shape[1], window, softcap, sinks)
     out = torch.empty_like(q, dtype=torch.float32)
     bs = cache.block_size

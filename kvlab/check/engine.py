@@ -21,8 +21,7 @@ def admission_rule(fn: Callable[[int, int, int, int, int, int], "str | None"]) -
 
     Checked on single decisions first (shown with argument names), then plugged into a real
     scheduler: the trace of a whole dry run (kvlab.engine.dry_run) must equal the one kvlab's own
-    rule produces.
-    """
+    rule produces."""
     if not callable(fn):
         raise TypeError(f"admission_rule: pass your function itself, got {type(fn).__name__}")
     names = ("num_running", "max_num_seqs", "budget_left", "blocks_needed", "blocks_free", "watermark_blocks")

@@ -37,8 +37,7 @@ class EngineRecorder:
     running / finished seq ids, the scheduled seqs with their new tokens, and the step's trace
     events (its ``finished`` events, logged after the forward, join it through ``llm.on_step``).
     ``listeners`` are called with
-    ``(frame index, is_new)`` whenever a frame is added or gains events.
-    """
+    ``(frame index, is_new)`` whenever a frame is added or gains events."""
 
     def __init__(self, llm):
         self.llm = llm
@@ -204,8 +203,7 @@ def scheduler_widget(recorder: EngineRecorder, columns: int = 16):
     """Step (or play) through a recorded run: queues, this step's tokens and events, and the block pool.
 
     Follows the recorder: frames added later (a run in progress) extend the slider and move it to the
-    newest step. With no frames yet, records the engine as it is now.
-    """
+    newest step. With no frames yet, records the engine as it is now."""
     import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
     if not recorder.frames:
         recorder.capture()
@@ -256,8 +254,7 @@ def request_states(llm, seq_ids=None) -> dict[int, list[tuple[int, str]]]:
     States: queued (waiting, never run), prefill (running, prompt not all computed: a chunk this step,
     or waiting for token budget), decode, preempted (waiting to be readmitted). The trace logs a
     prompt's chunks but not its last one: prefill ends the first step after the last ``chunked``
-    in which the request was not ``deferred``.
-    """
+    in which the request was not ``deferred``."""
     by_seq: dict[int, dict[int, list]] = {}
     for ev in llm.trace:
         by_seq.setdefault(ev.seq_id, {}).setdefault(ev.step, []).append(ev)
