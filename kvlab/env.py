@@ -22,7 +22,6 @@ from kvlab import kernels  # its __init__ imports no triton: configure_triton be
 
 def configure_triton() -> bool:
     """Turn Triton's interpreter on when there is no CUDA device; return whether it is on.
-
     An explicit ``TRITON_INTERPRET`` in the environment wins. If triton was already imported
     before us we cannot change its mode any more, so we only report it."""
     if "TRITON_INTERPRET" not in os.environ and "triton" not in sys.modules:

@@ -112,7 +112,6 @@ def _model_config(model) -> dict | None:
 def export_vllm(out_dir, calibration=None, *, strategy: str = "tensor", stat: str = "absmax", model=None,
                 tokenizer=None, model_name: str = "smollm2-135m", scales=None) -> dict:
     """Write ``out_dir/kv_cache_scales.safetensors`` and ``out_dir/config.json`` for vLLM; returns a summary.
-
     ``calibration``: a :class:`Calibration`; None calibrates ``model`` on the default text (needs
     ``tokenizer``). ``model`` (a model, its HF config or a dict) makes ``config.json`` the model's own with
     ``quantization_config`` added; without it, a fragment to merge. To serve, copy the model folder and add

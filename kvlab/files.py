@@ -86,7 +86,6 @@ def _write_all(f, data: bytes) -> None:
 
 def write_atomic(path, data: bytes | str, what: str = "file") -> Path:
     """Write ``data`` to ``path`` through a temporary file and a rename; create missing folders.
-
     Raises :class:`FileError` (one line) when the path cannot be written: its folder cannot be
     created (e.g. a parent is a regular file), it is a folder, the disk is full, no permission."""
     p = Path(path)

@@ -23,7 +23,6 @@ from kvlab.validate import cdiv, check_int, is_int
 
 def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token lists into ``input_ids`` and ``attention_mask``, both (B, T_max).
-
     Left padding keeps every row's last prompt token in the last column, so one decode step can
     append a token to all rows at the same cache position."""
     width = max(len(p) for p in prompts)
@@ -99,7 +98,6 @@ def greedy_generate(model, prompts, max_new_tokens: int, cache="dynamic", eos_to
                     pad_token_id: int = 0, max_seq_len: int | None = None, block_size: int = 16,
                     num_blocks: int | None = None) -> Generation:
     """Greedy decoding, one explicit step at a time, through a chosen cache.
-
     ``cache`` is "none" (recompute the whole prefix every step), "dynamic" (a growing
     :class:`ContiguousCache`), "static" (a :class:`StaticCache` of ``max_seq_len`` slots, default
     longest prompt + ``max_new_tokens``), "paged" (:func:`paged_generate`, ``block_size`` /
@@ -186,7 +184,6 @@ def _greedy_loop(model, prompts, max_new_tokens, store, kind, ids, mask, eos_tok
 
 class Stepper:
     """One model step through a kvlab store, for one sequence (notebook 01, Task 2).
-
     ``step(token_ids) -> logits`` (vocab,) of the last token fed: the tokens go in at the next
     positions and the model attends over them and over everything the store already holds. The
     decode loop is the caller's: prefill the prompt once, then feed one token a step. Counts the
@@ -279,7 +276,6 @@ def paged_generate(model, prompts, max_new_tokens: int, block_size: int = 16, nu
                    eos_token_id: int | None = None, manager=None, cache=None, enable_prefix_caching: bool = True,
                    attn_backend: str = "reference") -> Generation:
     """Greedy decoding through a paged cache, sequences packed side by side (no padding at all).
-
     A thin use of the serving engine (:class:`kvlab.engine.LLM`, notebook 04): every prompt is
     admitted at once and prefilled in one forward, then all decode together; each stops on its own
     (EOS or ``max_new_tokens``) and frees its blocks at once. Pass ``manager`` (a

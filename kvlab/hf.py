@@ -183,7 +183,6 @@ def model_configs(model) -> list:
 @contextmanager
 def attention_implementation(model, name: str, configs=None):
     """Run ``model`` with another registered attention function, then put the old one back.
-
     ``configs``: the model's config objects (:func:`model_configs`), for a caller that switches every
     step and need not walk the modules each time."""
     configs = model_configs(model) if configs is None else configs

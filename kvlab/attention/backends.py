@@ -33,7 +33,6 @@ def spec_attention(q, k_new, v_new, pool, layer: int, block_tables, seq_lens, qu
 
 class AttentionBackend:
     """The reference backend: the PyTorch specification for everything, one sequence at a time.
-
     Subclasses replace ``write`` and ``decode``; prefill stays the specification in every backend
     (the table in :mod:`kvlab.attention`)."""
 

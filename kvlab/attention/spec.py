@@ -51,7 +51,6 @@ def scores_softmax(s: torch.Tensor, mask: torch.Tensor, softcap: float | None = 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, window: int | None = None,
            softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the last ``q_len`` positions over ``ctx`` keys, GQA aware.
-
     q: (q_len, H_q, D); k, v: (ctx, H_kv, D) -> (q_len, H_q, D). Query j sits at position
     ``ctx - q_len + j`` and sees keys 0..that position (the last ``window`` of them under a sliding
     window). Without a soft cap or sinks this is one SDPA call; with them, the (q_len, ctx) scores of
@@ -79,7 +78,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seq_lens, query_lens, scale: float, *, window: int | None = None,
                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Packed queries (T, H_q, D) of several sequences -> outputs (T, H_q, D).
-
     Each sequence's K/V are gathered through its own block table; nothing outside its blocks
     is read, and no padding exists anywhere. ``window``, ``softcap``, ``sinks``: see the module."""
     if len(block_tables) != len(seq_lens) or len(seq_lens) != len(query_lens):
@@ -102,7 +100,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _online_update(state, q, k, v, scale, mask=None, softcap=None):
     """One step of online softmax (FlashAttention's recurrence) over a chunk of keys.
-
     q (q_len, H_kv, G, D); k, v (n, H_kv, D); state = (running max m, running sum l, accumulator acc);
     mask (q_len, n) the keys each query sees. A query that has seen no key yet keeps m = -inf."""
     m, l, acc = state
@@ -122,7 +119,6 @@ def quantized_paged_attention(q, k_new, v_new, cache, layer: int, block_tables, 
                               scale: float, tile_blocks: int = 8, *, window: int | None = None,
                               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention where everything cached BEFORE this forward is read from a quantized pool.
-
     q (T, H_q, D) packed queries; k_new, v_new (T, H_kv, D) the same tokens' own keys/values, used in
     full precision (prefill never attends to its own quantization error; only what is stored is
     quantized). Cached blocks are dequantized ``tile_blocks`` at a time and folded in with online

@@ -22,7 +22,6 @@ from kvlab.validate import is_int
 
 def memory_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
     """Bytes per second this device streams through a reduction (best of ``repeats``).
-
     A sum reads every byte once and writes almost nothing: the same access pattern as a decode
     step reading weights and KV cache."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,7 +52,6 @@ def decode_step_time(model, tokenizer, context: int, steps: int = 8) -> float:
 
 def token_forwards(prompt_len: int, new_tokens: int, cached: bool) -> int:
     """Token positions pushed through the model to generate ``new_tokens`` after a prompt.
-
     Without a cache step i re-runs the whole prefix (prompt_len + i positions): quadratic in
     length. With one, the prompt goes through once and each later step feeds one token. The last
     token is sampled, never fed back."""
@@ -65,7 +63,6 @@ def token_forwards(prompt_len: int, new_tokens: int, cached: bool) -> int:
 def recompute_vs_cache(model, tokenizer, prompt_lens=(16, 128, 512), new_tokens: int = 16,
                        repeats: int = 3) -> list[dict]:
     """Generate ``new_tokens`` greedily after prompts of several lengths, without and with a cache.
-
     Each pair runs ``repeats`` times, the two back to back, so a drifting machine moves both alike.
     Returns one row per prompt length: the median seconds of each, the speed-up (the median of the
     runs' ratios, with every run's in ``speedups``, their spread in ``speedup_min``/``speedup_max``),

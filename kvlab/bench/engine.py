@@ -272,7 +272,6 @@ def _median_run(rows: list[dict]) -> dict:
 def bench_engine(model, tokenizer, wl: Workload, max_num_seqs: int = 32, systems=SYSTEMS, progress: bool = True,
                  repeat: int = 1, **engine_kw) -> dict:
     """Serve ``wl`` with each of ``systems`` in turn; the JSON of ``kvlab bench engine``.
-
     ``systems`` may name the peer's (:data:`PEER_SYSTEMS`); without the peer they are skipped, and
     ``res["skipped"]`` says why and how to get it. ``repeat``: serve the workload that many times with
     every system, the systems taking turns run by run; each row is its median run, and

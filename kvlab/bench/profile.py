@@ -94,7 +94,6 @@ def _part(evt) -> str | None:
 
 def profile_steps(llm, steps: int = 40, skip: int = 10) -> dict:
     """Run ``llm`` (requests already queued) for ``skip`` steps, then profile the next ``steps``.
-
     Returns ``{"ms_per_step": {part: ms}, "share": {part: fraction}, "outside_model_math_share",
     "engine_share", "steps"}``; ``engine_share`` is everything but the unmodified model (attention,
     packing, scheduling, sampling)."""

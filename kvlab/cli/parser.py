@@ -235,7 +235,6 @@ def _gpu_check_options() -> argparse.ArgumentParser:
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole ``kvlab`` command line; ``args.command`` names the subcommand that was chosen.
-
     A subcommand is its own options (``_<name>_options``) plus the shared parents, in the order its
     help lists them."""
     p = argparse.ArgumentParser(prog="kvlab", description="The KV-cache lab's command line.")

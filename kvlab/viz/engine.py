@@ -31,7 +31,6 @@ PART_COLORS = {"schedule_s": COLORS["padding"], "packing_s": PALETTE[2], "forwar
 
 class EngineRecorder:
     """Plain-data frames of an :class:`~kvlab.engine.LLM`, one per step, as its forward sees them.
-
     Attaches to ``llm.on_scheduled`` (chaining any callback already there). A frame holds the step,
     the pool (:func:`kvlab.viz.paged.snapshot`, without the per-sequence tables), the waiting /
     running / finished seq ids, the scheduled seqs with their new tokens, and the step's trace
@@ -201,7 +200,6 @@ def frame_html(frame: dict) -> str:
 
 def scheduler_widget(recorder: EngineRecorder, columns: int = 16):
     """Step (or play) through a recorded run: queues, this step's tokens and events, and the block pool.
-
     Follows the recorder: frames added later (a run in progress) extend the slider and move it to the
     newest step. With no frames yet, records the engine as it is now."""
     import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
@@ -250,7 +248,6 @@ def live_scheduler_widget(llm, columns: int = 16):
 
 def request_states(llm, seq_ids=None) -> dict[int, list[tuple[int, str]]]:
     """Per request, ``(step, state)`` for every step from its arrival to its end, from the trace alone.
-
     States: queued (waiting, never run), prefill (running, prompt not all computed: a chunk this step,
     or waiting for token budget), decode, preempted (waiting to be readmitted). The trace logs a
     prompt's chunks but not its last one: prefill ends the first step after the last ``chunked``

@@ -20,7 +20,6 @@ __all__ = ["MODES", "RedrawnFigure", "live", "view", "widget_mode"]
 
 class RedrawnFigure:
     """A plotly figure shown in an ``ipywidgets.Output`` and redrawn after each ``batch_update``.
-
     ``data``, ``layout`` and the figure's other attributes are the plain figure's; ``output`` is the
     widget to display (:func:`view`). ``update_layout`` redraws too."""
 
