@@ -136,20 +136,12 @@ def cpu_name() -> str:
 def lab_info() -> LabInfo:
     device = default_device()
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else (platform.processor() or platform.machine())
-    return LabInfo(
-        device=device.type,
-        device_name=name,
-        triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
-        python=platform.python_version(),
-        torch=torch.__version__,
-        triton=_version("triton") if kernels.available() else "not available",
-        transformers=_version("transformers"),
-        kvlab=_version("kvlab"),
-        threads=torch.get_num_threads(),
-        triton_available=kernels.available(),
-        platform=hosted(),
-        widgets=widget_mode(),
-    )
+    return LabInfo(device=device.type, device_name=name,
+                   triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
+                   python=platform.python_version(), torch=torch.__version__,
+                   triton=_version("triton") if kernels.available() else "not available",
+                   transformers=_version("transformers"), kvlab=_version("kvlab"), threads=torch.get_num_threads(),
+                   triton_available=kernels.available(), platform=hosted(), widgets=widget_mode())
 
 
 def _colab_widgets() -> None:
