@@ -28,7 +28,6 @@ def collect_kv(model, chunks: list[list[int]], progress: bool = True) -> tuple[l
     it = chunks
     if progress:
         from tqdm.auto import tqdm  # optional: only for the progress bar
-
         it = tqdm(chunks, desc="calibrating", unit="chunk")
     for ids in it:
         store = ContiguousCache.from_model(model)

@@ -1,24 +1,13 @@
 """The whole system on one workload, in four configurations (notebook 06).
 
-One fixed byte budget for the KV cache, one ShareGPT-like workload with a shared system prompt,
-served by the engine of notebook 04 four ways:
-
-* ``static FP16`` — static pre-allocation: every request gets a slab of ``max_len`` tokens the
-  moment it is admitted (what HF's ``StaticCache(max_batch, max_len)`` does, and what the
-  PagedAttention paper calls Orca (Max)). So the budget holds ``budget // slab`` requests, however
-  short they turn out. Run on the same engine as a pool with exactly that many seats, each slab's
-  blocks reserved by the seat count, prefix caching off (a slab is private).
-* ``paged FP16`` — the same bytes as a block pool: a request holds only the blocks its tokens fill,
-  and the shared system prompt's full blocks are stored once.
-* ``paged INT8`` — the same bytes as INT8 blocks with calibrated per-head scales: ~2x the blocks.
-* ``paged INT8 + Triton`` — the same pool read and written by the kernels of notebook 05 (compiled
-  on a GPU; in the interpreter on a CPU, where it serves a few requests only: it is a correctness
-  check there, not a speed). Where triton is missing (macOS, Windows) it cannot run:
-  :func:`skip_reason` says why, and notebook 06 skips it.
-
-Everything measured comes from the engine's own counters (``step_stats``, ``trace``, the cache's
-saturation counters) and from a hook that records, for every step, the context each decoding
-request reads.
+One KV byte budget, one ShareGPT-like workload with a shared system prompt, served by the engine of
+notebook 04 as ``static FP16`` (every request gets a ``max_len`` slab when admitted, like HF's
+``StaticCache`` or the PagedAttention paper's Orca (Max): a pool with ``budget // slab`` seats, prefix
+caching off), ``paged FP16`` (a request holds only the blocks its tokens fill; the shared prompt's
+full blocks are stored once), ``paged INT8`` (calibrated per-head scales: ~2x the blocks) and ``paged
+INT8 + Triton`` (notebook 05's kernels; in the interpreter on a CPU it is a correctness check, not a
+speed; :func:`skip_reason` says why it cannot run without triton). Everything measured comes from
+the engine's own counters and a hook recording the context each decoding request reads per step.
 """
 
 from __future__ import annotations

@@ -22,10 +22,8 @@ from kvlab import kernels  # its __init__ imports no triton: configure_triton be
 
 def configure_triton() -> bool:
     """Turn Triton's interpreter on when there is no CUDA device; return whether it is on.
-
     An explicit ``TRITON_INTERPRET`` in the environment wins. If triton was already imported
-    before us we cannot change its mode any more, so we only report it.
-    """
+    before us we cannot change its mode any more, so we only report it."""
     if "TRITON_INTERPRET" not in os.environ and "triton" not in sys.modules:
         if not torch.cuda.is_available():
             os.environ["TRITON_INTERPRET"] = "1"
@@ -55,7 +53,6 @@ def silence_known_warnings() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:  # transformers loads here, not at `import kvlab`: `kvlab --help` and a mistyped command never need it
         from transformers.utils import logging as hf_logging
-
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
     except ImportError:  # pragma: no cover - transformers is a hard dependency
@@ -139,20 +136,12 @@ def cpu_name() -> str:
 def lab_info() -> LabInfo:
     device = default_device()
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else (platform.processor() or platform.machine())
-    return LabInfo(
-        device=device.type,
-        device_name=name,
-        triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
-        python=platform.python_version(),
-        torch=torch.__version__,
-        triton=_version("triton") if kernels.available() else "not available",
-        transformers=_version("transformers"),
-        kvlab=_version("kvlab"),
-        threads=torch.get_num_threads(),
-        triton_available=kernels.available(),
-        platform=hosted(),
-        widgets=widget_mode(),
-    )
+    return LabInfo(device=device.type, device_name=name,
+                   triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
+                   python=platform.python_version(), torch=torch.__version__,
+                   triton=_version("triton") if kernels.available() else "not available",
+                   transformers=_version("transformers"), kvlab=_version("kvlab"), threads=torch.get_num_threads(),
+                   triton_available=kernels.available(), platform=hosted(), widgets=widget_mode())
 
 
 def _colab_widgets() -> None:

@@ -1,39 +1,17 @@
 """The bridge to production: kvlab's calibrated FP8 scales in vLLM's checkpoint form (notebook 06).
 
-vLLM (and llm-compressor, which writes such checkpoints) keep one dequantization scale per
-attention layer for K and one for V, as ordinary checkpoint tensors beside the weights:
+vLLM (and llm-compressor, which writes such checkpoints) keep one dequantization scale per attention
+layer for K and one for V, ``model.layers.{i}.self_attn.k_scale`` / ``.v_scale``: float32 of shape
+``[1]`` (strategy "tensor") or ``[num_kv_heads]`` ("attn_head"), declared in ``config.json`` under
+``quantization_config`` (compressed-tensors format, ``kv_cache_scheme``). A stored value is
+``fp8_e4m3(clamp(x / scale, -448, 448))``, so the scale that uses the whole range without clipping is
+``absmax / 448``: exactly the scale of kvlab's own static FP8 cache (``named_config("fp8")``). A
+checkpoint with a ``kv_cache_scheme`` turns vLLM's ``kv_cache_dtype="auto"`` into "fp8"; vLLM's docs
+say per-head scales need its FlashAttention backend (its 0.32 CPU build loads them too).
 
-| strategy    | tensors per layer ``i``                                  | shape              | dtype   |
-|-------------|----------------------------------------------------------|--------------------|---------|
-| "tensor"    | ``model.layers.{i}.self_attn.k_scale`` / ``.v_scale``    | ``[1]``            | float32 |
-| "attn_head" | the same names                                           | ``[num_kv_heads]`` | float32 |
-
-and declare them in ``config.json`` under ``quantization_config`` (compressed-tensors format)::
-
-    "quantization_config": {"quant_method": "compressed-tensors", "format": "dense",
-        "quantization_status": "frozen", "config_groups": {}, "ignore": [],
-        "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor",
-                            "dynamic": false, "symmetric": true}}
-
-A stored value is ``fp8_e4m3(clamp(x / scale, -448, 448))``, so the scale that uses the whole
-range without clipping is ``absmax / 448``: exactly the scale of kvlab's own static FP8 cache
-(``named_config("fp8")``, :mod:`kvlab.cache.quantized`), which is what the tests check bit for bit.
-When a checkpoint declares a ``kv_cache_scheme``, vLLM turns ``kv_cache_dtype="auto"`` into "fp8"
-and switches ``calculate_kv_scales`` off; vLLM's docs say per-head scales need its FlashAttention
-backend on a GPU (its 0.32 CPU build loads them too and holds all of them: tests/test_peer_vllm.py).
-
-Sources checked: vLLM docs "Quantized KV Cache"
-(https://docs.vllm.ai/en/latest/features/quantization/quantized_kvcache/,
-vllm-project/vllm ``docs/features/quantization/quantized_kvcache.md``: per-tensor ``k/v_scale = [1]``,
-per-attention-head ``[num_kv_heads]``, FlashAttention only); vLLM's attention layer, which turns a
-``kv_cache_scheme`` into an fp8 cache and ``strategy == "attn_head"`` into per-head scales;
-compressed-tensors ``src/compressed_tensors/quantization/quant_config.py`` (``QuantizationConfig``:
-``config_groups``, ``quant_method="compressed-tensors"``, ``kv_cache_scheme``, ``format``,
-``quantization_status``); llm-compressor-format exports tested in intel/auto-round (``[num_kv_heads]``
-per-head scales; ``num_bits 8, type float, strategy tensor, dynamic false, symmetric true``).
-And run against vLLM itself where ``make peer`` installed its CPU build: :func:`bridge_in_vllm`
-builds a servable folder (the model's files + the export), opens it in that vLLM, reads back what
-its attention layers hold and decodes with them (tests/test_peer_vllm.py, notebook 06).
+Sources: vLLM docs "Quantized KV Cache" (docs/features/quantization/quantized_kvcache.md), vLLM's
+attention layer, compressed-tensors ``quantization/quant_config.py`` and intel/auto-round's exports;
+and vLLM itself where ``make peer`` installed it (:func:`bridge_in_vllm`, tests/test_peer_vllm.py).
 """
 
 from __future__ import annotations
@@ -95,12 +73,9 @@ def fp8_scales(absmax: torch.Tensor, strategy: str) -> torch.Tensor:
 
 
 def vllm_scales(calibration, strategy: str = "tensor", stat: str = "absmax", scales=None) -> dict[str, torch.Tensor]:
-    """``{name: float32 scale}`` for every layer's K and V, ``stat / 448`` (``absmax / 448`` by default).
-
-    The values come from :meth:`Calibration.scales` with ``qmax=448``, the very call kvlab's FP8
-    cache makes, so exporting cannot drift from what the lab measured. ``scales(absmax, strategy)``
-    (abs-max only) replaces :func:`fp8_scales`: notebook 06 plugs the participant's in.
-    """
+    """``{name: float32 scale}`` for every layer's K and V, ``stat / 448``, from :meth:`Calibration.scales`
+    (the very call kvlab's FP8 cache makes). ``scales(absmax, strategy)`` replaces :func:`fp8_scales`
+    (notebook 06 plugs the participant's in)."""
     gran = _GRANULARITY[_check_strategy(strategy)]
     out = {}
     if scales is not None:
@@ -136,20 +111,12 @@ def _model_config(model) -> dict | None:
 
 def export_vllm(out_dir, calibration=None, *, strategy: str = "tensor", stat: str = "absmax", model=None,
                 tokenizer=None, model_name: str = "smollm2-135m", scales=None) -> dict:
-    """Write ``out_dir/kv_cache_scales.safetensors`` and ``out_dir/config.json`` for vLLM.
-
-    ``calibration``: a :class:`~kvlab.quant.calibration.Calibration` (``kvlab calibrate`` output); when
-    None, the lab's cached default calibration of ``model`` (needs ``tokenizer``). ``model``: a model,
-    its HF config or a dict. With it, ``config.json`` is the model's own config with
-    ``quantization_config`` added (and layers / KV heads are checked against the calibration);
-    without it, ``config.json`` is a fragment holding only ``{"quantization_config": ...}`` to merge.
-
-    To serve: copy the model folder, add these two files (the scales file is one more shard: vLLM
-    reads every ``*.safetensors``; a sharded checkpoint with ``model.safetensors.index.json`` also
-    needs these names in its ``weight_map``). Both files are written under temporary names and
-    renamed, so a failed export leaves no half-written file. Returns a small summary. ``scales``: see
-    :func:`vllm_scales`.
-    """
+    """Write ``out_dir/kv_cache_scales.safetensors`` and ``out_dir/config.json`` for vLLM; returns a summary.
+    ``calibration``: a :class:`Calibration`; None calibrates ``model`` on the default text (needs
+    ``tokenizer``). ``model`` (a model, its HF config or a dict) makes ``config.json`` the model's own with
+    ``quantization_config`` added; without it, a fragment to merge. To serve, copy the model folder and add
+    both files (a sharded checkpoint also needs the names in its ``weight_map``). Both are written under
+    temporary names and renamed: a failed export leaves no half-written file."""
     _check_strategy(strategy)
     if calibration is None:
         if model is None or tokenizer is None:
@@ -175,7 +142,6 @@ def export_vllm(out_dir, calibration=None, *, strategy: str = "tensor", stat: st
                              "compressed-tensors can carry a kv_cache_scheme")
         config["quantization_config"] = {**quantization_config(strategy), **(old or {}),
                                          "kv_cache_scheme": kv_cache_scheme(strategy)}
-
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -186,7 +152,6 @@ def export_vllm(out_dir, calibration=None, *, strategy: str = "tensor", stat: st
     meta = {**calibration.meta, "strategy": strategy, "stat": stat, "fp8_max": FP8_MAX}
     try:
         from safetensors.torch import save  # bytes, written with the usual file mode (save_file makes 0600)
-
         tmp["scales"].write_bytes(save(scales, metadata={"kvlab": json.dumps(meta)}))
         tmp["config"].write_text(json.dumps(config, indent=2) + "\n")
         for key in ("scales", "config"):
@@ -196,7 +161,6 @@ def export_vllm(out_dir, calibration=None, *, strategy: str = "tensor", stat: st
     finally:
         for p in tmp.values():
             p.unlink(missing_ok=True)
-
     ks = torch.cat([v for n, v in scales.items() if n.endswith("k_scale")])
     vs = torch.cat([v for n, v in scales.items() if n.endswith("v_scale")])
     return {"out_dir": str(out), "scales_file": str(final["scales"]), "config_file": str(final["config"]),
@@ -228,16 +192,11 @@ def servable_folder(out_dir, model_dir, calibration=None, *, strategy: str = "te
 
 def bridge_in_vllm(model, tokenizer, out_dir, *, strategy: str = "tensor", prompts=("The capital of France is",),
                    max_tokens: int = 8, calibration=None) -> dict:
-    """Export ``model``'s calibrated scales, open the folder in the peer vLLM (``kv_cache_dtype="auto"``:
-    the checkpoint's scheme decides), and compare what vLLM holds and decodes with kvlab's own FP8 cache.
-
-    Returns ``{"exported": {name: [floats]}, "vllm": {"layers": [...], "token_ids": [...]} or {"refused": why}
-    or {"skipped": why}, "kvlab_token_ids": [...], "prompts": [...]}``: "skipped" where this CPU cannot hold
-    vLLM's FP8 cache at all (:func:`kvlab.bench.vllm_peer.fp8_kv_unsupported`: no AVX-512 or AMX), so
-    vLLM is not started; raises :class:`kvlab.bench.vllm_peer.PeerError` without the peer (its message
-    says how to get it)."""
+    """Export ``model``'s scales, open the folder in the peer vLLM (``kv_cache_dtype="auto"``) and compare
+    what it holds and decodes with kvlab's own FP8 cache. ``vllm`` is ``{"layers", "token_ids"}``,
+    ``{"refused": why}`` or ``{"skipped": why}`` (this CPU cannot hold vLLM's FP8 cache); raises
+    :class:`kvlab.bench.vllm_peer.PeerError` without the peer."""
     from safetensors.torch import load_file  # the exported scales, as written
-
     from_dir = getattr(model.config, "_name_or_path", "")
     folder = servable_folder(out_dir, from_dir, calibration, strategy=strategy, model=model, tokenizer=tokenizer)
     exported = {k: v.tolist() for k, v in load_file(str(folder / SCALES_FILE)).items()}
@@ -308,8 +267,7 @@ KNOBS: tuple[Knob, ...] = (
 
 
 def knob_table(width: int = 28) -> str:
-    """The knobs as a fixed-width text table, each cell wrapped to ``width`` characters (notebook 06).
-    "CB" in the HF column is transformers' ``ContinuousBatchingConfig`` (``model.generate_batch``)."""
+    """The knobs as a fixed-width text table, each cell wrapped to ``width`` characters (notebook 06)."""
     head = Knob("knob", "kvlab", "vLLM", "HF transformers 5.24", "difference")
     widths = (18, width, width, width, width)
     lines = []

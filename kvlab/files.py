@@ -1,11 +1,9 @@
 """Files in and out, the way a room of forty laptops needs them.
 
-Every file kvlab reads goes through :func:`read_bytes` / :func:`read_text` / :func:`read_json`,
-and a missing, unreadable, empty, non-UTF-8 or malformed file becomes one :class:`FileError`
-line that names the file and what is wrong with it. Every file kvlab writes goes through
-:func:`write_atomic`: the bytes go to a temporary name in the same folder, are flushed to disk,
-and are renamed into place. A rename is atomic, so a kill at any moment leaves the old file or the
-new one, never half of one; a leftover temporary file is never read.
+Reads go through :func:`read_bytes` / :func:`read_text` / :func:`read_json`: a missing, unreadable,
+empty, non-UTF-8 or malformed file is one :class:`FileError` line naming it. Writes go through
+:func:`write_atomic`: a temporary name in the same folder, flushed, renamed into place, so a kill
+at any moment leaves the old file or the new one, never half of one.
 """
 
 from __future__ import annotations
@@ -88,10 +86,8 @@ def _write_all(f, data: bytes) -> None:
 
 def write_atomic(path, data: bytes | str, what: str = "file") -> Path:
     """Write ``data`` to ``path`` through a temporary file and a rename; create missing folders.
-
     Raises :class:`FileError` (one line) when the path cannot be written: its folder cannot be
-    created (e.g. a parent is a regular file), it is a folder, the disk is full, no permission.
-    """
+    created (e.g. a parent is a regular file), it is a folder, the disk is full, no permission."""
     p = Path(path)
     if isinstance(data, str):
         data = data.encode("utf-8")

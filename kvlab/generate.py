@@ -23,10 +23,8 @@ from kvlab.validate import cdiv, check_int, is_int
 
 def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token lists into ``input_ids`` and ``attention_mask``, both (B, T_max).
-
     Left padding keeps every row's last prompt token in the last column, so one decode step can
-    append a token to all rows at the same cache position.
-    """
+    append a token to all rows at the same cache position."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -100,13 +98,11 @@ def greedy_generate(model, prompts, max_new_tokens: int, cache="dynamic", eos_to
                     pad_token_id: int = 0, max_seq_len: int | None = None, block_size: int = 16,
                     num_blocks: int | None = None) -> Generation:
     """Greedy decoding, one explicit step at a time, through a chosen cache.
-
     ``cache`` is "none" (recompute the whole prefix every step), "dynamic" (a growing
     :class:`ContiguousCache`), "static" (a :class:`StaticCache` of ``max_seq_len`` slots, default
     longest prompt + ``max_new_tokens``), "paged" (:func:`paged_generate`, ``block_size`` /
     ``num_blocks``), or a store object. With greedy fp32 decoding every cache must give the tokens
-    of HF's own ``generate()``: the tests hold us to that.
-    """
+    of HF's own ``generate()``: the tests hold us to that."""
     if cache == "paged":
         return paged_generate(model, prompts, max_new_tokens, block_size=block_size, num_blocks=num_blocks,
                               eos_token_id=eos_token_id)
@@ -115,7 +111,6 @@ def greedy_generate(model, prompts, max_new_tokens: int, cache="dynamic", eos_to
     ids, mask = left_pad(prompts, pad_token_id)
     ids, mask = ids.to(device), mask.to(device)
     batch, width = ids.shape
-
     store = None
     if isinstance(cache, str):
         if cache not in CACHE_KINDS:
@@ -149,14 +144,12 @@ def _greedy_loop(model, prompts, max_new_tokens, store, kind, ids, mask, eos_tok
     device = ids.device
     batch, width = ids.shape
     hf_cache = KVLabCache(store) if store is not None else None
-
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     generated: list[list[int]] = [[] for _ in range(batch)]
     seq = ids  # only grows for the no-cache path
     cap = max_new_tokens
     if isinstance(store, StaticCache):
         cap = min(cap, store.max_seq_len - width + 1)  # the last token is sampled, never stored
-
     clock = _StepClock()
     for step in range(cap):
         if step == 0 or store is None:
@@ -191,12 +184,10 @@ def _greedy_loop(model, prompts, max_new_tokens, store, kind, ids, mask, eos_tok
 
 class Stepper:
     """One model step through a kvlab store, for one sequence (notebook 01, Task 2).
-
     ``step(token_ids) -> logits`` (vocab,) of the last token fed: the tokens go in at the next
     positions and the model attends over them and over everything the store already holds. The
     decode loop is the caller's: prefill the prompt once, then feed one token a step. Counts the
-    calls and the token positions fed (``calls``, ``forwards``).
-    """
+    calls and the token positions fed (``calls``, ``forwards``)."""
 
     def __init__(self, model, store):
         if not all(hasattr(store, a) for a in ("update", "seq_len", "reset", "num_layers")):
@@ -242,8 +233,7 @@ def hf_generate(model, prompts, max_new_tokens: int, eos_token_id: int | None = 
                 cache=None) -> list[list[int]]:
     """The reference: HF's own ``model.generate`` (greedy, its DynamicCache unless ``cache`` is given).
 
-    Returns the generated ids per row, cut after EOS like :func:`greedy_generate`.
-    """
+    Returns the generated ids per row, cut after EOS like :func:`greedy_generate`."""
     prompts = _validate(prompts, max_new_tokens, model)
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_token_id)
@@ -286,7 +276,6 @@ def paged_generate(model, prompts, max_new_tokens: int, block_size: int = 16, nu
                    eos_token_id: int | None = None, manager=None, cache=None, enable_prefix_caching: bool = True,
                    attn_backend: str = "reference") -> Generation:
     """Greedy decoding through a paged cache, sequences packed side by side (no padding at all).
-
     A thin use of the serving engine (:class:`kvlab.engine.LLM`, notebook 04): every prompt is
     admitted at once and prefilled in one forward, then all decode together; each stops on its own
     (EOS or ``max_new_tokens``) and frees its blocks at once. Pass ``manager`` (a
@@ -296,8 +285,7 @@ def paged_generate(model, prompts, max_new_tokens: int, block_size: int = 16, nu
     ``cache_stats`` is the block manager's ``stats()`` at the step that held the most blocks, with
     the prefix counters at the end. A model the paged attention cannot run faithfully (a feature it
     does not honour, :func:`kvlab.probe.paged_attention_spec`) is refused with an
-    :class:`~kvlab.hf.UnsupportedModelError` before any pool is allocated or any token computed.
-    """
+    :class:`~kvlab.hf.UnsupportedModelError` before any pool is allocated or any token computed."""
     prompts = _validate(prompts, max_new_tokens, model)
     if num_blocks is not None and (not is_int(num_blocks) or num_blocks < 1):
         raise ValueError(f"num_blocks must be a positive integer or None (enough for every prompt), got {num_blocks!r}")
@@ -308,13 +296,11 @@ def paged_generate(model, prompts, max_new_tokens: int, block_size: int = 16, nu
               max_num_batched_tokens=max(sum(map(len, prompts)), len(prompts)), attn_backend=attn_backend,
               eos_token_id=eos_token_id, watermark=0.0)
     peak: dict = {}
-
     def record(batch):  # the pool as the forward sees it
         nonlocal peak
         s = manager.stats()
         if s["blocks_used"] >= peak.get("blocks_used", -1):
             peak = s
-
     llm.on_scheduled = record
     ids = llm.add_requests(prompts, [SamplingParams(max_tokens=max_new_tokens)] * len(prompts))
     try:

@@ -1,20 +1,14 @@
 """Grading a course: every submitted notebook executed, every task graded by kvlab's own checker
 (``kvlab grade``, docs/COURSE.md).
 
-Each submission runs headless (nbclient) in its own worker process, in a scratch copy of the file,
-with its own progress file, a time limit for the whole notebook and (on Linux) a memory limit. After
-its last cell the worker grades in the same kernel: it drops every ``kvlab`` module the notebook
-imported, imports kvlab again from the installed package (refusing one the notebook put in front of
-it), switches off the IPython hooks the notebook registered, and calls the task's checker on the
-participant's function taken from the kernel's namespace. What the notebook printed is never read, so
-a participant who edits or deletes the checker call, prints ``[ok]`` or patches ``kvlab.check`` gains
-nothing. A submission that misbehaves (invalid JSON, another notebook, a cell that never ends, memory
-exhausted, ``sys.exit``, a dead kernel, a crash of its worker) costs only its own row, which says
-what went wrong.
-
-Grading runs the participants' code with your rights: run it in a container or a throwaway account
-(docs/COURSE.md says how). Patching Python's builtins or torch can still fool a checker; this
-grader stops the plain ways of faking a pass, not a determined attacker.
+Each submission runs headless (nbclient) in its own worker process, on a scratch copy, with its own
+progress file, a time limit and (on Linux) a memory limit. After its last cell the worker drops every
+``kvlab`` module the notebook imported, imports kvlab afresh from the installed package, switches off
+the notebook's IPython hooks and calls each task's checker on the participant's function from the
+kernel's namespace. What the notebook printed is never read, so editing the checker call, printing
+``[ok]`` or patching ``kvlab.check`` gains nothing; a submission that misbehaves costs only its own
+row, which says what went wrong. This runs participants' code with your rights (use a container or a
+throwaway account) and stops the plain ways of faking a pass, not a determined attacker.
 """
 
 from __future__ import annotations
@@ -133,7 +127,7 @@ def __kvlab_grade(tasks, token, package):
         del sys.modules[name]
     sys.path[:] = [p for p in sys.path if p not in ("", ".", os.getcwd())]  # no kvlab/ of the submission's
     import kvlab.check as fresh
-    from kvlab.check.progress import _is_learners
+    from kvlab.check.progress import is_learners
     here = os.path.dirname(os.path.dirname(os.path.realpath(sys.modules["kvlab"].__file__)))
     if here != package:
         with open(token, "w") as f:
@@ -145,7 +139,7 @@ def __kvlab_grade(tasks, token, package):
         if fn is None or not callable(fn):
             out[task] = ["not attempted", f"no function {fname!r} in the notebook"]
             continue
-        if not _is_learners(fn):
+        if not is_learners(fn):
             out[task] = ["fail", f"{fname!r} is kvlab's own function (or a lambda), not the participant's"]
             continue
         buf = io.StringIO()
@@ -171,7 +165,6 @@ def _limit_memory(gb: float) -> None:
     if not sys.platform.startswith("linux"):
         return
     import resource  # Unix only: the memory limit applies on Linux
-
     cap = int(gb * 2**30)
     resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
 
@@ -179,7 +172,6 @@ def _limit_memory(gb: float) -> None:
 def _package_dir() -> str:
     """The folder that holds the installed kvlab package (what the grading cell must import)."""
     import kvlab
-
     return os.path.dirname(os.path.dirname(os.path.realpath(kvlab.__file__)))
 
 
@@ -189,7 +181,6 @@ def run_one(path, notebook: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
     import nbformat  # the notebook runner loads in the worker only (nbformat, nbclient: the test tools)
     from nbclient import NotebookClient  # as above
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError  # as above
-
     t0 = time.perf_counter()
     tasks = [(t, function_name(t)) for t in tasks_of(notebook)]
     error = ""
@@ -249,7 +240,6 @@ def _worker_main(argv) -> int:
 def _kill_tree(pid: int) -> None:
     """The worker and everything it started (its kernel, the kernel's children)."""
     import psutil  # comes with ipykernel, which grading needs anyway
-
     try:
         root = psutil.Process(pid)
         procs = root.children(recursive=True) + [root]
@@ -325,7 +315,6 @@ def grade(submissions, notebook: str | None = None, timeout_s: float = DEFAULT_T
             raise ValueError(f"submissions: {str(p)!r} is neither a file nor a folder")
     if not files:
         raise ValueError("submissions: no .ipynb found")
-
     def one(path: Path) -> Row:
         row = Row(who=who_of(path, roots), file=str(path))
         nb = notebook_of(path, notebook)
@@ -348,7 +337,6 @@ def grade(submissions, notebook: str | None = None, timeout_s: float = DEFAULT_T
         if progress is not None:
             progress(row)
         return row
-
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         return list(pool.map(one, files))
 

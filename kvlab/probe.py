@@ -1,13 +1,11 @@
 """Which models kvlab's paged path can run, found out before the first paged forward (notebook 02).
 
-The paged attention function (:mod:`kvlab.hf`) replaces HF's: whatever a model's layers hand their
-attention function must be honoured there, or the model refused, never silently dropped. Before the
-first paged forward, :func:`paged_attention_spec` runs the model once on 3 tokens with a recording
-attention function (the "probe") and checks every layer's arguments and every attention mask the
-model builds (read through transformers 5.x's ``masking_utils`` mask-function hook): causal
-attention with the score scale, a per-layer sliding window, a soft cap and attention sinks pass;
-anything else is an :class:`~kvlab.hf.UnsupportedModelError` (one line naming the model and the
-feature). README, "Models beyond Llama", has the matrix of architectures.
+The paged attention function (:mod:`kvlab.hf`) replaces HF's, so whatever a model's layers hand it
+must be honoured or the model refused, never silently dropped. :func:`paged_attention_spec` runs the
+model once on 3 tokens with a recording attention function and checks every layer's arguments and
+every mask it builds (through ``masking_utils``' mask-function hook): causal attention with the
+score scale, a sliding window, a soft cap and sinks pass; anything else is one
+:class:`~kvlab.hf.UnsupportedModelError` line naming the model and the feature.
 """
 
 from __future__ import annotations
@@ -155,13 +153,11 @@ def _rope_types(model) -> set[str]:
 
 def _probe(model) -> tuple[LayerAttention, ...]:
     name = _model_name(model)
-
     def refuse(reason: str, hf_attention_runs: bool = True):
         # where only the attention function is the problem, HF's own attention (and kvlab's caches that
         # plug into it) still runs the model; not where the cache shapes or the forward are the problem
         tail = "; the 'dynamic' and 'static' caches can (they use HF's own attention)" if hf_attention_runs else ""
         return UnsupportedModelError(f"kvlab's paged cache cannot run {name!r}: {reason}{tail}")
-
     rope = sorted(_rope_types(model) & set(SEQUENCE_DEPENDENT_ROPE))
     if rope:
         raise refuse(f"its RoPE ({rope[0]!r}) recomputes its frequencies from the largest position in each forward, "

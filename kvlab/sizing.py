@@ -1,10 +1,8 @@
-"""How many bytes a KV cache takes: pure arithmetic on model configs, no tensors, no downloads.
+"""How many bytes a KV cache takes: pure arithmetic on model configs, no tensors (notebook 00).
 
-Per token, every layer stores one key and one value vector per KV head:
-``bytes/token = 2 (K and V) x layers x kv_heads x head_dim x bytes/element``. GQA shrinks
-``kv_heads``; MLA (DeepSeek) stores one compressed latent per layer instead. Quantized formats add
-scale (and zero-point) bytes whose count depends on the granularity. Introduced in notebook 00;
-the caches of later notebooks are checked against these numbers byte for byte.
+``bytes/token = 2 (K and V) x layers x kv_heads x head_dim x bytes/element``; GQA shrinks ``kv_heads``,
+MLA stores one compressed latent per layer, quantized formats add scale (and zero-point) bytes. The
+caches of later notebooks are checked against these numbers byte for byte.
 """
 
 from __future__ import annotations
@@ -123,18 +121,10 @@ def kv_config(model: Any) -> KVConfig:
         if not is_int(value) or value < 1:
             why = " (nor a hidden_size to derive it from)" if key == "head_dim" and value is None else ""
             raise ValueError(f"model config: {key} must be a positive integer, got {value!r}{why}")
-    return KVConfig(
-        name=str(name),
-        num_layers=int(layers),
-        num_heads=int(heads),
-        num_kv_heads=int(kv_heads),
-        head_dim=int(head_dim),
-        max_position=_get(cfg, "max_position_embeddings"),
-        num_params=_get(cfg, "num_params"),
-        kv_lora_rank=_get(cfg, "kv_lora_rank"),
-        rope_dim=_get(cfg, "qk_rope_head_dim"),
-        active_params=_get(cfg, "active_params"),
-    )
+    return KVConfig(name=str(name), num_layers=int(layers), num_heads=int(heads), num_kv_heads=int(kv_heads),
+                    head_dim=int(head_dim), max_position=_get(cfg, "max_position_embeddings"),
+                    num_params=_get(cfg, "num_params"), kv_lora_rank=_get(cfg, "kv_lora_rank"),
+                    rope_dim=_get(cfg, "qk_rope_head_dim"), active_params=_get(cfg, "active_params"))
 
 
 def dtypes() -> list[str]:
@@ -213,21 +203,12 @@ class KVSize:
         return d
 
 
-def kv_size(
-    model: Any,
-    dtype: str = "fp16",
-    tokens: int = 1,
-    batch: int = 1,
-    scales: str | None = None,
-    scale_dtype: str = "fp32",
-    zero_points: bool = False,
-) -> KVSize:
+def kv_size(model: Any, dtype: str = "fp16", tokens: int = 1, batch: int = 1, scales: str | None = None,
+            scale_dtype: str = "fp32", zero_points: bool = False) -> KVSize:
     """Exact bytes of a KV cache holding ``tokens`` tokens for each of ``batch`` sequences.
-
     ``scales`` is the quantization granularity (default: none for float dtypes, per-head for int8,
     per-tensor for fp8, group-32 for int4). ``zero_points`` adds one zero point per scale
-    (asymmetric quantization), stored in ``scale_dtype`` too.
-    """
+    (asymmetric quantization), stored in ``scale_dtype`` too."""
     cfg = kv_config(model)
     _check_dtype(dtype)
     if not is_int(tokens) or not 0 <= tokens <= MAX_COUNT:
@@ -245,18 +226,10 @@ def kv_size(
     per_scale = SCALE_DTYPE_BYTES[scale_dtype] * (2 if zero_points else 1)
     data = math.ceil(kv_bytes_per_token(cfg, dtype) * tokens) * batch
     scale_bytes = per_token_scales * per_scale * tokens * batch + fixed_scales * per_scale
-    return KVSize(
-        model=cfg.name,
-        dtype=dtype,
-        scales=scales,
-        tokens=tokens,
-        batch=batch,
-        bytes_per_token=kv_bytes_per_token(cfg, dtype) + per_token_scales * per_scale,
-        data_bytes=data,
-        scale_bytes=scale_bytes,
-        fixed_bytes=fixed_scales * per_scale,
-        total_bytes=data + scale_bytes,
-    )
+    return KVSize(model=cfg.name, dtype=dtype, scales=scales, tokens=tokens, batch=batch,
+                  bytes_per_token=kv_bytes_per_token(cfg, dtype) + per_token_scales * per_scale,
+                  data_bytes=data, scale_bytes=scale_bytes, fixed_bytes=fixed_scales * per_scale,
+                  total_bytes=data + scale_bytes)
 
 
 def weight_bytes(model: Any, dtype: str = "fp16") -> int:
@@ -274,10 +247,8 @@ def _param_bytes(num_params: float, dtype: str) -> int:
 def decode_step_bytes(model: Any, context: int, batch: int = 1, kv_cache_dtype: str = "fp16",
                       weight_dtype: str = "fp16") -> dict:
     """Bytes one decode step must read: all weights once, plus every sequence's whole KV cache.
-
     The new token's query attends to all ``context`` cached tokens, so the cache is read in full on
-    every step; the weights are shared by the batch.
-    """
+    every step; the weights are shared by the batch."""
     if not is_int(context) or context < 0:
         raise ValueError(f"context must be an integer >= 0 (cached tokens), got {context!r}")
     w = weight_read_bytes(model, batch, weight_dtype)

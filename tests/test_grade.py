@@ -81,7 +81,7 @@ def graded(tmp_path_factory):
             "open('kvlab/__init__.py', 'w').close()\n"
             "open('kvlab/check/__init__.py', 'w').write('kv_token_bytes = mla_bytes_per_token = lambda fn: "
             "print(\"[ok]\") or True\\n')\n"
-            "open('kvlab/check/progress.py', 'w').write('_is_learners = lambda fn: True\\n')\n"
+            "open('kvlab/check/progress.py', 'w').write('is_learners = lambda fn: True\\n')\n"
             "sys.path.insert(0, os.getcwd())"]),
         # kills the worker that runs it, after writing a result file where the worker's would be
         "killer": _edit(base, WRONG, extra=[

@@ -1,17 +1,10 @@
 """The attention backends: one object per way of running paged attention over a pool.
 
-Every backend implements the same three operations over the pool interface
-(:mod:`kvlab.cache.paged_storage` lists it; float and quantized pools both implement it):
-
-* ``write(pool, layer, k, v, slot_mapping)``: the new tokens' K/V into their slots;
-* ``decode(q, pool, layer, index, scale, k_new, v_new, **features)``: one new token per sequence,
-  all decodes of a step at once through a :class:`~kvlab.attention.batched.DecodeIndex`;
-* ``prefill(q, k_new, v_new, pool, layer, block_tables, seq_lens, query_lens, scale, **features)``:
-  packed chunks of any length, one sequence at a time.
-
-and :meth:`AttentionBackend.forward` puts them together for one layer of one packed forward: write,
-then decodes (packed first) and the rest. ``features`` are what the model hands its attention
-function besides Q, K, V (``window``, ``softcap``, ``sinks``; :mod:`kvlab.attention.spec`).
+Each implements, over the pool interface (:mod:`kvlab.cache.paged_storage`), ``write`` (the new
+tokens' K/V into their slots), ``decode`` (one new token per sequence, all decodes of a step at once
+through a :class:`~kvlab.attention.batched.DecodeIndex`) and ``prefill`` (packed chunks of any length);
+:meth:`AttentionBackend.forward` runs them for one layer. ``features`` are ``window``, ``softcap``,
+``sinks`` (:mod:`kvlab.attention.spec`).
 """
 
 from __future__ import annotations
@@ -40,7 +33,6 @@ def spec_attention(q, k_new, v_new, pool, layer: int, block_tables, seq_lens, qu
 
 class AttentionBackend:
     """The reference backend: the PyTorch specification for everything, one sequence at a time.
-
     Subclasses replace ``write`` and ``decode``; prefill stays the specification in every backend
     (the table in :mod:`kvlab.attention`)."""
 

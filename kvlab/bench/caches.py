@@ -22,10 +22,8 @@ from kvlab.validate import is_int
 
 def memory_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
     """Bytes per second this device streams through a reduction (best of ``repeats``).
-
     A sum reads every byte once and writes almost nothing: the same access pattern as a decode
-    step reading weights and KV cache.
-    """
+    step reading weights and KV cache."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
     best = float("inf")
@@ -54,11 +52,9 @@ def decode_step_time(model, tokenizer, context: int, steps: int = 8) -> float:
 
 def token_forwards(prompt_len: int, new_tokens: int, cached: bool) -> int:
     """Token positions pushed through the model to generate ``new_tokens`` after a prompt.
-
     Without a cache step i re-runs the whole prefix (prompt_len + i positions): quadratic in
     length. With one, the prompt goes through once and each later step feeds one token. The last
-    token is sampled, never fed back.
-    """
+    token is sampled, never fed back."""
     if cached:
         return prompt_len + new_tokens - 1
     return sum(prompt_len + i for i in range(new_tokens))
@@ -67,12 +63,10 @@ def token_forwards(prompt_len: int, new_tokens: int, cached: bool) -> int:
 def recompute_vs_cache(model, tokenizer, prompt_lens=(16, 128, 512), new_tokens: int = 16,
                        repeats: int = 3) -> list[dict]:
     """Generate ``new_tokens`` greedily after prompts of several lengths, without and with a cache.
-
     Each pair runs ``repeats`` times, the two back to back, so a drifting machine moves both alike.
     Returns one row per prompt length: the median seconds of each, the speed-up (the median of the
     runs' ratios, with every run's in ``speedups``, their spread in ``speedup_min``/``speedup_max``),
-    and whether the tokens agree (they must: the cache is an optimisation, not an approximation).
-    """
+    and whether the tokens agree (they must: the cache is an optimisation, not an approximation)."""
     if not is_int(repeats) or repeats < 1:
         raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
     rows = []
@@ -104,8 +98,7 @@ def static_vs_paged(model, tokenizer, max_new_tokens: int = 64, block_size: int 
                     loose_max_seq_len: int = 2048) -> dict:
     """The chat workload of notebooks 01/02 through a loose static cache, a tight one and a paged one.
 
-    Returns each cache's stats; all three must produce the same tokens (checked).
-    """
+    Returns each cache's stats; all three must produce the same tokens (checked)."""
     prompts = chat_prompts(tokenizer)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id or 0
     out, tokens = {}, None

@@ -1,27 +1,15 @@
 """``kvlab bench engine``: the engine against Hugging Face, side by side in ONE process (notebook 04).
 
-One workload (prompt and output lengths from the ShareGPT- or Alpaca-like shapes of
-:mod:`kvlab.cache.simulate`, heavy-tailed, scaled down for a CPU; real text; an optional shared
-system prompt; all at once or Poisson arrivals) is served by four systems on the same model:
-
-* ``kvlab_continuous``: :class:`~kvlab.engine.LLM` (continuous batching, torch backend);
-* ``kvlab_static``: the same engine with ``policy="static"``;
-* ``hf_generate``: HF ``generate()`` on left-padded batches of ``max_num_seqs`` requests in arrival
-  order, ``max_new_tokens`` = the batch's longest; each request's useful tokens counted, its
-  tokens timed as they stream out (a streamer), so HF is not charged for waiting on its batch;
-* ``hf_generate_batch``: HF's own continuous batching (``generate_batch``'s manager, per-request
-  ``max_new_tokens``, the same ``max_num_seqs`` and token budget per step as kvlab's engine);
-
-and, where ``make peer`` installed it, by vLLM's CPU build in its own environment (a subprocess,
-:mod:`kvlab.bench.vllm_peer`), on the identical token ids, output lengths and arrivals:
-
-* ``vllm``: its default, compiled mode (torch.compile); ``vllm_eager``: ``enforce_eager=True``.
-
-Both get the same seats, token budget per step and prefix caching; vLLM's CPU attention needs pages
-of 32 tokens. Their rows say, per request, whether vLLM's greedy tokens equal kvlab continuous's.
-
-Every request asks for exactly its output length (EOS ignored). Ratios are taken against
-``kvlab_continuous`` from the same run.
+One workload (ShareGPT- or Alpaca-like lengths from :mod:`kvlab.cache.simulate`, scaled down for a
+CPU; real text; an optional shared system prompt; all at once or Poisson arrivals) served by
+``kvlab_continuous`` (:class:`~kvlab.engine.LLM`), ``kvlab_static`` (``policy="static"``),
+``hf_generate`` (left-padded batches of ``max_num_seqs`` in arrival order; a streamer times each
+request's own tokens, so HF is not charged for waiting on its batch) and ``hf_generate_batch`` (HF's
+continuous batching with the same seats and token budget); and, where ``make peer`` installed it, by
+vLLM's CPU build in a subprocess (:mod:`kvlab.bench.vllm_peer`): ``vllm`` (compiled) and
+``vllm_eager``, on identical token ids, lengths and arrivals (pages of 32 tokens: its CPU attention
+needs them), each row saying whether vLLM's greedy tokens equal kvlab's. Every request asks for
+exactly its output length (EOS ignored); ratios are against ``kvlab_continuous`` of the same run.
 """
 
 from __future__ import annotations
@@ -203,7 +191,6 @@ def run_hf_generate_batch(model, wl: Workload, max_num_seqs: int = 32, max_num_b
     # transformers' continuous batching: only this system needs it
     from transformers import GenerationConfig  # heavy: imported when this system runs
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
     gc = GenerationConfig(max_new_tokens=max(wl.output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0)
     # the same limits as kvlab's engine: requests per step and tokens per step
     cb = ContinuousBatchingConfig(max_requests_per_batch=max_num_seqs,
@@ -285,7 +272,6 @@ def _median_run(rows: list[dict]) -> dict:
 def bench_engine(model, tokenizer, wl: Workload, max_num_seqs: int = 32, systems=SYSTEMS, progress: bool = True,
                  repeat: int = 1, **engine_kw) -> dict:
     """Serve ``wl`` with each of ``systems`` in turn; the JSON of ``kvlab bench engine``.
-
     ``systems`` may name the peer's (:data:`PEER_SYSTEMS`); without the peer they are skipped, and
     ``res["skipped"]`` says why and how to get it. ``repeat``: serve the workload that many times with
     every system, the systems taking turns run by run; each row is its median run, and
@@ -308,7 +294,6 @@ def bench_engine(model, tokenizer, wl: Workload, max_num_seqs: int = 32, systems
     bar = None
     if progress:
         from tqdm.auto import tqdm  # optional: only for the progress bar
-
         bar = tqdm(total=len(wl.prompts) * len(systems) * repeat, desc="bench engine", unit="req", file=sys.stderr)
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     tokens: dict[str, list[list[int]]] = {}

@@ -1,23 +1,10 @@
 """Where an engine step's milliseconds go (``kvlab bench engine --profile``, notebook 04).
 
-The engine serves a workload under ``torch.profiler`` for a window of steady steps, and every
-operator's own time is put in one part:
-
-| part                 | what                                                                  |
-|----------------------|-----------------------------------------------------------------------|
-| `model GEMMs`        | the model's linear layers (``mkldnn::_linear_pointwise`` / ``aten::linear`` and what runs inside) |
-| `norms`              | the model's RMSNorm / LayerNorm modules                               |
-| `other model ops`    | the rest of the unmodified model: embedding, RoPE, activations, residual adds |
-| `attention: write`   | the new tokens' K/V into their slots (the backend's ``write``)        |
-| `attention: gather/copy` | copies inside the attention: pages gathered by block table, concatenations |
-| `attention: compute` | the attention's own math (scores, softmax, weighted sum)              |
-| `packing`            | the ragged batch and its index tensors (the runner, before the forward) |
-| `scheduling`         | scheduler + block manager, before and after the forward               |
-| `sampling`           | logits -> tokens                                                       |
-
-Packing, scheduling and sampling come from the engine's own step clock (:class:`StepStats`); the
-forward's wall time is split in proportion to the profiler's operator times. The profiler adds its
-own cost to every operator; the shares, not the absolute times, are the finding.
+The engine serves a workload under ``torch.profiler`` for a window of steady steps, and each
+operator's own time goes to one part: model GEMMs, norms, other model ops, attention (write,
+gather/copy, compute); packing, scheduling and sampling come from the engine's step clock
+(:class:`StepStats`), and the forward's wall time is split in proportion to the operator times. The
+profiler adds its own cost to every operator: the shares, not the absolute times, are the finding.
 """
 
 from __future__ import annotations
@@ -71,13 +58,10 @@ def _is_norm(module: nn.Module) -> bool:
 def _norm_ranges(model):
     """Profiler ranges around every norm module's forward (hooks, removed afterwards)."""
     handles, open_ = [], {}
-
     def enter(module, args):
         open_[id(module)] = torch.ops.profiler._record_function_enter_new(_MARK + "norm", None)
-
     def leave(module, args, out):
         torch.ops.profiler._record_function_exit._RecordFunction(open_.pop(id(module)))
-
     for m in model.modules():
         if _is_norm(m):
             handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
@@ -110,7 +94,6 @@ def _part(evt) -> str | None:
 
 def profile_steps(llm, steps: int = 40, skip: int = 10) -> dict:
     """Run ``llm`` (requests already queued) for ``skip`` steps, then profile the next ``steps``.
-
     Returns ``{"ms_per_step": {part: ms}, "share": {part: fraction}, "outside_model_math_share",
     "engine_share", "steps"}``; ``engine_share`` is everything but the unmodified model (attention,
     packing, scheduling, sampling)."""
@@ -123,11 +106,9 @@ def profile_steps(llm, steps: int = 40, skip: int = 10) -> dict:
     first = len(llm.step_stats)
     op_time = {p: 0.0 for p in PARTS}
     runner.backend = _Profiled(base)
-
     def marked_forward(*a, **kw):
         with torch.profiler.record_function(_MARK + "forward"):
             return forward(*a, **kw)
-
     runner.model.forward = marked_forward
     try:
         with _norm_ranges(runner.model), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

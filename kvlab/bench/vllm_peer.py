@@ -1,16 +1,10 @@
 """vLLM's CPU build as a peer (``make peer``): kvlab's half of the conversation.
 
-kvlab never imports vLLM (it pins another transformers). ``make peer`` puts it in its own virtual
-environment (``.venv-vllm`` beside the project, or ``$KVLAB_VLLM_PYTHON``), and this module runs
-:mod:`kvlab.bench.vllm_worker` there as a subprocess, handing the job over as a JSON file:
-
-* :class:`PeerSession` -> the ``vllm`` / ``vllm_eager`` systems of ``kvlab bench engine``: the identical
-  workload (token ids, output lengths, arrival offsets), seats, token budget and prefix caching;
-* :func:`read_scales` -> the bridge (tests/test_peer_vllm.py, notebook 06): open a folder made by
-  ``kvlab export-vllm`` in vLLM and read back what its attention layers hold.
-
-Where there is no peer, :func:`peer_python` returns None and :data:`HOW_TO_GET` says how to get one.
-A run recorded on the 2-core machine ships as ``kvlab/bench/vllm_recorded.json`` (:func:`recorded`).
+kvlab never imports vLLM (it pins another transformers): ``make peer`` puts it in ``.venv-vllm`` (or
+``$KVLAB_VLLM_PYTHON``) and this module runs :mod:`kvlab.bench.vllm_worker` there as a subprocess.
+:class:`PeerSession` serves the ``vllm`` / ``vllm_eager`` systems of ``kvlab bench engine``;
+:func:`read_scales` is the bridge (notebook 06). Without a peer :func:`peer_python` returns None and
+:data:`HOW_TO_GET` says how to get one; a recorded run ships as ``kvlab/bench/vllm_recorded.json``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """The vLLM side of ``kvlab bench engine --systems vllm ...`` and of the bridge test: a script run by
-the PEER environment's Python (``make peer``: ``.venv-vllm``), never imported by kvlab.
-
-It imports nothing from kvlab (the peer environment has vLLM's own transformers, not the lab's) and
-talks through two JSON files::
+the PEER environment's Python (``make peer``: ``.venv-vllm``); it imports nothing from kvlab (the
+peer has vLLM's own transformers) and talks through JSON files::
 
     .venv-vllm/bin/python kvlab/bench/vllm_worker.py session job.json out_dir   # serves on "serve" lines
     .venv-vllm/bin/python kvlab/bench/vllm_worker.py scales  job.json result.json
 
-``session``: start vLLM once; on each "serve" line, the workload as token ids, output lengths and
-arrival offsets, served by vLLM's engine stepped by hand (requests added when their arrival time
-comes, as kvlab's bench does), every request's greedy tokens and clock (arrival, first token,
-finish) written back. ``scales``: open a
-model folder, read every attention layer's ``kv_cache_dtype`` / ``_k_scale`` / ``_v_scale`` inside
-vLLM's worker (``LLM.apply_model``), and greedy-decode a few prompts. :mod:`kvlab.bench.vllm_peer` is
-kvlab's half.
+``session`` starts vLLM once and serves each "serve" line's workload (token ids, output lengths,
+arrivals) by stepping its engine by hand, writing back every request's tokens and clock. ``scales``
+reads every attention layer's ``kv_cache_dtype`` / ``_k_scale`` / ``_v_scale`` inside vLLM's worker
+and greedy-decodes a few prompts. :mod:`kvlab.bench.vllm_peer` is kvlab's half.
 """
 
 import json
@@ -55,7 +50,6 @@ def _probe():
 
 def _llm(job):
     from vllm import LLM  # the peer environment's vLLM: only this script imports it
-
     kw = dict(model=job["model"], dtype=job.get("dtype", "float32"), seed=0,
               max_num_seqs=job.get("max_num_seqs", 16), enable_prefix_caching=job.get("enable_prefix_caching", True),
               block_size=job.get("block_size", 32), enforce_eager=job.get("enforce_eager", False),
@@ -69,7 +63,6 @@ def _llm(job):
 
 def _params(max_tokens, ignore_eos=True):
     from vllm import SamplingParams  # the peer environment's vLLM
-
     return SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens if ignore_eos else 0, ignore_eos=ignore_eos,
                           temperature=0.0, detokenize=False)
 
@@ -143,7 +136,6 @@ def scales(job):
 
 def _versions():
     import vllm  # the peer environment's vLLM
-
     return {"vllm": vllm.__version__, "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 

@@ -1,15 +1,11 @@
-"""Exercise checkers for the notebooks (Tensor-Puzzles style).
+"""Exercise checkers for the notebooks (Tensor-Puzzles style): ``kvlab.check.<exercise>(your_function)``.
 
-Each exercise in a notebook is a spec in prose, a stub that raises ``NotImplementedError`` and one
-call here. A checker runs the learner's function on fixed cases, compares with kvlab's own answer
-and prints ONE stable line: ``[ok]``, ``[todo]`` (stub not written yet: shows the target, so the
-notebook still runs top to bottom) or ``[fail]`` (shows yours vs expected for the first mismatch).
-It returns True only on ``[ok]``. ``use(name, fn)`` then plugs ``fn`` into the real system once it
-passes (kvlab's own until then); ``solution(name)`` prints kvlab's answer.
-
-One module per notebook (``sizing`` 00, ``naive`` 01, ``paged`` 02, ``quant`` 03, ``engine`` 04,
-``kernels`` 05, ``capstone`` 06, ``evict`` 07), the machinery they share in ``core``, and the record of passed exercises in
-``progress`` (:func:`progress` prints it). Call them as ``kvlab.check.<exercise>(your_function)``.
+A checker runs the learner's function on fixed cases against kvlab's own answer and prints ONE line:
+``[ok]``, ``[todo]`` (the stub still raises ``NotImplementedError``: shows the target, so the notebook
+runs top to bottom) or ``[fail]`` (yours vs expected for the first mismatch); it returns True only on
+``[ok]``. ``use(name, fn)`` plugs ``fn`` into the real system once it passes; ``solution(name)`` prints
+kvlab's answer. One module per notebook (``sizing`` 00 ... ``evict`` 07), shared machinery in ``core``,
+passed exercises in ``progress``.
 """
 
 from kvlab.check.capstone import fp8_scales, max_held

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from kvlab.capstone import max_held as _max_held
-from kvlab.check.core import _run
+from kvlab.check.core import run_task
 from kvlab.export import fp8_scales as ref_fp8_scales
 from kvlab.validate import cdiv
 
@@ -32,7 +32,6 @@ def max_held(fn: Callable[[list, int, int, int], int]) -> bool:
     """``fn(lengths, shared_tokens, num_blocks, block_size)``: requests held to completion at once,
     shortest first, the system prompt's full blocks stored once."""
     cases = _cases()
-
     def greedy(blocks_of, start, order=sorted, fits=lambda used, n, cap: used + n <= cap):
         def f(lengths, shared, cap, bs):
             used, held = start(shared, bs), 0
@@ -42,7 +41,6 @@ def max_held(fn: Callable[[list, int, int, int], int]) -> bool:
                 used, held = used + n, held + 1
             return held
         return f
-
     own = lambda x, s, bs: cdiv(x, bs) - s // bs  # noqa: E731  (the right count of a request's own blocks)
     mistakes = [
         (greedy(lambda x, s, bs: cdiv(x, bs), lambda s, bs: 0),
@@ -57,17 +55,15 @@ def max_held(fn: Callable[[list, int, int, int], int]) -> bool:
         (greedy(lambda x, s, bs: (x - s) / bs, lambda s, bs: s / bs),
          "memory comes in whole blocks: a request of n tokens holds ceil(n / block_size) blocks"),
     ]
-
     def hint(args, got, expected):
         for formula, why in mistakes:
             try:
                 if all(fn(*a) == formula(*a) for a, _ in cases):
                     return why
-            except Exception:  # noqa: BLE001  (the learner's error is reported by _run)
+            except Exception:  # noqa: BLE001  (the learner's error is reported by run_task)
                 return None
         return None
-
-    return _run("max_held", fn, cases, hint=hint)
+    return run_task("max_held", fn, cases, hint=hint)
 
 
 def fp8_scales(fn: Callable) -> bool:
@@ -78,7 +74,6 @@ def fp8_scales(fn: Callable) -> bool:
     table[2, 1] = 0.0  # a head that never saw a value above zero
     table[4] = 0.0  # a whole layer of them
     cases = [((table.clone(), s), ref_fp8_scales(table.clone(), s)) for s in ("attn_head", "tensor")]
-
     def hint(args, got, expected):
         absmax, strategy = args
         if not isinstance(got, torch.Tensor):
@@ -101,6 +96,5 @@ def fp8_scales(fn: Callable) -> bool:
         if not torch.isfinite(got).all() or bool((got[amax < 1e-6] == 0).any()):
             return "an abs-max below 1e-6 gets scale 1.0 (the zero guard): a zero scale would divide by zero"
         return None
-
-    return _run("fp8_scales", fn, cases, hint=hint,  # exact: the checkpoint must hold the pool's own scales
-                same=lambda a, b: isinstance(a, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
+    return run_task("fp8_scales", fn, cases, hint=hint,  # exact: the checkpoint must hold the pool's own scales
+                   same=lambda a, b: isinstance(a, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))

@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from kvlab.check.progress import _record
+from kvlab.check.progress import record
 
 
 def _short(obj) -> str:
@@ -35,7 +35,7 @@ def _first_difference(got, expected) -> str:
     return ""
 
 
-def _run(name: str, fn: Callable, cases: Sequence[tuple[tuple, Any]], same=None, exercise: str | None = None,
+def run_task(name: str, fn: Callable, cases: Sequence[tuple[tuple, Any]], same=None, exercise: str | None = None,
          learner=None, hint: Callable | None = None) -> bool:
     """``hint(args, got, expected)`` may name a known mistake behind a failure (a string, or None).
     ``[todo]`` never shows an answer: the cases are the exercise (``check.solution`` prints kvlab's)."""
@@ -62,12 +62,12 @@ def _run(name: str, fn: Callable, cases: Sequence[tuple[tuple, Any]], same=None,
                   f"expected {_short(expected)}{_first_difference(got, expected)}")
             return False
     print(f"[ok] {name}: {len(cases)} cases match")
-    _record(exercise, learner if learner is not None else fn)
+    record(exercise, learner if learner is not None else fn)
     return True
 
-def _tensor_same(a, b) -> bool:
+def tensor_same(a, b) -> bool:
     if isinstance(b, tuple):
-        return isinstance(a, tuple) and len(a) == len(b) and all(_tensor_same(x, y) for x, y in zip(a, b))
+        return isinstance(a, tuple) and len(a) == len(b) and all(tensor_same(x, y) for x, y in zip(a, b))
     if not isinstance(a, torch.Tensor) or a.shape != b.shape:
         return False
     if b.dtype.is_floating_point:

@@ -11,8 +11,8 @@ from kvlab.engine.dry_run import dry_run
 from kvlab.engine.scheduler import admission_rule as ref_admission_rule
 from kvlab.engine.scheduler import chunk_prefills as ref_chunk_prefills
 from kvlab.engine.scheduler import schedule_decodes as ref_schedule_decodes
-from kvlab.check.core import _run
-from kvlab.check.progress import _record
+from kvlab.check.core import run_task
+from kvlab.check.progress import record
 
 
 def admission_rule(fn: Callable[[int, int, int, int, int, int], "str | None"]) -> bool:
@@ -21,8 +21,7 @@ def admission_rule(fn: Callable[[int, int, int, int, int, int], "str | None"]) -
 
     Checked on single decisions first (shown with argument names), then plugged into a real
     scheduler: the trace of a whole dry run (kvlab.engine.dry_run) must equal the one kvlab's own
-    rule produces.
-    """
+    rule produces."""
     if not callable(fn):
         raise TypeError(f"admission_rule: pass your function itself, got {type(fn).__name__}")
     names = ("num_running", "max_num_seqs", "budget_left", "blocks_needed", "blocks_free", "watermark_blocks")
@@ -69,7 +68,7 @@ def admission_rule(fn: Callable[[int, int, int, int, int, int], "str | None"]) -
               f"yours {got[i] if i < len(got) else 'nothing'}, expected {expected[i] if i < len(expected) else 'nothing'}")
         return False
     print(f"[ok] admission_rule: {len(cases)} decisions and a {len(expected)}-event scheduler trace match")
-    _record("admission_rule", fn)
+    record("admission_rule", fn)
     return True
 
 
@@ -123,9 +122,7 @@ def schedule_decodes(fn: Callable) -> bool:
         pool = _Pool(running, decoding, tokens, held, free)
         got = f(pool.running, set(decoding), pool.append, pool.preempt)
         return (list(got) if isinstance(got, (list, tuple)) else got), pool.preempted, pool.appended
-
     cases = [(a, run(*a, f=ref_schedule_decodes)) for a in _DECODE_CASES]
-
     def hint(args, got, expected):
         running = args[0]
         decoded, preempted, appended = got
@@ -141,15 +138,13 @@ def schedule_decodes(fn: Callable) -> bool:
         if decoded != appended:
             return "return exactly the sequences whose append worked, in order"
         return None
-
-    return _run("schedule_decodes", run, cases, hint=hint, learner=fn)
+    return run_task("schedule_decodes", run, cases, hint=hint, learner=fn)
 
 
 def chunk_prefills(fn: Callable) -> bool:
     """``fn(uncomputed, budget) -> the prompt tokens each prefill feeds this step``."""
     shapes = [([10, 20, 3], 12), ([5], 100), ([], 10), ([4, 4], 8), ([30, 5], 0), ([7, 9, 2], 15), ([700], 64)]
     cases = [((list(u), b), ref_chunk_prefills(list(u), b)) for u, b in shapes]
-
     def hint(args, got, expected):
         need, budget = args
         if not isinstance(got, (list, tuple)) or len(got) != len(need):
@@ -161,6 +156,5 @@ def chunk_prefills(fn: Callable) -> bool:
         if all(g in (0, n) for g, n in zip(got, need)):
             return "a prompt that does not fit whole takes a chunk of what is left: the rest follows next step"
         return None
-
-    return _run("chunk_prefills", lambda u, b: fn(list(u), b), cases,
-                same=lambda a, b: isinstance(a, (list, tuple)) and list(a) == b, hint=hint, learner=fn)
+    return run_task("chunk_prefills", lambda u, b: fn(list(u), b), cases,
+                   same=lambda a, b: isinstance(a, (list, tuple)) and list(a) == b, hint=hint, learner=fn)

@@ -10,7 +10,7 @@ from kvlab.beyond import GPU_FLOPS, LINKS, prefill_flops
 from kvlab.cache.evict import SinksWindow
 from kvlab.cache.evict import h2o_keep as ref_h2o_keep
 from kvlab.cache.paged import BlockManager
-from kvlab.check.core import _run
+from kvlab.check.core import run_task
 from kvlab.sizing import kv_bytes_per_token, kv_config
 from kvlab.validate import cdiv
 
@@ -44,7 +44,6 @@ def sinks_window_blocks(fn: Callable[[int, int, int, int], list]) -> bool:
     """``fn(num_tokens, block_size, budget, sinks)`` -> the logical blocks (ascending) that sinks + window
     keeps once the sequence holds ``num_tokens`` tokens, the policy acting after every token."""
     cases = _cases()
-
     def rule(sink_blocks, budget_blocks, window_adjust=0, blocks=True, span=cdiv):
         def f(n, bs, budget, sinks):
             total = span(n, bs)
@@ -53,7 +52,6 @@ def sinks_window_blocks(fn: Callable[[int, int, int, int], list]) -> bool:
                 range(max(0, total - (b - s) - window_adjust), total)))
             return keep if blocks else [p for lb in keep for p in range(lb * bs, min(n, lb * bs + bs))]
         return f
-
     ceil_sinks, floor_budget = (lambda s, bs: cdiv(s, bs)), (lambda b, bs: b // bs)
     mistakes = [
         (rule(lambda s, bs: s, floor_budget), "the sinks are tokens: they sit in ceil(sinks / block_size) blocks"),
@@ -73,7 +71,6 @@ def sinks_window_blocks(fn: Callable[[int, int, int, int], list]) -> bool:
         (rule(ceil_sinks, floor_budget, blocks=False),
          "return logical block indices (position // block_size), not token positions"),
     ]
-
     def hint(args, got, expected):
         for formula, why in mistakes:
             if formula(*args) == got and formula(*args) != expected:
@@ -81,8 +78,7 @@ def sinks_window_blocks(fn: Callable[[int, int, int, int], list]) -> bool:
         if list(got) != sorted(got):
             return "return the blocks in ascending order"
         return None
-
-    return _run("sinks_window_blocks", fn, cases, same=lambda a, b: list(a) == list(b), hint=hint)
+    return run_task("sinks_window_blocks", fn, cases, same=lambda a, b: list(a) == list(b), hint=hint)
 
 
 # ---- Task 2: copy a block back, or compute it again? -------------------------------------------------
@@ -109,11 +105,9 @@ def copy_or_recompute(fn: Callable) -> bool:
     :class:`kvlab.sizing.KVConfig` ``cfg``: the FP16 K/V of ``tokens`` tokens over the link at its peak,
     and their prefill again at the GPU's peak FLOP/s (2 FLOPs per parameter per token)."""
     cases = _copy_cases()
-
     def close(a, b):
         return (isinstance(a, (tuple, list)) and len(a) == 2 and all(isinstance(x, (int, float)) for x in a)
                 and all(abs(x - y) <= 1e-6 * abs(y) for x, y in zip(a, b)))
-
     def hint(args, got, expected):
         if not (isinstance(got, (tuple, list)) and len(got) == 2):
             return "return two numbers: (copy seconds, recompute seconds)"
@@ -143,8 +137,7 @@ def copy_or_recompute(fn: Callable) -> bool:
                 if math.isclose(r / re_, f, rel_tol=1e-6):
                     return why
         return None
-
-    return _run("copy_or_recompute", fn, cases, same=close, hint=hint)
+    return run_task("copy_or_recompute", fn, cases, same=close, hint=hint)
 
 
 def _h2o_cases():
@@ -160,11 +153,9 @@ def h2o_keep(fn: Callable) -> bool:
     """``fn(logical, budget, recent, scores) -> the blocks H2O keeps``: the ``recent`` newest, then the
     older blocks with the most attention received (ties to the earlier block), ``budget`` in all."""
     cases = [(a, ref_h2o_keep(*a)) for a in _h2o_cases()]
-
     def run(logical, budget, recent, scores):
         got = fn(list(logical), budget, recent, dict(scores))
         return sorted(got) if isinstance(got, (list, tuple)) else got
-
     def hint(args, got, expected):
         logical, budget, recent, scores = args
         if not isinstance(got, list):
@@ -180,5 +171,4 @@ def h2o_keep(fn: Callable) -> bool:
         if sorted(logical[-recent:] + lightest) == got:
             return "keep the blocks that received the MOST attention"
         return "on equal scores the earlier block wins: sort by (-score, block)"
-
-    return _run("h2o_keep", run, cases, same=lambda a, b: a == b, hint=hint, learner=fn)
+    return run_task("h2o_keep", run, cases, same=lambda a, b: a == b, hint=hint, learner=fn)

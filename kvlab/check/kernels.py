@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kvlab import kernels
-from kvlab.check.core import _run, _tensor_same
+from kvlab.check.core import run_task, tensor_same
 
 
 def _softmax_cases():
@@ -88,7 +88,6 @@ def _softmax_hint(args, got, expected):
 def _is_jitted(fn) -> bool:
     import triton  # only reached with triton installed (the caller's kernel run needs it anyway)
     from triton.runtime.interpreter import InterpretedFunction  # the same: triton is Linux-only
-
     return isinstance(fn, (triton.runtime.JITFunction, InterpretedFunction))
 
 
@@ -125,15 +124,12 @@ def online_softmax_update(fn) -> bool:
     for s, v, v_scale, tile in _softmax_cases():
         expected = torch.softmax(s, dim=-1) @ (v * v_scale[:, None])
         cases.append(((s, v, v_scale, tile), expected))
-
     def call(s, v, v_scale, tile):
         return kernels.skeleton.run_online_softmax(fn, s, v, v_scale, tile)  # skeleton loads triton on first use
-
     def close(a, b):
         return isinstance(a, torch.Tensor) and a.shape == b.shape and bool(torch.allclose(a, b, rtol=1e-4, atol=1e-5))
-
-    return _run("online_softmax_update (whole run over all tiles: s, v, v_scale, tile -> softmax(s) @ (v * v_scale))",
-                _raised_todo(call), cases, same=close, exercise="online_softmax_update", learner=fn, hint=_softmax_hint)
+    return run_task("online_softmax_update (whole run over all tiles: s, v, v_scale, tile -> softmax(s) @ (v * v_scale))",
+                   _raised_todo(call), cases, same=close, exercise="online_softmax_update", learner=fn, hint=_softmax_hint)
 
 
 # (table row, page, seq_len, s_blk, s_tok, head, s_head, block_size): a scattered table; the last case's
@@ -156,10 +152,8 @@ def block_walk(fn) -> bool:
     if not _jitted_or_say("block_walk", fn):
         return False
     cases = [(a, _walk_expected(*a)) for a in _WALKS]
-
     def call(seq, page, seq_len, s_blk, s_tok, head, s_head, bs):
         return kernels.skeleton.run_walk(fn, _TABLE, seq, page, seq_len, s_blk, s_tok, head, s_head, bs)
-
     def hint(args, got, expected):
         seq, page, seq_len, s_blk, s_tok, head, s_head, bs = args
         offsets, mask = got
@@ -179,8 +173,7 @@ def block_walk(fn) -> bool:
                 return "mask the slots past seq_len: the last page is partly empty"
             return "a slot holds a token when its position, page * BLOCK_SIZE + offset, is < seq_len"
         return None
-
-    return _run("block_walk", _raised_todo(call), cases, same=_tensor_same, hint=hint, learner=fn)
+    return run_task("block_walk", _raised_todo(call), cases, same=tensor_same, hint=hint, learner=fn)
 
 
 def dequant_int8(fn) -> bool:
@@ -194,7 +187,6 @@ def dequant_int8(fn) -> bool:
         codes = torch.randint(-127, 128, (16, 64), generator=g, dtype=torch.int8)
         codes[0, :2] = torch.tensor([127, -127], dtype=torch.int8)
         cases.append(((codes, scale), codes.float() * torch.tensor(scale, dtype=torch.float32)))
-
     def hint(args, got, expected):
         codes, scale = args
         if torch.allclose(got, codes.float() / scale, rtol=1e-5):
@@ -204,6 +196,5 @@ def dequant_int8(fn) -> bool:
         if torch.equal(got, torch.trunc(expected)) or torch.equal(got, torch.round(expected)):
             return "keep the values in fp32: converting back to an integer type throws away the fraction"
         return None
-
-    return _run("dequant_int8", _raised_todo(lambda codes, scale: kernels.skeleton.run_dequant(fn, codes, scale)),
-                cases, same=_tensor_same, hint=hint, learner=fn)
+    return run_task("dequant_int8", _raised_todo(lambda codes, scale: kernels.skeleton.run_dequant(fn, codes, scale)),
+                   cases, same=tensor_same, hint=hint, learner=fn)

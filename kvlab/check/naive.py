@@ -10,7 +10,7 @@ import torch
 
 from kvlab.cache.naive import grow as ref_grow
 from kvlab.cache.naive import static_write as ref_static_write
-from kvlab.check.core import _run, _tensor_same
+from kvlab.check.core import run_task, tensor_same
 from kvlab.generate import cached_generate
 
 
@@ -25,7 +25,6 @@ def grow(fn: Callable) -> bool:
     for b, h, t, q, d, seed in ((1, 2, 3, 1, 4, 1), (2, 3, 5, 2, 4, 2), (1, 2, 4, 4, 8, 3)):
         old, new = _kv(b, h, t, d, seed), _kv(b, h, q, d, seed + 10)
         cases.append(((old, new), ref_grow(old, new)))
-
     def hint(args, got, expected):
         old, new = args
         if not isinstance(got, torch.Tensor):
@@ -40,7 +39,6 @@ def grow(fn: Callable) -> bool:
             if got.shape[dim] == old.shape[dim] + new.shape[dim] and got.shape[2] == old.shape[2]:
                 return f"dim {dim} is {name}; tokens are dim 2 of (B, H_kv, T, D)"
         return None
-
     def raised(old, new):
         try:
             return fn(old, new)
@@ -52,8 +50,7 @@ def grow(fn: Callable) -> bool:
             if "must match" in str(e):
                 raise RuntimeError(f"tokens are dim 2 of (B, H_kv, T, D): concatenate along it ({e})") from e
             raise
-
-    return _run("grow", raised, cases, same=_tensor_same, hint=hint, learner=fn)
+    return run_task("grow", raised, cases, same=tensor_same, hint=hint, learner=fn)
 
 
 class _ToyModel:
@@ -86,13 +83,11 @@ def decode_loop(fn: Callable) -> bool:
     tokens through the model with its cache and returns the last one's logits."""
     shapes = [([5, 9, 2], 1), ([3, 1, 4, 1, 5], 4), ([7], 6), (list(range(20)), 3)]
     cases = [((p, n), _toy_reference(p, n)) for p, n in shapes]
-
     def run(prompt, n):
         toy = _ToyModel()
         got = fn(toy, list(prompt), n)
         got = got.flatten().tolist() if isinstance(got, torch.Tensor) else got
         return (list(got) if isinstance(got, (list, tuple)) else got), toy.calls
-
     def hint(args, got, expected):
         (prompt, n), (tokens, calls), (want, want_calls) = args, got, expected
         if not isinstance(tokens, list):
@@ -110,8 +105,7 @@ def decode_loop(fn: Callable) -> bool:
         if calls[1:] != want_calls[1:]:
             return "feed back the token you just chose (the argmax of the last step's logits)"
         return "choose greedily: the id with the largest logit"
-
-    return _run("decode_loop", run, cases, same=lambda a, b: a == b, hint=hint, learner=fn)
+    return run_task("decode_loop", run, cases, same=lambda a, b: a == b, hint=hint, learner=fn)
 
 
 def static_write(fn: Callable) -> bool:
@@ -124,7 +118,6 @@ def static_write(fn: Callable) -> bool:
         want = buf.clone()
         view = ref_static_write(want, new, start)
         cases.append(((buf, new, start), (view.clone(), want)))
-
     def run(buf, new, start):
         buf = buf.clone()  # each run writes into its own copy
         try:
@@ -135,7 +128,6 @@ def static_write(fn: Callable) -> bool:
                                    f"batch ({e})") from e
             raise
         return got, buf
-
     def hint(args, got, expected):
         buf, new, start = args
         view, written = got
@@ -154,5 +146,4 @@ def static_write(fn: Callable) -> bool:
         if view.shape[0] == buf.shape[0] != new.shape[0]:
             return "return the batch's own rows (the first B), not every reserved row"
         return None
-
-    return _run("static_write", run, cases, same=_tensor_same, hint=hint, learner=fn)
+    return run_task("static_write", run, cases, same=tensor_same, hint=hint, learner=fn)

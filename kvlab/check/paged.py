@@ -11,7 +11,7 @@ from kvlab.cache.paged import append_slot as ref_append_slot
 from kvlab.cache.paged import block_hash, prefix_hits as ref_prefix_hits
 from kvlab.cache.simulate import fork_blocks
 from kvlab.validate import cdiv
-from kvlab.check.core import _run
+from kvlab.check.core import run_task
 
 
 def slot_mapping(fn: Callable[[Sequence[int], int, int, int], list]) -> bool:
@@ -44,8 +44,7 @@ def slot_mapping(fn: Callable[[Sequence[int], int, int, int], list]) -> bool:
         if got == [i for i in range(start, end)]:
             return "the block table says where each block lives: slots are not the token positions"
         return None
-
-    return _run("slot_mapping", fn, cases, same=lambda a, b: list(a) == b, hint=hint)
+    return run_task("slot_mapping", fn, cases, same=lambda a, b: list(a) == b, hint=hint)
 
 
 def blocks_after_fork(fn: Callable[[int, int, int, int], int]) -> bool:
@@ -54,16 +53,13 @@ def blocks_after_fork(fn: Callable[[int, int, int, int], int]) -> bool:
     shapes = [(37, 16, 4, 20), (10, 4, 3, 1), (8, 4, 2, 5), (5, 16, 6, 11), (5, 16, 6, 12), (32, 16, 3, 1),
               (100, 16, 1, 30), (10, 4, 3, 0)]
     cases = [(a, fork_blocks(*a)) for a in shapes]
-
     def follows(formula) -> bool:  # the learner's function agrees with a mistaken formula on every shape
         try:
             return all(fn(*a) == formula(*a) for a in shapes)
-        except Exception:  # noqa: BLE001  (the learner's error is reported by _run, not here)
+        except Exception:  # noqa: BLE001  (the learner's error is reported by run_task, not here)
             return False
-
     fresh = lambda p, bs, n, steps: cdiv(p, bs) + n * cdiv(steps, bs) if steps else cdiv(p, bs)  # noqa: E731
     n_copies = lambda p, bs, n, steps: fork_blocks(p, bs, n, steps) + (1 if steps and p % bs else 0)  # noqa: E731
-
     def hint(args, got, expected):
         p, bs, n, steps = args
         if got == n * cdiv(p + steps, bs):
@@ -79,18 +75,15 @@ def blocks_after_fork(fn: Callable[[int, int, int, int], int]) -> bool:
         if steps and p % bs and got == expected + 1 and follows(n_copies):
             return "n - 1 copies, not n: the last sample to write finds the block no longer shared and keeps it"
         return None
-
-    return _run("blocks_after_fork", fn, cases, hint=hint)
+    return run_task("blocks_after_fork", fn, cases, hint=hint)
 
 
 def _append_run(fn):
     def run(table, n, bs, shared, free):
         table, free, taken = list(table), list(free), []
-
         def take_block():
             taken.append(free.pop(0))
             return taken[-1]
-
         out = fn(table, n, bs, lambda b: 2 if b in shared else 1, take_block)
         slot, copy = tuple(out) if isinstance(out, (tuple, list)) and len(out) == 2 else (out, "?")
         return slot, copy, table, len(taken)
@@ -104,7 +97,6 @@ def append_slot(fn: Callable) -> bool:
               ([3, 8], 8, 4, {8}, [9, 1]), ([3, 8], 5, 4, {3}, [9, 1]), ([12, 4, 6], 40, 16, (), [2, 1]),
               ([12, 4, 6], 33, 16, {6}, [2, 1])]  # (table, num_tokens, block_size, shared blocks, free blocks)
     cases = [(a, _append_run(ref_append_slot)(*a)) for a in shapes]
-
     def hint(args, got, expected):
         table, n, bs, shared, free = args
         slot, copy, after, taken = got
@@ -125,8 +117,7 @@ def append_slot(fn: Callable) -> bool:
         if slot != expected[0]:
             return "slot = the last block's id x block_size + the offset inside it (num_tokens % block_size)"
         return None
-
-    return _run("append_slot", _append_run(fn), cases, hint=hint, learner=fn)
+    return run_task("append_slot", _append_run(fn), cases, hint=hint, learner=fn)
 
 
 def _cached(bs: int, *prompts, start: int = 100) -> dict:
@@ -150,10 +141,8 @@ def prefix_hits(fn: Callable) -> bool:
                               (4, _cached(4, a), a[:8] + [0, 0, 0, 0] + a[12:]), (16, _cached(16, a), a[:33]),
                               (4, {}, a)):
         cases.append(((query, bs, cached), ref_prefix_hits(query, bs, cached, block_hash)))
-
     def run(query, bs, cached):
         return fn(list(query), bs, dict(cached), block_hash)
-
     def unchained(query, bs, cached):
         out = []
         for i in range((len(query) - 1) // bs):
@@ -162,7 +151,6 @@ def prefix_hits(fn: Callable) -> bool:
                 break
             out.append(cached[k])
         return out
-
     def hint(args, got, expected):
         query, bs, cached = args
         if not isinstance(got, (list, tuple)):
@@ -176,6 +164,5 @@ def prefix_hits(fn: Callable) -> bool:
             return ("chain the keys: block i's key is block_hash(block i-1's key, its tokens), starting from None "
                     "- the same tokens after another prefix have other K/V")
         return None
-
-    return _run("prefix_hits", run, cases, same=lambda x, y: isinstance(x, (list, tuple)) and list(x) == y,
-                hint=hint, learner=fn)
+    return run_task("prefix_hits", run, cases, same=lambda x, y: isinstance(x, (list, tuple)) and list(x) == y,
+                   hint=hint, learner=fn)

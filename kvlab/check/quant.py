@@ -8,7 +8,7 @@ import torch
 
 from kvlab.quant.core import int8_roundtrip, quantize_int8
 from kvlab.quant.core import pack_int4 as ref_pack_int4
-from kvlab.check.core import _run, _tensor_same
+from kvlab.check.core import run_task, tensor_same
 
 
 def quantize_per_head(fn: Callable) -> bool:
@@ -22,7 +22,6 @@ def quantize_per_head(fn: Callable) -> bool:
     tiny_head = torch.randn(3, 2, 8, generator=g)
     tiny_head[:, 0] *= 1e-8  # absmax below 1e-6: the guard applies, not only at exactly zero
     cases = [((x,), int8_roundtrip(x, "per-head")) for x in xs + [halves, zero_head, tiny_head]]
-
     def hint(args, got, expected):
         if not isinstance(got, tuple) or len(got) != 2 or not all(isinstance(t, torch.Tensor) for t in got):
             return "return the pair (q, scale)"
@@ -44,8 +43,7 @@ def quantize_per_head(fn: Callable) -> bool:
         if x.abs().max() >= 1e-6 and torch.allclose(scale.float(), whole):
             return "one scale for the whole tensor: per head means the abs-max over tokens and channels, one per head"
         return None
-
-    return _run("quantize_per_head", fn, cases, same=_tensor_same, hint=hint)
+    return run_task("quantize_per_head", fn, cases, same=tensor_same, hint=hint)
 
 
 def quantize_static(fn: Callable) -> bool:
@@ -59,7 +57,6 @@ def quantize_static(fn: Callable) -> bool:
     x3 = torch.randn(4, 3, 4, generator=g) * 0.5
     s3 = torch.tensor([1.0, 0.004, 0.1]).view(1, 3, 1)
     cases = [((x, sc), quantize_int8(x, sc)) for x, sc in ((x1, s1), (x2, torch.ones(1, 1, 1)), (x3, s3))]
-
     def hint(args, got, expected):
         if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
             return None
@@ -81,8 +78,7 @@ def quantize_static(fn: Callable) -> bool:
         if (got == -128).any():
             return "-128 appears: clamp to -127..127, a symmetric grid (notebook text, section 2)"
         return None
-
-    return _run("quantize_static", fn, cases, same=_tensor_same, hint=hint)
+    return run_task("quantize_static", fn, cases, same=tensor_same, hint=hint)
 
 
 def pack_int4(fn: Callable) -> bool:
@@ -91,7 +87,6 @@ def pack_int4(fn: Callable) -> bool:
     cases = [((q,), ref_pack_int4(q)) for q in (torch.tensor([[1, 2]], dtype=torch.uint8),
                                        torch.tensor([[15, 0, 0, 15]], dtype=torch.uint8),
                                        torch.randint(0, 16, (3, 4, 8), generator=g, dtype=torch.uint8))]
-
     def hint(args, got, expected):
         (q,) = args
         if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
@@ -101,5 +96,4 @@ def pack_int4(fn: Callable) -> bool:
         if torch.equal(got, q[..., 1::2] | (q[..., 0::2] << 4)):
             return "the nibbles are swapped: the even index goes in the LOW nibble, the odd one in the high"
         return None
-
-    return _run("pack_int4", fn, cases, same=_tensor_same, hint=hint)
+    return run_task("pack_int4", fn, cases, same=tensor_same, hint=hint)

@@ -6,7 +6,7 @@ from typing import Callable
 
 
 from kvlab import sizing
-from kvlab.check.core import _run
+from kvlab.check.core import run_task
 
 
 def _kv_bytes_cases():
@@ -43,8 +43,7 @@ def kv_token_bytes(fn: Callable[[int, int, int, int, int, int], int]) -> bool:
         if got == expected / nbytes:
             return "that counts values: multiply by the bytes per element"
         return None
-
-    return _run("kv_token_bytes", fn, _kv_bytes_cases(), hint=hint)
+    return run_task("kv_token_bytes", fn, _kv_bytes_cases(), hint=hint)
 
 
 def mla_bytes_per_token(fn: Callable[[int, int, int, int, int], int]) -> bool:
@@ -57,7 +56,6 @@ def mla_bytes_per_token(fn: Callable[[int, int, int, int, int], int]) -> bool:
               (60, 128, 512, 64, 1)]  # DeepSeek-V2, an 8-bit cache
     cases = [((layers, heads, rank, rope, b), sizing.mla_token_bytes(layers, rank, rope, b))
              for layers, heads, rank, rope, b in shapes]
-
     def hint(args, got, expected):
         layers, heads, rank, rope, b = args
         if got == 2 * expected:
@@ -69,5 +67,4 @@ def mla_bytes_per_token(fn: Callable[[int, int, int, int, int], int]) -> bool:
         if got == layers * rank * b:
             return "the decoupled RoPE key is cached too"
         return None
-
-    return _run("mla_bytes_per_token", fn, cases, hint=hint)
+    return run_task("mla_bytes_per_token", fn, cases, hint=hint)

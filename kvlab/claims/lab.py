@@ -28,12 +28,10 @@ from kvlab.quant import KVQuantConfig, TensorFormat, named_config
 
 class Lab:
     """Measurements on SmolLM2, made once on first use and shared by the claims that need them.
-
     Small on purpose (a few hundred tokens each) so the whole table runs in about a minute on two CPU
     cores; the notebooks named by each claim measure at full size. The quality measurements use
     notebook 03's settings (its 1,024-token calibration, its 384 held-out tokens), so a number the
-    table shares with 03 is the same number.
-    """
+    table shares with 03 is the same number."""
 
     def __init__(self, model=None, tokenizer=None, held_out_tokens: int = 384, answers: dict | None = None,
                  passkey: dict | None = None):

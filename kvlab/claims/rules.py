@@ -1,25 +1,13 @@
 """The verdict rules of the claims table (notebook 06): a verdict is computed, never typed in.
 
-Every rule returns one of four words, ``holds``, ``partly``, ``wrong`` or ``not checkable here``,
-as a :class:`Verdict`: a string equal to its word that also carries ``detail``, the condition the
-table writes into the row's ``why`` (by how much it is off, which part holds, on what it was
-measured).
-
-* :func:`ratio`: a number; ``holds`` within a tolerance, else ``wrong`` (off by N×);
-* :func:`in_range`: a range; ``holds`` inside it, else ``wrong`` (off by N× from the nearer end);
-* :func:`truth`: a statement (an ordering, "fits", "is faster"); ``holds`` or ``wrong``;
-* :func:`cost_range`: a claimed cost measured with noise (an interval); ``holds`` when they meet,
-  ``wrong`` when all of it lies above (a bigger cost), ``partly`` when all of it lies below (the cost
-  is real but smaller than claimed);
-* :func:`shown`: a claimed speed-up on hardware the lab cannot run; ``wrong`` when the bytes rule it
-  out, ``holds`` when a measured run reaches it, else ``not checkable here`` (an upper bound alone
-  never makes it hold);
-* :func:`margin`: "it fits" / "it needs more" against a limit; ``partly`` within a margin (it depends
-  on what else must fit);
-* :func:`parts`: a sentence of two parts, each measured; ``holds`` when both do, ``wrong`` when
-  neither does, else ``partly``, naming which part holds;
-* :func:`judged_on`: marks a verdict measured on SmolLM2, this CPU or the lab's workload for a claim
-  made about another model, GPU or workload (the table's one rule, :mod:`kvlab.claims`).
+Each rule returns a :class:`Verdict`, a string equal to ``holds``, ``partly``, ``wrong`` or ``not
+checkable here`` that also carries ``detail``, the condition the row's ``why`` opens with. :func:`ratio`
+(a number within a tolerance), :func:`in_range`, :func:`truth` (a statement), :func:`cost_range` (a
+noisy cost: ``partly`` when all of it lies below the claim: real but smaller), :func:`shown` (a
+speed-up on hardware the lab cannot run: ``wrong`` when the bytes rule it out, ``holds`` only from a
+measured run, else ``not checkable here``), :func:`margin` ("it fits" against a limit), :func:`parts`
+(a sentence of two measured parts) and :func:`judged_on` (a verdict measured on what the lab runs for
+a claim about another model, GPU or workload: the one rule of :mod:`kvlab.claims`).
 """
 
 from __future__ import annotations

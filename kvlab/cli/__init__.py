@@ -24,11 +24,9 @@ one JSON object on stdout instead of a table):
 - ``gpu-check``: on a CUDA GPU, ``bench kernels``, ``bench engine`` on both backends and the notebooks
   under nbval, each under a time limit, and a summary (:mod:`kvlab.gpu_check`); ``--dry-run``: on a CPU.
 
-The parser is ``kvlab.cli.parser``; each subcommand's handler ``cmd_<name>(args) -> int`` lives in
-the module ``parser.COMMAND_MODULES`` names (``info``, ``generate``, ``bench``, ``quant``, ``export``,
-``claims``, ``gpu_check``, ``grade``). Bad input goes to stderr as one ``kvlab: error: ...`` line with exit status 2, so
-scripts (and the tests) can tell bad input from a crash; the vLLM peer failing exits with 1 and the tail
-of its output; Ctrl-C exits with 130.
+Each subcommand's handler ``cmd_<name>(args) -> int`` lives in the module ``parser.COMMAND_MODULES``
+names. Bad input is one ``kvlab: error: ...`` line on stderr with exit status 2 (so scripts can tell it
+from a crash); a failing vLLM peer exits with 1 and the tail of its output; Ctrl-C exits with 130.
 """
 
 from __future__ import annotations

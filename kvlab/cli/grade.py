@@ -11,7 +11,6 @@ from kvlab.cli.common import CLIError, emit
 
 def cmd_grade(args) -> int:
     import importlib.util  # only to ask whether the grading tools are installed
-
     missing = [m for m in ("nbclient", "nbformat", "ipykernel", "psutil") if importlib.util.find_spec(m) is None]
     if missing:
         raise CLIError(f"grading runs notebooks and needs {', '.join(missing)}: pip install 'kvlab[grade]'")
@@ -26,7 +25,6 @@ def cmd_grade(args) -> int:
     bar = None
     if not args.json:
         from tqdm.auto import tqdm  # the progress bar, on stderr
-
         bar = tqdm(total=None, desc="graded", unit="submission", file=sys.stderr)
     try:
         rows = G.grade(args.submissions, notebook=args.notebook, timeout_s=args.timeout, jobs=args.jobs,

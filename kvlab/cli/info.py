@@ -35,7 +35,6 @@ def _model_config(model: str):
         models.check_model_folder(name)  # a one-line reason when the folder is not a model
     try:
         from transformers import AutoConfig  # heavy: only when the model is no preset
-
         return AutoConfig.from_pretrained(name)
     except (OSError, ValueError):
         raise CLIError(f"unknown model {model!r}: use a preset ({', '.join(sorted(PRESETS))}), "

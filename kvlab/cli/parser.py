@@ -1,12 +1,8 @@
 """The ``kvlab`` parser: every subcommand, option, default and help text, and nothing that runs.
 
-Options that several subcommands share are defined once, as parent parsers
-(``argparse.ArgumentParser(add_help=False)`` handed to ``parents=[...]``), each made by a small
-function that takes the help text where it differs per subcommand. A subcommand's own options are
-a parent parser too, so ``build_parser`` reads as one line per subcommand: its shared groups and
-its own options, in the order its help lists them. Building the parser imports no model code, so
-``kvlab --help`` stays fast; the handlers live in the command modules beside this one
-(``COMMAND_MODULES``).
+Shared options are parent parsers made by small functions (help text varying per subcommand), so
+``build_parser`` reads as one line per subcommand. It imports no model code, so ``kvlab --help``
+stays fast; the handlers live in ``COMMAND_MODULES``.
 """
 
 from __future__ import annotations
@@ -46,7 +42,6 @@ def positive_int(name: str):
         if value < 1:
             raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
         return value
-
     return parse
 
 
@@ -240,7 +235,6 @@ def _gpu_check_options() -> argparse.ArgumentParser:
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole ``kvlab`` command line; ``args.command`` names the subcommand that was chosen.
-
     A subcommand is its own options (``_<name>_options``) plus the shared parents, in the order its
     help lists them."""
     p = argparse.ArgumentParser(prog="kvlab", description="The KV-cache lab's command line.")

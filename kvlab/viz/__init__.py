@@ -104,7 +104,6 @@ def memory_wall_widget(model: str = "llama-2-7b"):
     """Model / context / batch / dtype controls over :func:`memory_wall_figure`, plus the time floor at a
     bandwidth. The context slider stops at the chosen model's maximum context."""
     import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
-
     fig = memory_wall_figure(model, batch=8, widget=True, context=2048)
     w_model = W.Dropdown(options=sorted(sizing.PRESETS), value=model, description="model")
     w_ctx = W.SelectionSlider(options=_contexts(model), value=min(2048, _contexts(model)[-1]), description="context")
@@ -115,7 +114,6 @@ def memory_wall_widget(model: str = "llama-2-7b"):
     w_wt = W.Dropdown(options=["fp32", "fp16", "int8", "int4"], value="fp16", description="weights")
     w_bw = W.FloatSlider(value=2.0, min=0.05, max=8.0, step=0.05, description="TB/s")
     out = W.HTML()
-
     def refresh(_=None):
         xs, w, kv = _memory_wall_traces(w_model.value, w_batch.value, w_kv.value, w_wt.value)
         m = _memory_wall_marks(w_model.value, w_ctx.value, w_batch.value, w_kv.value, w_wt.value)
@@ -139,7 +137,6 @@ def memory_wall_widget(model: str = "llama-2-7b"):
             f"{w_bw.value:.2f} TB/s, so at most {w_batch.value / ms * 1e3:,.0f} tokens/s for the whole batch "
             f"({1e3 / ms:,.0f} per sequence). " + where
         )
-
     def model_changed(_=None):
         options = _contexts(w_model.value)
         value = max(c for c in options if c <= w_ctx.value) if w_ctx.value >= options[0] else options[0]
@@ -148,7 +145,6 @@ def memory_wall_widget(model: str = "llama-2-7b"):
         w_ctx.value = value
         w_ctx.observe(refresh, names="value")
         refresh()
-
     w_model.observe(model_changed, names="value")
     for c in (w_ctx, w_batch, w_kv, w_wt, w_bw):
         c.observe(refresh, names="value")

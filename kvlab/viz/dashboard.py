@@ -1,10 +1,7 @@
 """One dashboard for a running engine (notebook 06): the block pool, the queues, the bytes each decode
-step reads, and, for a quantized pool, the saturation counters per layer x head.
-
-Only reads: an :class:`~kvlab.viz.engine.EngineRecorder` copies a frame off the engine at every step;
-this module adds, per frame, the KV bytes the step's decodes read (their contexts x the pool's bytes
-per token) and a copy of the cache's saturation counters. Live while the engine runs; afterwards the
-step slider replays any step.
+step reads and, for a quantized pool, the saturation counters per layer x head. It only reads the
+frames an :class:`~kvlab.viz.engine.EngineRecorder` copies off the engine; live while the engine
+runs, afterwards the step slider replays any step.
 """
 
 from __future__ import annotations
@@ -18,8 +15,8 @@ from plotly.subplots import make_subplots
 from kvlab.capstone import CONFIGS, quantized
 from kvlab.viz import COLORS
 from kvlab.viz.render import live, view
-from kvlab.viz.engine import EngineRecorder, _frame_html
-from kvlab.viz.paged import _grid, block_table_figure
+from kvlab.viz.engine import EngineRecorder, frame_html
+from kvlab.viz.paged import block_grid, block_table_figure
 
 
 WIDTH = 1000  # px: a widget in a box does not stretch its figures; fits a laptop screen beside the file browser
@@ -42,7 +39,6 @@ class Dashboard:
 
     def __init__(self, llm, columns: int = 32, title: str = ""):
         import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
-
         self.llm, self.columns, self.title = llm, columns, title
         self.recorder = EngineRecorder(llm)
         self.kv_read: list[float] = []  # per frame: bytes the step's decodes read
@@ -129,7 +125,7 @@ class Dashboard:
         index = max(0, min(index, len(frames) - 1))
         frame = frames[index]
         x, running, waiting, mib = self._series()
-        z, text, scale, n = _grid(frame["pool"], self.columns)
+        z, text, scale, n = block_grid(frame["pool"], self.columns)
         with self.pool.batch_update():
             self.pool.data[0].z, self.pool.data[0].text = z, text
             self.pool.data[0].colorscale, self.pool.data[0].zmax = scale, n
@@ -147,7 +143,7 @@ class Dashboard:
             total = sum(map(sum, self.clipped[index]))
             sat = f" · clipped values so far: <b>{total:,}</b>"
         self.info.value = (f"frame {index}: KV read by this step's decodes <b>{mib[index]:.2f} MiB</b> "
-                           f"({_bytes_per_token(s):,.0f} B per token){sat}<br>" + _frame_html(frame))
+                           f"({_bytes_per_token(s):,.0f} B per token){sat}<br>" + frame_html(frame))
 
     def busiest(self) -> int:
         """The frame with the most requests running (the first of them): a good one to look at."""
@@ -179,7 +175,6 @@ def comparison_figure(rows: dict[str, dict], title: str = "", modelled: tuple[st
     per generated token. Bars in ``modelled`` for the KV read are hatched and say so: the static cache's
     read is computed from its slab (every row, whole length), not counted by the engine. ``bounds``: each
     configuration's to-completion bound (notebook 06, section 1), drawn as a marker over its held bar."""
-
     names = [n for n in CONFIGS if n in rows]
     colors = ["#7f8c8d", "#2980b9", "#27ae60", "#16a085"][:len(names)]
     fig = make_subplots(rows=1, cols=3, subplot_titles=("requests held at once (where the budget limits)", "output tokens / s",

@@ -15,7 +15,7 @@ import warnings
 import plotly.graph_objects as go
 
 from kvlab.viz import COLORS
-from kvlab.viz.paged import PALETTE, SHARED, _grid, block_table_figure, seq_color, snapshot
+from kvlab.viz.paged import PALETTE, SHARED, block_grid, block_table_figure, seq_color, snapshot
 
 STATES = ("queued", "prefill", "decode", "preempted")  # a request's state in one step, for the timeline
 STATE_COLORS = {"queued": COLORS["empty"], "prefill": PALETTE[0], "decode": COLORS["tokens"],
@@ -31,14 +31,12 @@ PART_COLORS = {"schedule_s": COLORS["padding"], "packing_s": PALETTE[2], "forwar
 
 class EngineRecorder:
     """Plain-data frames of an :class:`~kvlab.engine.LLM`, one per step, as its forward sees them.
-
     Attaches to ``llm.on_scheduled`` (chaining any callback already there). A frame holds the step,
     the pool (:func:`kvlab.viz.paged.snapshot`, without the per-sequence tables), the waiting /
     running / finished seq ids, the scheduled seqs with their new tokens, and the step's trace
     events (its ``finished`` events, logged after the forward, join it through ``llm.on_step``).
     ``listeners`` are called with
-    ``(frame index, is_new)`` whenever a frame is added or gains events.
-    """
+    ``(frame index, is_new)`` whenever a frame is added or gains events."""
 
     def __init__(self, llm):
         self.llm = llm
@@ -136,7 +134,7 @@ class EngineRecorder:
 
 
 def _seq_colors(pool: dict) -> dict[int, str]:
-    """The colour ``paged._grid`` gives each block owner: chips match their blocks."""
+    """The colour ``paged.block_grid`` gives each block owner: chips match their blocks."""
     return {sid: seq_color(sid) for sid in {o for b in pool["blocks"] for o in b["owners"]}}
 
 
@@ -148,7 +146,7 @@ def _chip(label: str, color: str | None, title: str = "", outline: str | None = 
             f"{html.escape(label)}</span>")
 
 
-def _frame_html(frame: dict) -> str:
+def frame_html(frame: dict) -> str:
     colors = _seq_colors(frame["pool"])
     sched = {s["seq_id"]: s for s in frame["scheduled"]}
     prefill = sum(s["tokens"] for s in frame["scheduled"] if s["kind"] == "prefill")  # tokens
@@ -202,31 +200,26 @@ def _frame_html(frame: dict) -> str:
 
 def scheduler_widget(recorder: EngineRecorder, columns: int = 16):
     """Step (or play) through a recorded run: queues, this step's tokens and events, and the block pool.
-
     Follows the recorder: frames added later (a run in progress) extend the slider and move it to the
-    newest step. With no frames yet, records the engine as it is now.
-    """
+    newest step. With no frames yet, records the engine as it is now."""
     import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
-
     if not recorder.frames:
         recorder.capture()
     recorder.sync()
     frames = recorder.frames
     fig = block_table_figure(frames[-1]["pool"], columns, widget=True)
-    info = W.HTML(_frame_html(frames[-1]))
+    info = W.HTML(frame_html(frames[-1]))
     first, last = frames[0]["step"], frames[-1]["step"]
     play = W.Play(min=first, max=last, value=last, interval=800, description="play")
     step = W.IntSlider(min=first, max=last, value=last, description="step")
     W.jslink((play, "value"), (step, "value"))
-
     def draw(value: int):
         frame = recorder.frame_at(value)
-        z, text, scale, n = _grid(frame["pool"], columns)
+        z, text, scale, n = block_grid(frame["pool"], columns)
         with fig.batch_update():
             fig.data[0].z, fig.data[0].text = z, text
             fig.data[0].colorscale, fig.data[0].zmax = scale, n
-        info.value = _frame_html(frame)
-
+        info.value = frame_html(frame)
     def follow(index: int, new: bool):
         frame_step = recorder.frames[index]["step"]
         if new:
@@ -236,7 +229,6 @@ def scheduler_widget(recorder: EngineRecorder, columns: int = 16):
             step.value = frame_step  # redraws through the observer
         elif recorder.frame_at(step.value) is recorder.frames[index]:
             draw(step.value)
-
     step.observe(lambda change: draw(change["new"]), names="value")
     recorder.listeners.append(follow)
     box = W.VBox([W.HBox([play, step]), info, fig])
@@ -256,12 +248,10 @@ def live_scheduler_widget(llm, columns: int = 16):
 
 def request_states(llm, seq_ids=None) -> dict[int, list[tuple[int, str]]]:
     """Per request, ``(step, state)`` for every step from its arrival to its end, from the trace alone.
-
     States: queued (waiting, never run), prefill (running, prompt not all computed: a chunk this step,
     or waiting for token budget), decode, preempted (waiting to be readmitted). The trace logs a
     prompt's chunks but not its last one: prefill ends the first step after the last ``chunked``
-    in which the request was not ``deferred``.
-    """
+    in which the request was not ``deferred``."""
     by_seq: dict[int, dict[int, list]] = {}
     for ev in llm.trace:
         by_seq.setdefault(ev.seq_id, {}).setdefault(ev.step, []).append(ev)

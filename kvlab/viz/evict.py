@@ -53,7 +53,6 @@ def eviction_explorer(runs: dict, marks: dict | None = None, prompt_tokens: int 
     ``prompt_tokens``: a line where the prompt ends and the answer begins; ``start``: the budget the slider opens at
     (the smallest by default)."""
     import ipywidgets as W  # ipywidgets loads only when a widget is built
-
     budgets = sorted(runs)
     if start is not None and start not in budgets:
         raise ValueError(f"start: {start!r} is not one of the budgets run, {budgets}")
@@ -85,7 +84,6 @@ def eviction_explorer(runs: dict, marks: dict | None = None, prompt_tokens: int 
     slider = W.SelectionSlider(options=budgets, value=budgets[0] if start is None else start,
                                description="budget (tokens)",
                                style={"description_width": "initial"}, layout=W.Layout(width="460px"))
-
     def refresh(_=None):
         at = runs[slider.value]
         _, z, text = _grid(at, slider.value, prompt_tokens)
@@ -98,7 +96,6 @@ def eviction_explorer(runs: dict, marks: dict | None = None, prompt_tokens: int 
                                 + (f"<br>boxed ({marks[next(iter(marks))]}) blocks kept: " + ", ".join(
                                     f"{n} {sum(b in r['kept'] for b in marks)}/{len(marks)}" for n, r in at.items())
                                    if marks else "") + "</sup>")
-
     slider.observe(refresh, names="value")
     refresh()
     return W.VBox([slider, view(fig)])

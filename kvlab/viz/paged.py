@@ -66,7 +66,7 @@ class Trace:
 COMPACT_COLUMNS = 12  # wider grids label each block with its owner only (c = cached, ×n = shared by n)
 
 
-def _grid(frame: dict, columns: int):
+def block_grid(frame: dict, columns: int):
     rows = cdiv(len(frame["blocks"]), columns)
     compact = columns > COMPACT_COLUMNS
     z, text, colors = [], [], {}
@@ -130,7 +130,7 @@ def _tables_html(frame: dict) -> str:
 
 
 def block_table_figure(frame: dict, columns: int = 8, widget: bool = False):
-    z, text, scale, n = _grid(frame, columns)
+    z, text, scale, n = block_grid(frame, columns)
     fig = go.Figure(go.Heatmap(
         z=z, text=text, texttemplate="%{text}", textfont=dict(size=13 if columns <= COMPACT_COLUMNS else 11),
         colorscale=scale, zmin=0, zmax=n,
@@ -149,7 +149,6 @@ def block_table_widget(trace: Trace, columns: int = 8, start: int = 0):
     """Step (or play) through a trace: the block grid and the per-sequence tables update together.
     It opens at frame ``start`` (a frame worth seeing before anyone moves the slider)."""
     import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
-
     if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < len(trace.frames):
         raise ValueError(f"start must be a frame index in 0..{len(trace.frames) - 1}, got {start!r}")
     fig = block_table_figure(trace.frames[start], columns, widget=True)
@@ -157,15 +156,13 @@ def block_table_widget(trace: Trace, columns: int = 8, start: int = 0):
     play = W.Play(min=0, max=len(trace.frames) - 1, interval=1200, description="play", value=start)
     step = W.IntSlider(min=0, max=len(trace.frames) - 1, description="step", value=start)
     W.jslink((play, "value"), (step, "value"))
-
     def show(change):
         frame = trace.frames[change["new"]]
-        z, text, scale, n = _grid(frame, columns)
+        z, text, scale, n = block_grid(frame, columns)
         with fig.batch_update():
             fig.data[0].z, fig.data[0].text = z, text
             fig.data[0].colorscale, fig.data[0].zmax = scale, n
         info.value = _tables_html(frame)
-
     step.observe(show, names="value")
     return W.VBox([W.HBox([play, step]), info, view(fig)])
 

@@ -83,11 +83,9 @@ def granularity_explorer(keys, values, calibration=None,
     INT8 signal-to-noise and clip rate per layer update live. ``start``: the statistic it opens on
     (default: this data's own abs-max, where nothing clips; e.g. ``"p99"`` opens on clipping)."""
     import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
-
     stats = ["this data's abs-max"] + (["absmax", "p99.99", "p99.9", "p99"] if calibration is not None else [])
     if start is not None and start not in stats:
         raise ValueError(f"start must be one of {stats}, got {start!r}")
-
     def measure(x, layer, which, gran, stat):
         if stat == stats[0] or gran not in ("per-tensor", "per-head", "per-channel"):
             q, scale = core.int8_roundtrip(x, gran)
@@ -96,7 +94,6 @@ def granularity_explorer(keys, values, calibration=None,
             q = core.quantize_int8(x, scale)
         clip = ((x.float() / scale).abs() > 127.5).float().mean().item()
         return core.error_metrics(x, core.dequantize_int8(q, scale))["snr_db"], clip
-
     which = W.ToggleButtons(options=["K", "V"], description="tensor")
     gran = W.Dropdown(options=list(granularities), value="per-head", description="granularity")
     stat = W.Dropdown(options=stats, value=start or stats[0], description="scales from")
@@ -110,7 +107,6 @@ def granularity_explorer(keys, values, calibration=None,
     fig.update_yaxes(title_text="share of values clipped", tickformat=".3~%", nticks=5, rangemode="tozero",
                      secondary_y=True)
     fig = live(fig)
-
     def refresh(_=None):
         data = keys if which.value == "K" else values
         rows = [measure(x, i, which.value, gran.value, stat.value) for i, x in enumerate(data)]
@@ -129,7 +125,6 @@ def granularity_explorer(keys, values, calibration=None,
             fig.layout.title = (f"INT8 {which.value}, {gran.value} scales from {source}<br><sup>"
                                 f"mean SNR {sum(r[0] for r in rows) / len(rows):.1f} dB, "
                                 f"{sum(clips) / len(clips):.3%} of values clipped</sup>")
-
     for w in (which, gran, stat):
         w.observe(refresh, names="value")
     refresh()

@@ -1,14 +1,9 @@
 """Figures that widgets update in place, on every front end (JupyterLab, Colab, Kaggle, a course hub).
 
-A live widget (a slider over a plot) updates its figure inside ``with fig.batch_update():``. Where
-plotly's ``FigureWidget`` renders (JupyterLab with the lab's plotly and ipywidgets), it is that
-widget. Where it does not (Colab's widget manager, Kaggle, old plotly/ipywidgets pairs), the same
-updates go to a plain ``go.Figure`` that is redrawn inside an ``ipywidgets.Output`` after each batch:
-slower (the whole figure is sent again) but it renders wherever a notebook shows a plotly figure.
-
-:func:`~kvlab.env.widget_mode` chooses: ``KVLAB_WIDGETS=figurewidget`` or ``KVLAB_WIDGETS=output``
-forces one; otherwise ``output`` on Colab and Kaggle (:func:`kvlab.env.hosted`), ``figurewidget`` elsewhere.
-:func:`live` makes the figure, :func:`view` gives the widget to put in a layout.
+A live widget updates its figure inside ``with fig.batch_update():``. Where plotly's ``FigureWidget``
+renders it is that widget; elsewhere (Colab, Kaggle, old plotly/ipywidgets pairs) a plain ``go.Figure``
+redrawn in an ``ipywidgets.Output`` after each batch: slower, but it renders wherever plotly does.
+:func:`~kvlab.env.widget_mode` chooses (``KVLAB_WIDGETS=figurewidget`` or ``output`` forces one).
 """
 
 from __future__ import annotations
@@ -25,13 +20,11 @@ __all__ = ["MODES", "RedrawnFigure", "live", "view", "widget_mode"]
 
 class RedrawnFigure:
     """A plotly figure shown in an ``ipywidgets.Output`` and redrawn after each ``batch_update``.
-
     ``data``, ``layout`` and the figure's other attributes are the plain figure's; ``output`` is the
     widget to display (:func:`view`). ``update_layout`` redraws too."""
 
     def __init__(self, fig):
         import ipywidgets as W  # ipywidgets loads only when a widget is built
-
         self.figure = go.Figure(fig)
         self.output = W.Output()
         self.output.live_figure = self  # from the widget tree back to the figure it shows (tests read it)
@@ -40,7 +33,6 @@ class RedrawnFigure:
 
     def draw(self) -> None:
         from IPython.display import display  # IPython: only where a figure is drawn (a kernel has it)
-
         self.output.clear_output(wait=True)
         with self.output:
             display(self.figure)
