@@ -22,7 +22,7 @@ from kvlab import kernels
 from kvlab.bench.engine import make_workload
 from kvlab.cache import saturation_summary
 from kvlab.engine import LLM, SamplingParams
-from kvlab.engine.llm import _make_cache
+from kvlab.engine.llm import make_cache
 from kvlab.kernels.traffic import count_traffic
 from kvlab.validate import cdiv
 
@@ -51,7 +51,7 @@ def skip_reason(name: str) -> str | None:
 def block_bytes(model, kv_cache_dtype: str, block_size: int = 16, calibration=None) -> tuple[int, int]:
     """(bytes per block, fixed bytes) of a ``kv_cache_dtype`` pool for ``model``: pages and per-slot scales grow
     with the blocks; static scale tables (notebook 03) do not."""
-    probe = _make_cache(model, None, 1, block_size, kv_cache_dtype, None, calibration, "smollm2-135m")
+    probe = make_cache(model, None, 1, block_size, kv_cache_dtype, None, calibration, "smollm2-135m")
     return probe.bytes_per_block, probe.fixed_bytes
 
 

@@ -7,11 +7,13 @@ lose their Markdown marks, the verse stays as it is.
 from __future__ import annotations
 
 import importlib.util
+import random
 import re
 from functools import lru_cache
 from pathlib import Path
 
 from kvlab.files import FileError, read_text
+from kvlab.validate import check_int
 
 
 def _plays_dir() -> Path:
@@ -83,3 +85,68 @@ def text_tokens_from_file(tokenizer, path: str, max_tokens: int | None = None) -
     if len(ids) < 2:
         raise FileError(f"text file {str(path)!r} has fewer than 2 tokens")
     return ids[:max_tokens] if max_tokens else ids
+
+
+# ---- a retrieval task: a pass key hidden in a long prompt (notebook 07) -------------------------------
+
+QUESTION = " What is the pass key?"
+DEPTHS = (0.1, 0.3, 0.5)  # where passkey_prompts() hides the key, in turn: a share of the haystack
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+def passkey_depth(i: int) -> float:
+    """The depth of pass-key prompt ``i``: :data:`DEPTHS` in turn."""
+    return DEPTHS[i % len(DEPTHS)]
+
+
+def passkey_prompts(tokenizer, n: int = 6, filler_repeats: int = 20, seed: int = 0,
+                    haystack: str = "filler", question_starts: bool = False) -> tuple:
+    """``n`` prompts, each hiding a five-digit pass key at a depth of 10, 30 and 50 % of a haystack in
+    turn (:data:`DEPTHS`: prompt i at ``DEPTHS[i % 3]``), and asking for it at the end. Returns
+    (token ids, keys).
+
+    ``haystack``: "filler", ``filler_repeats`` copies of five plain sentences (the usual pass-key
+    test: the key is the one sentence unlike the others), or a play's name (:func:`kvlab.data.plays`):
+    as many of its lines, from a random place, as the filler would take tokens, so the key sits in
+    text where every line is different. ``question_starts=True`` adds a third list: where each
+    prompt's question begins."""
+    check_int("n", n)
+    check_int("filler_repeats", filler_repeats)
+    if haystack != "filler" and haystack not in plays():
+        raise ValueError(f"haystack must be 'filler' or a play's name ({', '.join(plays()[:3])}, ...), got {haystack!r}")
+    rng, place = random.Random(seed), random.Random(seed + 1)
+    lines = [] if haystack == "filler" else [line for line in play_text(haystack).splitlines() if line.strip()]
+    budget = len(tokenizer.encode(FILLER * filler_repeats))
+    prompts, keys, starts = [], [], []
+    for i in range(n):
+        key = rng.randrange(10000, 100000)
+        depth = passkey_depth(i)
+        if haystack == "filler":
+            before = int(filler_repeats * depth)
+            head, tail = FILLER * before, FILLER * (filler_repeats - before)
+        else:
+            start, hay, used = place.randrange(len(lines) - 400), [], 0
+            while used < budget:
+                hay.append(lines[start + len(hay)] + "\n")
+                used += len(tokenizer.encode(hay[-1]))
+            at = max(1, round(len(hay) * depth))
+            head, tail = "".join(hay[:at]), "".join(hay[at:])
+        document = ("There is an important piece of information hidden in a lot of irrelevant text. Find it and "
+                    f"memorize it.\n{head}The pass key is {key}. Remember it. {key} is the pass key.\n{tail}")
+        # the document's ids, then the question's: where the question starts is known exactly
+        question = (QUESTION if document.endswith(" ") else QUESTION.lstrip()) + " The pass key is"
+        ids = list(tokenizer.encode(document.rstrip(" ")))
+        prompts.append(ids + list(tokenizer.encode(question)))
+        starts.append(len(ids))
+        keys.append(key)
+    return (prompts, keys, starts) if question_starts else (prompts, keys)
+
+
+def passkey_blocks(tokenizer, prompt: list[int], key: int, block_size: int = 16) -> list[int]:
+    """-> the logical blocks of ``prompt`` that hold a token of ``key``, everywhere it is written (the
+    prompt states it twice)."""
+    ids = list(tokenizer.encode(f" {key}"))
+    at = [i for i in range(len(prompt) - len(ids) + 1) if prompt[i:i + len(ids)] == ids]
+    if not at:
+        raise ValueError(f"key {key} does not occur in the prompt")
+    return sorted({(i + j) // block_size for i in at for j in range(len(ids))})

@@ -245,7 +245,7 @@ def test_evaluate_scores_every_target_once_and_fp_matches_itself(tiny):
     assert res["configs"]["fp32"]["delta_ppl_ci95"] == pytest.approx((0, 0), abs=1e-9)  # no difference, no width
     lo, hi = res["configs"]["int8"]["delta_ppl_ci95"]
     assert lo < res["configs"]["int8"]["delta_ppl_pct"] < hi and hi - lo > 0
-    from kvlab.eval import _windows
+    from kvlab.eval.quality import _windows
 
     fed = sum(end - start - 1 for start, end, _ in _windows(150, 64, 24))  # every window's tokens but its last
     sat = res["configs"]["int8"]["saturation"]["k"]

@@ -1,12 +1,14 @@
 """Notebook 07's measurements beyond eviction: quality against bytes, the host tier's projections,
-many engines behind a router (kvlab/beyond.py, kvlab/eval.py's eviction_quality)."""
+many engines behind a router (kvlab/engine/fleet.py, kvlab/eval/eviction.py)."""
 
 import math
 
 import pytest
 
-from kvlab import beyond
-from kvlab.beyond import StepTimeModel, chat_workload, simulate_fleet
+from kvlab import data
+from kvlab.engine import fleet
+from kvlab.engine.fleet import StepTimeModel, chat_workload, simulate_fleet
+from kvlab.eval import eviction as evq
 from kvlab.cache import evict as ev
 from kvlab.engine.metrics import StepStats
 from kvlab.eval import eviction_quality
@@ -30,8 +32,8 @@ def test_eviction_quality_full_cache_is_the_reference(tiny):
 
 def test_equal_byte_budgets(smollm2):
     model, _ = smollm2
-    b = beyond.equal_byte_budgets(model, 1023, ("int4",), block_size=16)
-    share = beyond.block_share(model, "int4", 16)
+    b = evq.equal_byte_budgets(model, 1023, ("int4",), block_size=16)
+    share = evq.block_share(model, "int4", 16)
     assert b["int4"] == int(share * 64) * 16 and 0.25 < share < 0.35
 
 
@@ -39,17 +41,17 @@ def test_fit_step_time_recovers_a_planted_model():
     planted = StepTimeModel(0.02, 0.0005, 0.002)
     stats = [StepStats(i, 0, 0, 0, p, d, 0, 0, 0, 0, planted(p, d), 0.0, 0.0, 0.0)
              for i, (p, d) in enumerate([(0, 1), (0, 8), (128, 4), (512, 0), (64, 16), (0, 32)])]
-    fit = beyond.fit_step_time(stats)
+    fit = fleet.fit_step_time(stats)
     assert math.isclose(fit.fixed, 0.02, rel_tol=1e-6) and math.isclose(fit.per_decode, 0.002, rel_tol=1e-6)
     assert fit.error < 1e-6 and "median error" in str(fit)
     with pytest.raises(ValueError, match="at least 3"):
-        beyond.fit_step_time(stats[:2])
+        fleet.fit_step_time(stats[:2])
 
 
 def test_fleet_routing_and_the_host_tier():
     wl = chat_workload(24, 3, seed=1)
     st = StepTimeModel(0.02, 0.0004, 0.001)
-    runs = {r: simulate_fleet(wl, 4, r, st, num_blocks=128) for r in beyond.ROUTERS}
+    runs = {r: simulate_fleet(wl, 4, r, st, num_blocks=128) for r in fleet.ROUTERS}
     assert all(x["requests"] == 72 for x in runs.values())
     assert runs["prefix-affinity"]["prefix_hit_rate"] > runs["round-robin"]["prefix_hit_rate"] + 0.1
     assert runs["prefix-affinity"]["prefix_hit_rate"] > runs["least-loaded"]["prefix_hit_rate"] + 0.1
@@ -63,47 +65,47 @@ def test_fleet_routing_and_the_host_tier():
 
 
 def test_tier_projection_arithmetic():
-    r = beyond.tier_projection(10, 160, "llama-3-8b")
+    r = fleet.tier_projection(10, 160, "llama-3-8b")
     assert r["bytes_moved"] == 10 * 16 * 131072
     assert math.isclose(r["recompute_flops"], 2 * 8.03e9 * 160)
     pcie4 = r["links"]["PCIe 4.0 x16"]
     assert math.isclose(pcie4["seconds"], r["bytes_moved"] / 32e9)
     # a GQA model moves few bytes per parameter: loading beats recomputing; an MHA model of similar size less so
-    assert pcie4["x_faster_than_recompute"] > 3 * beyond.tier_projection(10, 160, "llama-2-7b")["links"][
+    assert pcie4["x_faster_than_recompute"] > 3 * fleet.tier_projection(10, 160, "llama-2-7b")["links"][
         "PCIe 4.0 x16"]["x_faster_than_recompute"]
 
 
 def test_passkey_prompts(tiny):
     _, tok = tiny
-    prompts, keys = beyond.passkey_prompts(tok, n=3, filler_repeats=4)
+    prompts, keys = data.passkey_prompts(tok, n=3, filler_repeats=4)
     assert len(prompts) == 3 and all(10000 <= k < 100000 for k in keys)
     assert all(str(k).encode() in bytes(t - 3 for t in p if t >= 3) for p, k in zip(prompts, keys))
     # the depths cycle through DEPTHS: the key's first mention moves back as the depth grows
-    firsts = [min(beyond.passkey_blocks(tok, p, k, block_size=1)) for p, k in zip(prompts, keys)]
+    firsts = [min(data.passkey_blocks(tok, p, k, block_size=1)) for p, k in zip(prompts, keys)]
     assert firsts == sorted(firsts) and len(set(firsts)) == 3
-    blocks = beyond.passkey_blocks(tok, prompts[0], keys[0], block_size=16)
+    blocks = data.passkey_blocks(tok, prompts[0], keys[0], block_size=16)
     assert len(blocks) >= 2 and blocks == sorted(blocks)  # written twice: both mentions' blocks
     with pytest.raises(ValueError, match="does not occur"):
-        beyond.passkey_blocks(tok, prompts[0], 99999 if keys[0] != 99999 else 11111)
-    prompts, keys, starts = beyond.passkey_prompts(tok, n=2, filler_repeats=4, haystack="macbeth", question_starts=True)
+        data.passkey_blocks(tok, prompts[0], 99999 if keys[0] != 99999 else 11111)
+    prompts, keys, starts = data.passkey_prompts(tok, n=2, filler_repeats=4, haystack="macbeth", question_starts=True)
     for p, k, s in zip(prompts, keys, starts):
         assert str(k) in tok.decode(p[:s]) and tok.decode(p[s:]).startswith("What is the pass key?")
     with pytest.raises(ValueError, match="haystack"):
-        beyond.passkey_prompts(tok, n=2, haystack="no-such-play")
+        data.passkey_prompts(tok, n=2, haystack="no-such-play")
     with pytest.raises(ValueError, match="cut must be one of"):
-        beyond.passkey(None, tok, {"full": None}, n=2, cut="after the answer")
+        evq.passkey(None, tok, {"full": None}, n=2, cut="after the answer")
 
 
 def test_equal_bytes_verdict():
     fmt = {"kl": 0.01, "delta_ppl_ci95": (0.0, 1.0)}
-    assert beyond.equal_bytes_verdict(fmt, {"kl": 0.1, "delta_ppl_ci95": (0.5, 9.0)}) == ("quantize", pytest.approx(10))
-    assert beyond.equal_bytes_verdict(fmt, {"kl": 0.001, "delta_ppl_ci95": (-3.0, -1.0)})[0] == "evict"
+    assert evq.equal_bytes_verdict(fmt, {"kl": 0.1, "delta_ppl_ci95": (0.5, 9.0)}) == ("quantize", pytest.approx(10))
+    assert evq.equal_bytes_verdict(fmt, {"kl": 0.001, "delta_ppl_ci95": (-3.0, -1.0)})[0] == "evict"
     # within TIE_KL and the intervals overlap: the measurements cannot tell them apart
-    assert beyond.equal_bytes_verdict(fmt, {"kl": 0.019, "delta_ppl_ci95": (0.9, 5.0)})[0] == "tie"
-    assert beyond.equal_bytes_verdict(fmt, {"kl": 0.006, "delta_ppl_ci95": (-1.0, 0.1)})[0] == "tie"
+    assert evq.equal_bytes_verdict(fmt, {"kl": 0.019, "delta_ppl_ci95": (0.9, 5.0)})[0] == "tie"
+    assert evq.equal_bytes_verdict(fmt, {"kl": 0.006, "delta_ppl_ci95": (-1.0, 0.1)})[0] == "tie"
     # close KLs but separate intervals, or overlapping intervals but KLs TIE_KL apart: not a tie
-    assert beyond.equal_bytes_verdict(fmt, {"kl": 0.019, "delta_ppl_ci95": (1.1, 5.0)})[0] == "quantize"
-    assert beyond.equal_bytes_verdict(fmt, {"kl": 0.02, "delta_ppl_ci95": (0.9, 5.0)})[0] == "quantize"
+    assert evq.equal_bytes_verdict(fmt, {"kl": 0.019, "delta_ppl_ci95": (1.1, 5.0)})[0] == "quantize"
+    assert evq.equal_bytes_verdict(fmt, {"kl": 0.02, "delta_ppl_ci95": (0.9, 5.0)})[0] == "quantize"
 
 
 def test_answers_after_cut_against_the_engine(tiny):

@@ -440,7 +440,7 @@ def test_sinks_window_blocks(capsys):
 
 
 def test_copy_or_recompute(capsys):
-    from kvlab.beyond import GPU_FLOPS, LINKS, tier_projection
+    from kvlab.engine.fleet import GPU_FLOPS, LINKS, tier_projection
     from kvlab.check.evict import copy_and_recompute
     from kvlab.sizing import kv_config
 

@@ -152,7 +152,7 @@ def test_unsupported_models_are_refused_in_one_line_before_any_work(arch, monkey
     def no_pool(*args, **kw):
         raise AssertionError("a pool was allocated for a model that is refused")
 
-    monkeypatch.setattr(kvlab.engine.llm, "_make_cache", no_pool)
+    monkeypatch.setattr(kvlab.engine.llm, "make_cache", no_pool)
     with pytest.raises(UnsupportedModelError, match="cannot run"):
         LLM(m, None, num_blocks=8, block_size=4)
     monkeypatch.undo()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from kvlab.beyond import GPU_FLOPS, LINKS, prefill_flops
+from kvlab.engine.fleet import GPU_FLOPS, LINKS, prefill_flops
 from kvlab.cache.evict import SinksWindow
 from kvlab.cache.evict import h2o_keep as ref_h2o_keep
 from kvlab.cache.paged import BlockManager
@@ -86,7 +86,7 @@ def sinks_window_blocks(fn: Callable[[int, int, int, int], list]) -> bool:
 def copy_and_recompute(tokens: int, cfg, link_bytes_per_s: float, flops_per_s: float) -> tuple[float, float]:
     """The answer: seconds to copy ``tokens`` tokens' FP16 K and V over the link, and seconds to
     recompute them by a prefill (2 FLOPs per parameter per token, attention left out), both at peak:
-    the arithmetic of :func:`kvlab.beyond.tier_projection`."""
+    the arithmetic of :func:`kvlab.engine.fleet.tier_projection`."""
     return tokens * kv_bytes_per_token(cfg, "fp16") / link_bytes_per_s, prefill_flops(cfg, tokens) / flops_per_s
 
 

@@ -13,7 +13,7 @@ import time
 from functools import cached_property
 from typing import Callable
 
-from kvlab.beyond import passkey
+from kvlab.eval import passkey
 from kvlab.bench.caches import recompute_vs_cache
 from kvlab.cache import simulate
 from kvlab.cache.evict import SlidingWindow
@@ -41,9 +41,9 @@ class Lab:
             if not isinstance(answers, dict) or not {"identical", "requests", "prefix_share"} <= set(answers):
                 raise ValueError("answers must be kvlab.capstone.agreement(...)'s dict (identical, requests, prefix_share)")
             self.__dict__["answers"] = answers
-        if passkey is not None:  # notebook 07's run of kvlab.beyond.passkey (n=4), full cache and a 256 window
+        if passkey is not None:  # notebook 07's run of kvlab.eval.passkey (n=4), full cache and a 256 window
             if not isinstance(passkey, dict) or not {"full", "window"} <= set(passkey):
-                raise ValueError("passkey must be kvlab.beyond.passkey(...)'s dict with 'full' and 'window' runs")
+                raise ValueError("passkey must be kvlab.eval.passkey(...)'s dict with 'full' and 'window' runs")
             self.__dict__["passkey"] = passkey
         self.seconds: dict[str, float] = {}  # what each measurement cost, for the notebook
 
@@ -67,7 +67,7 @@ class Lab:
     @cached_property
     def passkey(self) -> dict:
         """Notebook 07's retrieval task, small: 4 pass keys hidden early in ~540-token prompts, the full
-        cache against a 256-token sliding window (``kvlab.beyond.passkey``)."""
+        cache against a 256-token sliding window (``kvlab.eval.passkey``)."""
         return self._timed("passkey", lambda: passkey(self.model, self.tokenizer,
                                                      {"full": None, "window": SlidingWindow(256)}, n=4))
 

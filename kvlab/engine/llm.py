@@ -74,7 +74,7 @@ class RequestOutput:
     logits: list | None = None  # one (V,) tensor per output token, when SamplingParams(return_logits=True)
 
 
-def _make_cache(model, tokenizer, num_blocks, block_size, kv_cache_dtype, quant_config, calibration, model_name):
+def make_cache(model, tokenizer, num_blocks, block_size, kv_cache_dtype, quant_config, calibration, model_name):
     if quant_config is None and kv_cache_dtype == "auto":
         return PagedKVCache.from_model(model, num_blocks, block_size)
     if quant_config is not None and not isinstance(quant_config, KVQuantConfig):
@@ -136,7 +136,7 @@ class LLM:
             block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
                                          host_blocks=host_blocks)
         if cache is None:
-            cache = _make_cache(model, tokenizer, block_manager.num_blocks, block_manager.block_size, kv_cache_dtype,
+            cache = make_cache(model, tokenizer, block_manager.num_blocks, block_manager.block_size, kv_cache_dtype,
                                 quant_config, calibration, model_name)
         if (cache.num_blocks, cache.block_size) != (block_manager.num_blocks, block_manager.block_size):
             raise ValueError("cache and block_manager disagree on num_blocks / block_size")

@@ -47,7 +47,7 @@ def _spans(marks: dict) -> list[tuple[int, int, str]]:
 
 def eviction_explorer(runs: dict, marks: dict | None = None, prompt_tokens: int | None = None, block_size: int = 16,
                       start: int | None = None):
-    """A budget slider over :func:`kvlab.beyond.kept_blocks`' runs: one row per policy, one cell per
+    """A budget slider over :func:`kvlab.eval.kept_blocks`' runs: one row per policy, one cell per
     logical block of the sequence (kept, dropped, the newest); ``marks``: block index -> label drawn
     above the grid (e.g. where the pass key sits; consecutive blocks with one label share it);
     ``prompt_tokens``: a line where the prompt ends and the answer begins; ``start``: the budget the slider opens at

@@ -1,6 +1,5 @@
 """How much does a KV format cost in quality? Perplexity, KL, top-1 and greedy agreement, and the
-per-layer sensitivity behind a mixed-precision choice (notebook 03); and, at the same bytes, an
-evicting cache against a quantized one (:func:`eviction_quality`, notebook 07).
+per-layer sensitivity behind a mixed-precision choice (notebook 03).
 
 Every configuration is run in lockstep with a full-precision reference through the SAME paged
 attention path, over the same text: the text is cut into sliding windows, each window is fed in
@@ -18,9 +17,9 @@ from dataclasses import replace
 import torch
 
 from kvlab.cache import BlockManager, PagedKVCache, QuantizedPagedKVCache, saturation_summary
-from kvlab.cache.evict import EvictionPolicy
 from kvlab.cache.paged import check_token_ids
-from kvlab.engine import LLM, ModelRunner, SamplingParams, Sequence
+from kvlab.engine import ModelRunner, SamplingParams, Sequence
+from kvlab.engine.scheduler import SchedulerOutput
 from kvlab.generate import paged_generate
 from kvlab.probe import paged_attention_spec
 from kvlab.quant.formats import FP32, KVQuantConfig, TensorFormat, named_config
@@ -94,7 +93,7 @@ def check_scoring(num_tokens: int, window: int, stride: int, chunk: int, block_s
     _check_window(window, stride)
 
 
-def _check_tokens(tokens, vocab_size: int) -> list[int]:
+def check_tokens(tokens, vocab_size: int) -> list[int]:
     """Token ids as a list of ints in the model's vocabulary (an id outside it would fail deep in the embedding)."""
     if isinstance(tokens, torch.Tensor):
         tokens = tokens.flatten().tolist()
@@ -125,7 +124,7 @@ def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: 
     differences (config - FP) on the same positions, mean +- 1.96 standard errors, treating
     positions as independent (they are not quite, so read it as a scale of the noise, not a test).
     It says how precisely Δppl is measured on THIS text, not how it would vary across texts."""
-    tokens = _check_tokens(tokens, model.config.vocab_size)
+    tokens = check_tokens(tokens, model.config.vocab_size)
     _check_configs(configs)
     check_scoring(len(tokens), window, stride, chunk, block_size)
     paged_attention_spec(model)  # a model the paged attention cannot run is refused before any work
@@ -246,7 +245,7 @@ def teacher_forced(model, sequences: list[list[int]], starts: list[int], config:
         raise ValueError(f"starts must give one answer start per sequence ({len(sequences)}), got {len(starts)}")
     agree, intact, first_miss, scored = {"q": 0, "fp": 0}, 0, [], 0
     for ids, start in zip(sequences, starts):
-        ids = _check_tokens(ids, model.config.vocab_size)
+        ids = check_tokens(ids, model.config.vocab_size)
         if not is_int(start) or not 1 <= start < len(ids):
             raise ValueError(f"each start must be an int in [1, len(sequence)), got {start!r} for {len(ids)} tokens")
         runners = {"q": _Runner(model, config, calibration, ids, block_size),
@@ -312,127 +311,3 @@ def auto_config(model, sensitivity: list[float], budget_bytes_per_token: float,
         raise ValueError(f"budget {budget_bytes_per_token:.0f} B/token is below what the low format needs "
                          f"({kv_bytes_per_token(model, cfg):.0f} B/token)")
     return cfg
-
-
-# ---- eviction against quantization (notebook 07) ------------------------------------------------------
-
-def _as_eviction_config(name, spec) -> tuple:
-    policy, fmt = spec if isinstance(spec, tuple) else (spec, "fp16")
-    if policy is not None and not isinstance(policy, EvictionPolicy):
-        raise TypeError(f"config {name!r}: the policy must be a kvlab.cache.evict policy or None, got "
-                        f"{type(policy).__name__}")
-    named_config(fmt)  # an unknown format name fails here
-    return policy, fmt
-
-
-def _serve_text(model, tokens: list[int], prompt_len: int, policies: list, fmt: str, calibration, block_size: int,
-                attn_backend: str, greedy: int = 0) -> list[dict]:
-    """One engine over a pool of format ``fmt``, one request per policy (None: keep every token), all in
-    one batch: ``tokens[:prompt_len]`` is the prompt, the rest is forced in one token a step (each
-    request's policy acting after every forward), then ``greedy`` tokens by argmax. Per request: the
-    logits after every forced token, the generated tokens, and what its cache held at the end."""
-    rows, forced = len(policies), tokens[prompt_len:]
-    nb = rows * (cdiv(len(tokens) + greedy, block_size) + 1) + 1
-    bm = BlockManager(nb, block_size, enable_prefix_caching=False)
-    cache = (PagedKVCache.from_model(model, nb, block_size, dtype=torch.float32) if fmt == "fp32" else
-             QuantizedPagedKVCache.from_model(model, nb, block_size, named_config(fmt), calibration))
-    llm = LLM(model, block_manager=bm, cache=cache, attn_backend=attn_backend, max_num_seqs=rows,
-              max_num_batched_tokens=rows * (prompt_len + 1), watermark=0.0)
-    params = [SamplingParams(max_tokens=len(forced) + greedy, ignore_eos=True, eviction=p, forced_token_ids=forced,
-                             return_logits=True) for p in policies]
-    out = []
-    for o in llm.generate([tokens[:prompt_len]] * rows, params):
-        m = llm.seqs[o.request_id].metrics
-        out.append({"logits": o.logits[1:len(forced)], "tokens": o.token_ids[len(forced):],
-                    "held": {"blocks": m.held_blocks, "tokens": m.held_tokens,
-                             "bytes": m.held_blocks * cache.bytes_per_block}})
-    return out
-
-
-@torch.inference_mode()
-def eviction_quality(model, tokens: list[int], prompt_len: int, configs: dict, calibration=None,
-                     block_size: int = 16, attn_backend: str = "torch") -> dict:
-    """Quality of caches that evict or quantize, against the full FP32 cache, on one text.
-
-    ``configs``: name -> ``(policy, format)``, a :mod:`kvlab.cache.evict` policy (or None: keep every
-    token) and a ``kv_cache_dtype`` name ("fp16", "int8", "k8v4", "int4", ...); a bare policy means
-    FP16. Every config sees the same text: its first ``prompt_len`` tokens are prefilled with full
-    attention (as a served prompt is), then the rest is fed one token at a time, as generation feeds
-    it (the text's own next token, forced, not sampled), each cache dropping or quantizing as it goes:
-    one :class:`~kvlab.engine.LLM` per format, one request per config with its own policy. Every decode
-    position is scored: next-token KL(full || config), top-1 agreement, perplexity with a paired 95 %
-    interval for its change (as :func:`evaluate`), and what the cache holds at the end: blocks,
-    tokens, bytes (``bytes_share``: of the full FP16 cache's).
-
-    The configs of one format share a pool and run as one batch."""
-    tokens = _check_tokens(tokens, model.config.vocab_size)
-    if not is_int(prompt_len) or not 0 < prompt_len < len(tokens) - 1:
-        raise ValueError(f"prompt_len must be an int in [1, {len(tokens) - 2}] (some tokens must follow it), "
-                         f"got {prompt_len!r}")
-    if not isinstance(configs, dict) or not configs:
-        raise ValueError("configs must be a non-empty dict name -> (policy, format)")
-    specs = {n: _as_eviction_config(n, s) for n, s in configs.items()}
-    paged_attention_spec(model)
-    n_tok = len(tokens)
-    groups: dict[str, list[str]] = {"fp32": ["full"]}
-    for n, (_, fmt) in specs.items():
-        groups.setdefault(fmt, []).append(n)
-    specs["full"] = (None, "fp32")
-    logits: dict[str, list[torch.Tensor]] = {n: [] for n in specs}
-    held: dict[str, dict] = {}
-    seconds: dict[str, float] = {}
-    for fmt, names in groups.items():
-        t0 = time.perf_counter()
-        fed = _serve_text(model, tokens, prompt_len, [specs[n][0] for n in names], fmt, calibration, block_size,
-                         attn_backend)
-        for n, row in zip(names, fed):
-            logits[n] = row["logits"]
-            held[n] = row["held"]
-        seconds[fmt] = time.perf_counter() - t0
-    # position t - 1's logits (fed token t - 1) predict token t, for t = prompt_len + 1 .. n_tok - 1
-    targets = torch.tensor(tokens[prompt_len + 1:n_tok])
-    ref = torch.log_softmax(torch.stack(logits["full"]), -1)
-    ref_nll = -ref.gather(1, targets[:, None])[:, 0].double()
-    fp16_full = cdiv(n_tok - 1, block_size) * QuantizedPagedKVCache.from_model(
-        model, 1, block_size, named_config("fp16")).bytes_per_block
-    out = {"tokens": n_tok, "prompt_len": prompt_len, "scored": len(targets), "ppl_full": math.exp(ref_nll.mean()),
-           "fp16_full_bytes": fp16_full, "seconds": seconds, "configs": {}}
-    for n in configs:
-        lp = torch.log_softmax(torch.stack(logits[n]), -1)
-        nll = -lp.gather(1, targets[:, None])[:, 0].double()
-        d = nll - ref_nll
-        se = float(d.std() / math.sqrt(max(len(d) - 1, 1)))
-        mean = float(d.mean())
-        policy, fmt = specs[n]
-        out["configs"][n] = {
-            "policy": None if policy is None else policy.name, "budget": None if policy is None else policy.budget,
-            "format": fmt, "kl": float((ref.exp() * (ref - lp)).sum(-1).mean()),
-            "kl_per_position": (ref.exp() * (ref - lp)).sum(-1),
-            "top1": float((lp.argmax(-1) == ref.argmax(-1)).double().mean()),
-            "ppl": math.exp(float(nll.mean())), "delta_ppl_pct": 100 * (math.exp(mean) - 1),
-            "delta_ppl_ci95": tuple(100 * (math.exp(mean + z * 1.96 * se) - 1) for z in (-1, 1)),
-            **held[n], "bytes_share": held[n]["bytes"] / fp16_full}
-    return out
-
-
-@torch.inference_mode()
-def answers_after_cut(model, tokens: list[int], cut: int, policies: dict, max_tokens: int = 8,
-                      block_size: int = 16, attn_backend: str = "torch") -> dict[str, list[int]]:
-    """Greedy answers when the cache is cut before the prompt ends: ``tokens[:cut]`` is prefilled and
-    cut to each policy's budget (name -> policy, or None: keep every token), the rest of the prompt
-    (say, the question) is fed one token at a time with the policy acting after each, then
-    ``max_tokens`` tokens are generated by argmax. This is the case of a cache compressed before the
-    question is known (a document cached once, asked about later); ``LLM(eviction=...)`` cuts after
-    the whole prompt instead. FP32 pool, the engine's runner and eviction path; one batch, a row per
-    policy. Returns name -> the generated token ids."""
-    tokens = _check_tokens(tokens, model.config.vocab_size)
-    if not is_int(cut) or not 0 < cut <= len(tokens):
-        raise ValueError(f"cut must be an int in [1, {len(tokens)}] (the tokens prefilled before the cut), got {cut!r}")
-    check_int("max_tokens", max_tokens)
-    if not isinstance(policies, dict) or not policies:
-        raise ValueError("policies must be a non-empty dict name -> policy (or None: the full cache)")
-    specs = {n: _as_eviction_config(n, p)[0] for n, p in policies.items()}
-    paged_attention_spec(model)
-    rows = _serve_text(model, tokens, cut, list(specs.values()), "fp32", None, block_size, attn_backend,
-                      greedy=max_tokens)
-    return {n: row["tokens"] for n, row in zip(specs, rows)}

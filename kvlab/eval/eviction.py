@@ -1,0 +1,286 @@
+"""When the cache does not fit (notebook 07): caches that evict or quantize scored against the full cache
+on one text, served by the engine (:func:`eviction_quality`, :func:`answers_after_cut`); the verdict
+at equal bytes (:func:`quantize_or_evict`); the pass-key task (:func:`passkey`); which blocks each
+policy keeps (:func:`kept_blocks`)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from kvlab.cache import BlockManager, PagedKVCache, QuantizedPagedKVCache
+from kvlab.cache.evict import POLICIES, EvictionPolicy, PromptSelect, make_policy
+from kvlab.data import passkey_depth, passkey_prompts
+from kvlab.engine import LLM, SamplingParams
+from kvlab.eval.quality import check_tokens
+from kvlab.probe import paged_attention_spec
+from kvlab.quant import named_config
+from kvlab.validate import cdiv, check_int, is_int
+
+def _as_eviction_config(name, spec) -> tuple:
+    policy, fmt = spec if isinstance(spec, tuple) else (spec, "fp16")
+    if policy is not None and not isinstance(policy, EvictionPolicy):
+        raise TypeError(f"config {name!r}: the policy must be a kvlab.cache.evict policy or None, got "
+                        f"{type(policy).__name__}")
+    named_config(fmt)  # an unknown format name fails here
+    return policy, fmt
+
+
+def _serve_text(model, tokens: list[int], prompt_len: int, policies: list, fmt: str, calibration, block_size: int,
+                attn_backend: str, greedy: int = 0) -> list[dict]:
+    """One engine over a pool of format ``fmt``, one request per policy (None: keep every token), all in
+    one batch: ``tokens[:prompt_len]`` is the prompt, the rest is forced in one token a step (each
+    request's policy acting after every forward), then ``greedy`` tokens by argmax. Per request: the
+    logits after every forced token, the generated tokens, and what its cache held at the end."""
+    rows, forced = len(policies), tokens[prompt_len:]
+    nb = rows * (cdiv(len(tokens) + greedy, block_size) + 1) + 1
+    bm = BlockManager(nb, block_size, enable_prefix_caching=False)
+    cache = (PagedKVCache.from_model(model, nb, block_size, dtype=torch.float32) if fmt == "fp32" else
+             QuantizedPagedKVCache.from_model(model, nb, block_size, named_config(fmt), calibration))
+    llm = LLM(model, block_manager=bm, cache=cache, attn_backend=attn_backend, max_num_seqs=rows,
+              max_num_batched_tokens=rows * (prompt_len + 1), watermark=0.0)
+    params = [SamplingParams(max_tokens=len(forced) + greedy, ignore_eos=True, eviction=p, forced_token_ids=forced,
+                             return_logits=True) for p in policies]
+    out = []
+    for o in llm.generate([tokens[:prompt_len]] * rows, params):
+        m = llm.seqs[o.request_id].metrics
+        out.append({"logits": o.logits[1:len(forced)], "tokens": o.token_ids[len(forced):],
+                    "held": {"blocks": m.held_blocks, "tokens": m.held_tokens,
+                             "bytes": m.held_blocks * cache.bytes_per_block}})
+    return out
+
+
+@torch.inference_mode()
+def eviction_quality(model, tokens: list[int], prompt_len: int, configs: dict, calibration=None,
+                     block_size: int = 16, attn_backend: str = "torch") -> dict:
+    """Quality of caches that evict or quantize, against the full FP32 cache, on one text.
+
+    ``configs``: name -> ``(policy, format)``, a :mod:`kvlab.cache.evict` policy (or None: keep every
+    token) and a ``kv_cache_dtype`` name ("fp16", "int8", "k8v4", "int4", ...); a bare policy means
+    FP16. Every config sees the same text: its first ``prompt_len`` tokens are prefilled with full
+    attention (as a served prompt is), then the rest is fed one token at a time, as generation feeds
+    it (the text's own next token, forced, not sampled), each cache dropping or quantizing as it goes:
+    one :class:`~kvlab.engine.LLM` per format, one request per config with its own policy. Every decode
+    position is scored: next-token KL(full || config), top-1 agreement, perplexity with a paired 95 %
+    interval for its change (as :func:`evaluate`), and what the cache holds at the end: blocks,
+    tokens, bytes (``bytes_share``: of the full FP16 cache's).
+
+    The configs of one format share a pool and run as one batch."""
+    tokens = check_tokens(tokens, model.config.vocab_size)
+    if not is_int(prompt_len) or not 0 < prompt_len < len(tokens) - 1:
+        raise ValueError(f"prompt_len must be an int in [1, {len(tokens) - 2}] (some tokens must follow it), "
+                         f"got {prompt_len!r}")
+    if not isinstance(configs, dict) or not configs:
+        raise ValueError("configs must be a non-empty dict name -> (policy, format)")
+    specs = {n: _as_eviction_config(n, s) for n, s in configs.items()}
+    paged_attention_spec(model)
+    n_tok = len(tokens)
+    groups: dict[str, list[str]] = {"fp32": ["full"]}
+    for n, (_, fmt) in specs.items():
+        groups.setdefault(fmt, []).append(n)
+    specs["full"] = (None, "fp32")
+    logits: dict[str, list[torch.Tensor]] = {n: [] for n in specs}
+    held: dict[str, dict] = {}
+    seconds: dict[str, float] = {}
+    for fmt, names in groups.items():
+        t0 = time.perf_counter()
+        fed = _serve_text(model, tokens, prompt_len, [specs[n][0] for n in names], fmt, calibration, block_size,
+                         attn_backend)
+        for n, row in zip(names, fed):
+            logits[n] = row["logits"]
+            held[n] = row["held"]
+        seconds[fmt] = time.perf_counter() - t0
+    # position t - 1's logits (fed token t - 1) predict token t, for t = prompt_len + 1 .. n_tok - 1
+    targets = torch.tensor(tokens[prompt_len + 1:n_tok])
+    ref = torch.log_softmax(torch.stack(logits["full"]), -1)
+    ref_nll = -ref.gather(1, targets[:, None])[:, 0].double()
+    fp16_full = cdiv(n_tok - 1, block_size) * QuantizedPagedKVCache.from_model(
+        model, 1, block_size, named_config("fp16")).bytes_per_block
+    out = {"tokens": n_tok, "prompt_len": prompt_len, "scored": len(targets), "ppl_full": math.exp(ref_nll.mean()),
+           "fp16_full_bytes": fp16_full, "seconds": seconds, "configs": {}}
+    for n in configs:
+        lp = torch.log_softmax(torch.stack(logits[n]), -1)
+        nll = -lp.gather(1, targets[:, None])[:, 0].double()
+        d = nll - ref_nll
+        se = float(d.std() / math.sqrt(max(len(d) - 1, 1)))
+        mean = float(d.mean())
+        policy, fmt = specs[n]
+        out["configs"][n] = {
+            "policy": None if policy is None else policy.name, "budget": None if policy is None else policy.budget,
+            "format": fmt, "kl": float((ref.exp() * (ref - lp)).sum(-1).mean()),
+            "kl_per_position": (ref.exp() * (ref - lp)).sum(-1),
+            "top1": float((lp.argmax(-1) == ref.argmax(-1)).double().mean()),
+            "ppl": math.exp(float(nll.mean())), "delta_ppl_pct": 100 * (math.exp(mean) - 1),
+            "delta_ppl_ci95": tuple(100 * (math.exp(mean + z * 1.96 * se) - 1) for z in (-1, 1)),
+            **held[n], "bytes_share": held[n]["bytes"] / fp16_full}
+    return out
+
+
+@torch.inference_mode()
+def answers_after_cut(model, tokens: list[int], cut: int, policies: dict, max_tokens: int = 8,
+                      block_size: int = 16, attn_backend: str = "torch") -> dict[str, list[int]]:
+    """Greedy answers when the cache is cut before the prompt ends: ``tokens[:cut]`` is prefilled and
+    cut to each policy's budget (name -> policy, or None: keep every token), the rest of the prompt
+    (say, the question) is fed one token at a time with the policy acting after each, then
+    ``max_tokens`` tokens are generated by argmax. This is the case of a cache compressed before the
+    question is known (a document cached once, asked about later); ``LLM(eviction=...)`` cuts after
+    the whole prompt instead. FP32 pool, the engine's runner and eviction path; one batch, a row per
+    policy. Returns name -> the generated token ids."""
+    tokens = check_tokens(tokens, model.config.vocab_size)
+    if not is_int(cut) or not 0 < cut <= len(tokens):
+        raise ValueError(f"cut must be an int in [1, {len(tokens)}] (the tokens prefilled before the cut), got {cut!r}")
+    check_int("max_tokens", max_tokens)
+    if not isinstance(policies, dict) or not policies:
+        raise ValueError("policies must be a non-empty dict name -> policy (or None: the full cache)")
+    specs = {n: _as_eviction_config(n, p)[0] for n, p in policies.items()}
+    paged_attention_spec(model)
+    rows = _serve_text(model, tokens, cut, list(specs.values()), "fp32", None, block_size, attn_backend,
+                      greedy=max_tokens)
+    return {n: row["tokens"] for n, row in zip(specs, rows)}
+
+
+# ---- at equal bytes, the pass key, the blocks kept ------------------------------------------------------
+
+FORMATS = ("int8", "k8v4", "int4")
+TIE_KL = 2.0  # quantize_or_evict: KLs closer than this factor, with overlapping perplexity intervals, are a tie
+
+
+def block_share(model, fmt: str, block_size: int = 16, calibration=None) -> float:
+    """Bytes of one ``fmt`` block over one FP16 block (per-token scales included; a static format's
+    per-layer scale tables are a fixed cost outside the blocks, and need its ``calibration``)."""
+    def one(f):
+        return QuantizedPagedKVCache.from_model(model, 1, block_size, named_config(f), calibration).bytes_per_block
+    return one(fmt) / one("fp16")
+
+
+def equal_byte_budgets(model, num_tokens: int, formats=FORMATS, block_size: int = 16, calibration=None) -> dict[str, int]:
+    """For each format: the FP16 budget (tokens, whole blocks) that holds what the format's full cache of
+    ``num_tokens`` tokens holds, in bytes, at the end of the text (the peak, which decides what fits)."""
+    full = cdiv(num_tokens, block_size)
+    return {f: int(block_share(model, f, block_size, calibration) * full) * block_size for f in formats}
+
+
+def equal_bytes_verdict(fmt: dict, policy: dict) -> tuple[str, float | None]:
+    """-> (verdict, factor) for a quantized format's scores against one eviction policy's at the same
+    bytes (each a dict with ``kl`` and ``delta_ppl_ci95``): ``factor`` is the policy's KL over the
+    format's; ``tie`` when the factor is within :data:`TIE_KL` either way and the perplexity intervals
+    overlap, else ``quantize`` or ``evict`` by the lower KL."""
+    factor = policy["kl"] / fmt["kl"] if fmt["kl"] > 0 else None
+    (lo, hi), (plo, phi) = fmt["delta_ppl_ci95"], policy["delta_ppl_ci95"]
+    if factor is not None and 1 / TIE_KL < factor < TIE_KL and lo <= phi and plo <= hi:
+        return "tie", factor
+    return ("evict" if policy["kl"] < fmt["kl"] else "quantize"), factor
+
+
+def quantize_or_evict(model, tokens: list[int], prompt_len: int, calibration=None, formats=FORMATS,
+                      policies=tuple(POLICIES), extra_budgets=(64,), block_size: int = 16, options=None) -> dict:
+    """Score every format (full cache) and every policy (FP16, at the formats' equal-byte budgets and at
+    ``extra_budgets``) on one text. SnapKV keeps every answer token, so at a budget it is given
+    ``budget - answer tokens`` for its prompt (where that is too small, it does not take part).
+
+    Returns the :func:`~kvlab.eval.eviction_quality` result, ``budgets`` (format -> tokens) and
+    ``verdicts``: one per format, against the best policy at the same bytes (lowest next-token KL
+    against the full FP32 cache): ``tie`` when neither KL is :data:`TIE_KL` times the other's or more
+    and the two perplexity changes' 95 % intervals overlap (the measurements cannot separate them),
+    else ``quantize`` or ``evict``, whichever has the lower KL. ``factor`` is the best policy's KL over
+    the format's."""
+    options = options or {}
+    budgets = equal_byte_budgets(model, len(tokens) - 1, formats, block_size, calibration)
+    answer = len(tokens) - 1 - prompt_len  # tokens fed after the prompt: SnapKV keeps them all
+    configs = {f: (None, f) for f in formats}
+    where = {}  # config name -> the budget (end-of-text tokens) it is compared at
+    for b in sorted(set(budgets.values()) | set(extra_budgets)):
+        for p in policies:
+            own = b - answer if POLICIES[p] is PromptSelect else b
+            try:
+                policy = make_policy(p, own, **options.get(p, {})) if own > 0 else None
+                if policy is not None:
+                    policy.budget_blocks(block_size)
+            except ValueError:
+                policy = None
+            if policy is not None:
+                configs[f"{p}@{b}"] = (policy, "fp16")
+                where[f"{p}@{b}"] = b
+    result = eviction_quality(model, tokens, prompt_len, configs, calibration=calibration, block_size=block_size)
+    cs = result["configs"]
+    verdicts = []
+    for f in formats:
+        b = budgets[f]
+        rivals = {n: cs[n] for n, bb in where.items() if bb == b}
+        best = min(rivals, key=lambda n: rivals[n]["kl"]) if rivals else None
+        verdict, factor = equal_bytes_verdict(cs[f], rivals[best]) if best else ("quantize", None)
+        verdicts.append({
+            "format": f, "budget": b, "bytes_share": cs[f]["bytes_share"], "kl_format": cs[f]["kl"],
+            "best_policy": best, "kl_best_policy": rivals[best]["kl"] if best else None,
+            "verdict": verdict, "factor": factor})
+    return {"result": result, "budgets": budgets, "where": where, "verdicts": verdicts}
+
+
+CUTS = ("after the prompt", "before the question")  # where passkey() cuts the cache
+
+
+def passkey(model, tokenizer, policies: dict, n: int = 6, filler_repeats: int = 20, seed: int = 0,
+            block_size: int = 16, cut: str = "after the prompt", haystack: str = "filler") -> dict:
+    """Serve the pass-key prompts once per policy (name -> EvictionPolicy or None: the full cache) and
+    count the answers that contain the key. Returns name -> {"correct", "n", "answers", "found" (per prompt), "depths", ...}.
+
+    ``cut`` (:data:`CUTS`): "after the prompt" serves each prompt through ``LLM(eviction=...)``, which
+    cuts once the whole prompt, question included, is prefilled; "before the question" cuts the cache
+    when the document is prefilled and feeds the question after it
+    (:func:`kvlab.eval.answers_after_cut`): the policies choose without knowing what will be asked."""
+    if cut not in CUTS:
+        raise ValueError(f"cut must be one of {CUTS}, got {cut!r}")
+    prompts, keys, starts = passkey_prompts(tokenizer, n, filler_repeats, seed, haystack, question_starts=True)
+    longest = max(map(len, prompts))
+    answers = {name: [] for name in policies}
+    if cut == "after the prompt":
+        for name, policy in policies.items():
+            llm = LLM(model, tokenizer, num_blocks=n * cdiv(longest + 8, block_size) + 8, block_size=block_size,
+                      max_num_seqs=n, max_num_batched_tokens=max(512, longest), eviction=policy,
+                      enable_prefix_caching=False)
+            answers[name] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))]
+    else:
+        for prompt, at in zip(prompts, starts):
+            for name, ids in answers_after_cut(model, prompt, at, policies, 8, block_size).items():
+                answers[name].append(ids)
+    out = {}
+    for name, ids in answers.items():
+        text = [tokenizer.decode(a) for a in ids]
+        found = [str(k) in a for a, k in zip(text, keys)]
+        out[name] = {"correct": sum(found), "n": n, "answers": text, "found": found,
+                     "depths": [passkey_depth(i) for i in range(n)],
+                     "prompt_tokens": longest, "cut": cut, "haystack": haystack}
+    return out
+
+
+def kept_blocks(model, prompt: list[int], policies, budgets, max_tokens: int = 8, block_size: int = 16) -> dict:
+    """Serve one prompt once per (budget, policy name) and record, at the last step before it finishes,
+    which logical blocks the sequence kept, each block's score (scoring policies), and the pool's
+    counters. Returns ``{budget: {policy: {"kept", "num_blocks", "scores", "dropped", "free", "tokens"}}}``."""
+    out = {}
+    for budget in budgets:
+        out[budget] = {}
+        for name in policies:
+            policy = make_policy(name, budget)
+            llm = LLM(model, None, num_blocks=cdiv(len(prompt) + max_tokens, block_size) + 4, block_size=block_size,
+                      max_num_seqs=1, max_num_batched_tokens=max(512, len(prompt)), eviction=policy,
+                      enable_prefix_caching=False)
+            snap = {}
+
+            def record(stats, llm=llm, snap=snap):
+                bm = llm.block_manager
+                for sid in bm.seqs:
+                    s, n = llm.eviction_scores(sid), bm.num_tokens(sid)
+                    scores = None
+                    if s is not None and policy.needs_scores:
+                        scores = [float(s[i * block_size:(i + 1) * block_size].sum()) for i in range(cdiv(n, block_size))]
+                    snap.update(kept=bm.logical_blocks(sid), num_blocks=cdiv(n, block_size), scores=scores,
+                                dropped=bm.counters["policy_evictions"], free=bm.num_free_blocks, tokens=n,
+                                pool=bm.num_blocks)
+
+            llm.on_step = record
+            llm.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            out[budget][name] = snap
+    return out
