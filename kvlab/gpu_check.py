@@ -53,7 +53,7 @@ def plan(out: Path, dry_run: bool = False, jobs: int = DEFAULT_JOBS) -> list[Ste
     engine = (["--model", "tiny", "--num-requests", "2", "--scale", "0.02", "--max-num-seqs", "2"] if dry_run
               else ["--model", "smollm2-135m", "--num-requests", "32"])
     nbval = [sys.executable, "-m", "pytest", "notebooks", "--nbval-lax", "--nbval-current-env", "-q",
-             "-p", "no:cacheprovider", *(["--collect-only"] if dry_run else ["-n", str(jobs)])]
+             "-p", "no:cacheprovider", *(["--collect-only"] if dry_run else ["-n", str(jobs), "--dist", "loadfile"])]
     return [Step("environment", KVLAB + ["info"], 30),
             Step("bench-kernels", KVLAB + ["bench", "kernels", *sweep, "--converts", *CONVERSIONS,
                                            "--out", str(Path(out) / "bench_kernels.json")], 150),

@@ -42,7 +42,7 @@ def test_the_gpu_plan_runs_the_issues_points_within_the_goal(tmp_path):
     assert "--batches 1 8 32 --contexts 1024 16384" in kernels and f"--converts {' '.join(CONVERSIONS)}" in kernels
     for s in steps[2:4]:
         assert "--model smollm2-135m --num-requests 32" in " ".join(s.argv)
-    assert "-n 4" in " ".join(steps[4].argv) and "--collect-only" not in steps[4].argv
+    assert "-n 4 --dist loadfile" in " ".join(steps[4].argv) and "--collect-only" not in steps[4].argv  # a notebook in one kernel
 
 
 def test_a_step_is_killed_with_its_children_at_its_limit(tmp_path):
