@@ -1,14 +1,10 @@
-"""Eviction policies: which blocks a sequence keeps when its cache must stay within a budget
-(notebook 07).
+"""Eviction policies: which blocks a sequence keeps when its cache must stay within a budget (notebook 07).
 
-Each policy is a **block policy**, in the block manager's vocabulary: after every step it names the
-logical blocks (block ``i`` holds positions ``i * block_size ...``) a sequence drops, and
-:meth:`kvlab.cache.paged.BlockManager.evict` hands them back to the pool. The block table then holds
-only the kept blocks, in position order, and attention reads exactly those: a gap is simply not
-there. How positions are treated: **kept tokens keep their original positions**. Keys are stored
-after RoPE, so a kept key carries the position it was computed at, and new tokens go on counting
-from the sequence's true length (as H2O and SnapKV do; StreamingLLM re-numbers positions inside the
-cache, which matters only beyond the model's trained context, and the lab's budgets stay inside it).
+Each policy is a **block policy**: after every step it names the logical blocks (block ``i`` holds
+positions ``i * block_size ...``) a sequence drops, and :meth:`kvlab.cache.paged.BlockManager.evict`
+hands them back to the pool; attention then reads exactly the kept blocks. **Kept tokens keep their
+original positions** (keys are stored after RoPE; new tokens count on from the true length, as H2O and
+SnapKV do).
 
 | policy | keeps | scores | when |
 |---|---|---|---|
@@ -17,17 +13,12 @@ cache, which matters only beyond the model's trained context, and the lab's budg
 | :class:`HeavyHitters` (H2O) | the most recent half + the blocks with the most attention received so far | accumulated attention | every step |
 | :class:`PromptSelect` (SnapKV) | the prompt's last ``window`` tokens + the prompt blocks its last queries attend most | the last ``window`` prompt queries' attention, pooled | once, at the end of the prompt |
 
-Every policy holds at most ``budget // block_size`` blocks of a sequence once it acts (SnapKV: of its
-prompt; the answer then grows), and acts only on a sequence whose whole prompt is computed: the
-prompt is prefilled with full attention, then cut. Scores are **summed over heads and layers**: the
-papers' H2O and SnapKV choose per head, but one paged block holds every head of every layer, so a
-block policy has one score per block. A block's score is the sum of its tokens'.
-
-Each policy also carries the **textbook** form of its rule (:meth:`EvictionPolicy.textbook_keep`):
-written over a dense mask of positions, grouped ``group`` tokens at a time (1: the papers' token-level
-rule). :func:`kvlab.generate.textbook_eviction` runs it on the unmodified HF model with a dense cache and the evicted
-tokens masked out of every later softmax; tests/test_07_evict.py holds the engine to it (same kept
-positions, same logits within fp32 rounding) with ``group = block_size``.
+A policy holds at most ``budget // block_size`` blocks of a sequence (SnapKV: of its prompt) and acts
+only once the whole prompt is computed. Scores are **summed over heads and layers** (one paged block
+holds every head of every layer; the papers choose per head); a block's score is the sum of its tokens'.
+:meth:`EvictionPolicy.textbook_keep` is the same rule over a dense position mask, in groups of ``group``
+tokens; :func:`kvlab.generate.textbook_eviction` runs it on the HF model, and tests/test_07_evict.py
+holds the engine to it (same kept positions, same logits within fp32 rounding).
 """
 
 from __future__ import annotations
@@ -153,6 +144,12 @@ def h2o_keep(logical: list[int], budget: int, recent: int, scores: dict) -> list
     return sorted(newest + heavy)
 
 
+def _plugged(keep):
+    if keep is not None and not callable(keep):
+        raise TypeError(f"keep must be a function (or None for kvlab's own), got {type(keep).__name__}")
+    return keep
+
+
 def _checked_keep(name: str, kept, logical, budget: int) -> list[int]:
     """A plugged-in choice, held to what a choice can be: kept blocks of this sequence, at most the budget."""
     if not isinstance(kept, (list, tuple)) or not all(is_int(b) for b in kept) or not set(kept) <= set(logical) \
@@ -171,9 +168,7 @@ class SlidingWindow(EvictionPolicy):
 
     def textbook_keep(self, kept, prompt_len, scores, group=1):
         n = kept.shape[0]
-        g = _groups(n, group)
-        last = (n - 1) // group
-        return kept & (g > last - self.budget // group)
+        return kept & (_groups(n, group) > (n - 1) // group - self.budget // group)
 
 
 class SinksWindow(EvictionPolicy):
@@ -186,9 +181,7 @@ class SinksWindow(EvictionPolicy):
         """``keep(num_tokens, block_size, budget, sinks)`` replaces the rule (notebook 07 plugs the participant's in)."""
         super().__init__(budget)
         self.sinks = check_int("sinks", sinks)
-        if keep is not None and not callable(keep):
-            raise TypeError(f"keep must be a function (or None for kvlab's own), got {type(keep).__name__}")
-        self.keep = keep
+        self.keep = _plugged(keep)
 
     def min_blocks(self, block_size):
         return math.ceil(self.sinks / block_size) + 1
@@ -200,11 +193,9 @@ class SinksWindow(EvictionPolicy):
         return [lb for lb in logical if lb < s] + logical[-(budget - s):]
 
     def textbook_keep(self, kept, prompt_len, scores, group=1):
-        n = kept.shape[0]
+        n, s = kept.shape[0], math.ceil(self.sinks / group)
         g = _groups(n, group)
-        s = math.ceil(self.sinks / group)
-        last = (n - 1) // group
-        return kept & ((g < s) | (g > last - (self.budget // group - s)))
+        return kept & ((g < s) | (g > (n - 1) // group - (self.budget // group - s)))
 
 
 class HeavyHitters(EvictionPolicy):
@@ -218,9 +209,7 @@ class HeavyHitters(EvictionPolicy):
         """``keep(logical, budget, recent, scores)`` replaces the choice (:func:`h2o_keep`; notebook 07 plugs
         the participant's in)."""
         super().__init__(budget)
-        if keep is not None and not callable(keep):
-            raise TypeError(f"keep must be a function (or None for kvlab's own), got {type(keep).__name__}")
-        self.keep = keep
+        self.keep = _plugged(keep)
         if isinstance(recent, bool) or not isinstance(recent, (int, float)) or not 0 < recent < 1:
             raise ValueError(f"recent must be the share of the budget kept for recent blocks, in (0, 1); "
                              f"got {recent!r}")

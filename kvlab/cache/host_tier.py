@@ -74,11 +74,8 @@ class HostTier:
         pending = {slot for _, slot in self.out}
         for h in [h for h, (slot, _, _) in self.entries.items() if slot in pending]:
             self.free.append(self.entries.pop(h)[0])
-        loaded = [block_id for _, block_id in self.into]
-        self.out, self.into = [], []
-        self.free.extend(self.loading)
-        self.loading = []
-        return loaded
+        _, into = self.take_transfers()  # cleared, the loading slots freed: nothing will copy into them
+        return [block_id for _, block_id in into]
 
     def check(self) -> None:
         """Every slot is in exactly one place: an entry, the free list, or a pending load."""

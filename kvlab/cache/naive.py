@@ -75,6 +75,12 @@ def static_write(buffer: torch.Tensor, new: torch.Tensor, start: int) -> torch.T
     return buffer[:b, :, :start + q]
 
 
+def check_layer(layer_idx, num_layers: int) -> None:
+    """ValueError unless ``layer_idx`` is an int in ``0..num_layers - 1`` (every cache's update/write)."""
+    if not is_int(layer_idx) or not 0 <= layer_idx < num_layers:
+        raise ValueError(f"layer_idx must be in [0, {num_layers}), got {layer_idx!r}")
+
+
 def _check_hook(name: str, fn) -> None:
     if fn is not None and not callable(fn):
         raise TypeError(f"{name} must be a function (or None for kvlab's own), got {type(fn).__name__}")
@@ -107,21 +113,14 @@ class ContiguousCache:
     def from_model(cls, model, append=None) -> "ContiguousCache":
         return cls(CacheShape.from_model(model).num_layers, append=append)
 
-    def _check_layer(self, layer_idx: int) -> None:
-        if not is_int(layer_idx) or not 0 <= layer_idx < self.num_layers:
-            raise ValueError(f"layer_idx must be in [0, {self.num_layers}), got {layer_idx!r}")
-
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``k, v`` (B, H_kv, q_len, D) and return the layer's whole cache (B, H_kv, T, D)."""
-        self._check_layer(layer_idx)
+        check_layer(layer_idx, self.num_layers)
         _check_kv("ContiguousCache.update", k, v)
         old_k, old_v = self.keys[layer_idx], self.values[layer_idx]
-        if old_k is not None:
-            if old_k.shape[0] != k.shape[0] or old_k.shape[1] != k.shape[1] or old_k.shape[3] != k.shape[3]:
-                raise ValueError(
-                    f"ContiguousCache.update: new keys {tuple(k.shape)} do not match the cached {tuple(old_k.shape)} "
-                    "in batch, heads or head_dim"
-                )
+        if old_k is not None and (old_k.shape[:2], old_k.shape[3]) != (k.shape[:2], k.shape[3]):
+            raise ValueError(f"ContiguousCache.update: new keys {tuple(k.shape)} do not match the cached "
+                             f"{tuple(old_k.shape)} in batch, heads or head_dim")
         shape = (*k.shape[:2], (0 if old_k is None else old_k.shape[2]) + k.shape[2], k.shape[3])
         new_k, new_v = self.append(old_k, k), self.append(old_v, v)  # (B, H_kv, T + q_len, D)
         _check_result("append", new_k, shape)
@@ -151,14 +150,8 @@ class ContiguousCache:
     def stats(self) -> dict:
         allocated = sum(t.nbytes for t in self.keys + self.values if t is not None)
         k0 = self.keys[0]
-        return {
-            "kind": self.kind,
-            "batch": 0 if k0 is None else k0.shape[0],
-            "seq_len": self.seq_len(0),
-            "bytes_allocated": allocated,
-            "bytes_copied": self.bytes_copied,
-            "appends": self.appends,
-        }
+        return {"kind": self.kind, "batch": 0 if k0 is None else k0.shape[0], "seq_len": self.seq_len(0),
+                "bytes_allocated": allocated, "bytes_copied": self.bytes_copied, "appends": self.appends}
 
 
 class StaticCache:
@@ -208,15 +201,12 @@ class StaticCache:
         if not all(is_int(t) for t in tokens_per_row):
             raise TypeError(f"tokens_per_row must be a list of ints, got {tokens_per_row!r}")
         if len(tokens_per_row) > self.max_batch or any(t < 0 for t in tokens_per_row):
-            raise ValueError(
-                f"tokens_per_row must have <= {self.max_batch} non-negative entries, got {tokens_per_row}"
-            )
-        self.real_tokens = list(tokens_per_row)
+            raise ValueError(f"tokens_per_row must have <= {self.max_batch} non-negative entries, got {tokens_per_row}")
+        self.real_tokens = tokens_per_row
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k, v`` (B, H_kv, q_len, D) at the next free slots; return views (B, H_kv, T, D)."""
-        if not is_int(layer_idx) or not 0 <= layer_idx < self.num_layers:
-            raise ValueError(f"layer_idx must be in [0, {self.num_layers}), got {layer_idx!r}")
+        check_layer(layer_idx, self.num_layers)
         _check_kv("StaticCache.update", k, v)
         b, h, q_len, d = k.shape
         start = self._len[layer_idx]
@@ -228,9 +218,7 @@ class StaticCache:
         if start > 0 and b != self.batch:
             raise ValueError(f"batch changed from {self.batch} to {b} mid-sequence; reset() the cache first")
         if start + q_len > self.max_seq_len:
-            raise ValueError(
-                f"static cache full: {start} + {q_len} tokens exceed max_seq_len={self.max_seq_len}"
-            )
+            raise ValueError(f"static cache full: {start} + {q_len} tokens exceed max_seq_len={self.max_seq_len}")
         end = start + q_len
         k_all = self.write(self.k_cache[layer_idx], k, start)  # (B, H_kv, end, D): a view of the filled slots
         v_all = self.write(self.v_cache[layer_idx], v, start)
@@ -255,27 +243,12 @@ class StaticCache:
 
     def stats(self) -> dict:
         """Where the reserved slots went: real tokens, padding, and slots never written."""
-        slots = self.max_batch * self.max_seq_len
-        filled = self._len[0] * self.batch
-        if self.real_tokens is None:
-            per_row = [self._len[0]] * self.batch
-        else:
-            per_row = [min(t, self._len[0]) for t in self.real_tokens[: self.batch]]
+        slots, n = self.max_batch * self.max_seq_len, self._len[0]
+        filled = n * self.batch
+        per_row = [n] * self.batch if self.real_tokens is None else [min(t, n) for t in self.real_tokens[:self.batch]]
         tokens = sum(per_row)
-        padding = filled - tokens
-        bytes_per_slot = self.bytes_reserved // slots
-        return {
-            "kind": self.kind,
-            "dtype": _DTYPE_NAMES.get(self.dtype, str(self.dtype)),
-            "max_batch": self.max_batch,
-            "max_seq_len": self.max_seq_len,
-            "batch": self.batch,
-            "seq_len": self._len[0],
-            "slots_reserved": slots,
-            "tokens_stored": tokens,
-            "padding_slots": padding,
-            "empty_slots": slots - filled,
-            "utilization": static_utilization(per_row, self.max_batch, self.max_seq_len),
-            "bytes_reserved": self.bytes_reserved,
-            "bytes_holding_tokens": tokens * bytes_per_slot,
-        }
+        return {"kind": self.kind, "dtype": _DTYPE_NAMES.get(self.dtype, str(self.dtype)), "max_batch": self.max_batch,
+                "max_seq_len": self.max_seq_len, "batch": self.batch, "seq_len": n, "slots_reserved": slots,
+                "tokens_stored": tokens, "padding_slots": filled - tokens, "empty_slots": slots - filled,
+                "utilization": static_utilization(per_row, self.max_batch, self.max_seq_len),
+                "bytes_reserved": self.bytes_reserved, "bytes_holding_tokens": tokens * (self.bytes_reserved // slots)}

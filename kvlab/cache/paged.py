@@ -3,8 +3,8 @@
 Token t of a sequence is stored at slot ``block_table[t // block_size] * block_size + t % block_size``.
 :class:`BlockManager` is bookkeeping only (vLLM's names): allocate on demand, free tail first, share
 full blocks of equal prefixes (hash chain + token check + refcounts, LRU of freed cached blocks), fork
-with copy-on-write. Collaborators: :mod:`~kvlab.cache.host_tier`, :mod:`~kvlab.cache.dropped`
-(policy eviction, sliding windows); :mod:`~kvlab.cache.blocks` holds its parts and checks.
+with copy-on-write. Its parts and checks are in :mod:`~kvlab.cache.blocks`; the host tier and policy
+eviction are :mod:`~kvlab.cache.host_tier` and :mod:`~kvlab.cache.dropped`.
 """
 
 from __future__ import annotations
@@ -83,8 +83,7 @@ class BlockManager:
         # evictions: cached blocks the LRU gave away; policy_evictions: blocks an eviction policy dropped
         self.counters = dict(prefix_queries=0, prefix_hits=0, evictions=0, cow_copies=0, policy_evictions=0,
                              offloaded_blocks=0, loaded_blocks=0, host_evictions=0, host_hits=0)
-        #: the most tokens any layer reads back when every layer slides (set by the engine), else None
-        self.sliding_window: int | None = None
+        self.sliding_window: int | None = None  #: the most tokens any layer reads back (set by the engine)
         if not is_int(host_blocks) or host_blocks < 0:
             raise ValueError(f"host_blocks must be an int >= 0 (0: no host tier), got {host_blocks!r}")
         if host_blocks and not enable_prefix_caching:
@@ -95,9 +94,8 @@ class BlockManager:
     def _seq(self, seq_id: int) -> SeqBlocks:
         if seq_id in self.seqs:
             return self.seqs[seq_id]
-        if seq_id in self.finished:
-            raise ValueError(f"sequence {seq_id!r} is finished: its blocks were freed")
-        raise ValueError(f"sequence {seq_id!r} is not allocated")
+        raise ValueError(f"sequence {seq_id!r} is " + ("finished: its blocks were freed" if seq_id in self.finished
+                                                          else "not allocated"))
 
     @property
     def num_free_blocks(self) -> int:
@@ -140,8 +138,8 @@ class BlockManager:
         return self.slot_mapping_of(seq.block_table, self.block_size, start - shift, end - shift)
 
     def cached_prefix_blocks(self, token_ids) -> list:
-        """The cached blocks a prompt would hit, changing nothing: a device block id, or a
-        :class:`~kvlab.cache.host_tier.HostHit` for a block on the host tier, per leading full block."""
+        """The cached blocks a prompt would hit, changing nothing: per leading full block a device block
+        id, or a :class:`~kvlab.cache.host_tier.HostHit` for one on the host tier."""
         return self._match_prefix(check_token_ids(token_ids))
 
     def _match_prefix(self, token_ids: list[int]) -> list:
@@ -184,9 +182,8 @@ class BlockManager:
         self.blocks[bid].ref_count += 1
 
     def _release(self, bid: int, keep_cached: bool = True, first: bool = False) -> bool:
-        """Drop one reference to a block. At none it goes back to the pool: cached while registered
-        (unless not ``keep_cached``), else free (at the front when ``first``, undoing a take).
-        Returns whether it went back."""
+        """Drop one reference; at none the block goes back: cached while registered (and ``keep_cached``),
+        else free (at the front when ``first``, undoing a take). Returns whether it went back."""
         b = self.blocks[bid]
         b.ref_count -= 1
         if b.ref_count:
@@ -211,18 +208,16 @@ class BlockManager:
         parent = seq.hashes[-1] if seq.hashes else None
         h = block_hash(parent, chunk)
         seq.hashes.append(h)
-        if seq.logical is not None:
-            # after an eviction, a new block's K/V were computed without the dropped tokens: they are
-            # not what a full prefill of the same tokens would write, so no other request may hit them
-            return
+        if seq.logical is not None:  # after an eviction, a new block's K/V were computed without the
+            return  # dropped tokens: not what a full prefill writes, so no other request may hit them
         b = self.blocks[seq.block_table[logical]]
         if self.enable_prefix_caching and h not in self.hash_to_block and b.hash is None:
             self.hash_to_block[h] = b.block_id
             b.hash, b.parent, b.token_ids = h, parent, chunk
 
     def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The host-tier copies the storage must make before this step's forward, in this order: ``out``
-        (device block -> host slot), then ``in`` (host slot -> device block)."""
+        """The host-tier copies the storage makes before this step's forward: ``out`` (device block ->
+        host slot), then ``in`` (host slot -> device block)."""
         return self.host.take_transfers()
 
     def drop_pending_transfers(self) -> None:
@@ -236,17 +231,14 @@ class BlockManager:
                     del self.cached_ids[bid]
                     self.free_ids.append(bid)
 
-    def allocation_cost(self, token_ids, hits: list[int] | None = None) -> tuple[int, int]:
-        """``(needed, available)``: new blocks a prompt would take after prefix hits, and blocks free
-        for it (hit blocks waiting in the LRU are not free for us: we are about to use them)."""
+    def allocation_cost(self, token_ids, hits: list | None = None) -> tuple[int, int]:
+        """``(needed, available)``: new blocks a prompt would take after prefix hits, and blocks free for
+        it. A host hit still needs a device block to load into; hit blocks waiting in the LRU are not
+        free for us: we are about to use them."""
         token_ids = check_token_ids(token_ids)
-        return self._cost(len(token_ids), self._match_prefix(token_ids) if hits is None else hits)
-
-    def _cost(self, num_tokens: int, hits: list) -> tuple[int, int]:
-        """A host hit saves the prefill but still needs a device block to be loaded into."""
-        device = [bid for bid in hits if not isinstance(bid, HostHit)]
+        device = [bid for bid in (self._match_prefix(token_ids) if hits is None else hits) if not isinstance(bid, HostHit)]
         cached_hits = sum(1 for bid in device if self.blocks[bid].ref_count == 0)
-        return self.blocks_needed(num_tokens) - len(device), self.num_free_blocks - cached_hits
+        return self.blocks_needed(len(token_ids)) - len(device), self.num_free_blocks - cached_hits
 
     def can_allocate(self, token_ids) -> bool:
         needed, available = self.allocation_cost(token_ids)
@@ -256,9 +248,9 @@ class BlockManager:
         """Give a new sequence blocks for its prompt; returns how many prompt tokens were already cached.
 
         ``register=False`` keeps the prompt's full blocks out of the prefix cache until :meth:`mark_computed`
-        says their K/V are (being) written: a prompt prefilled in chunks over several steps must not be
-        hit by another request before a forward fills it. Raises :class:`OutOfBlocksError`, changing
-        nothing, when the pool cannot hold the prompt.
+        says their K/V are (being) written: a prompt prefilled in chunks must not be hit by another request
+        before a forward fills it. Raises :class:`OutOfBlocksError`, changing nothing, when the pool cannot
+        hold the prompt.
         """
         token_ids = check_token_ids(token_ids)
         if seq_id in self.seqs:
@@ -266,11 +258,12 @@ class BlockManager:
         if not token_ids:
             raise ValueError("token_ids must not be empty")
         hits = self._match_prefix(token_ids)
-        needed, available = self._cost(len(token_ids), hits)
+        needed, available = self.allocation_cost(token_ids, hits)
         if needed > available:
             raise OutOfBlocksError(needed, available, f"a prompt of {len(token_ids)} tokens")
         self.finished.discard(seq_id)  # commit: nothing below can fail
-        seq = self.seqs[seq_id] = SeqBlocks(token_ids=token_ids, cached_tokens=len(hits) * self.block_size)
+        bs = self.block_size
+        seq = self.seqs[seq_id] = SeqBlocks(token_ids=token_ids, cached_tokens=len(hits) * bs)
         host_hits = [h for h in hits if isinstance(h, HostHit)]
         for bid in hits:  # device hits are taken first, so loading the host hits cannot evict them
             if not isinstance(bid, HostHit):
@@ -280,13 +273,12 @@ class BlockManager:
                 h = bid.hash
                 bid, parent, tokens = self.host.load(h, self._take_block)
                 b = self.blocks[bid]
-                b.hash, b.parent, b.token_ids, b.num_tokens = h, parent, tokens, self.block_size
+                b.hash, b.parent, b.token_ids, b.num_tokens = h, parent, tokens, bs
                 self.hash_to_block[h] = bid
             seq.block_table.append(bid)
             seq.hashes.append(self.blocks[bid].hash)
         for _ in range(needed - len(host_hits)):  # the host hits' blocks were taken above
             seq.block_table.append(self._take_block())
-        bs = self.block_size
         for i in range(len(hits), len(seq.block_table)):
             self.blocks[seq.block_table[i]].num_tokens = min(bs, len(token_ids) - i * bs)
             if register and (i + 1) * bs <= len(token_ids):
@@ -306,13 +298,11 @@ class BlockManager:
 
     def can_append(self, seq_id: int) -> bool:
         seq = self._seq(seq_id)
-        last = self.blocks[seq.block_table[-1]]
-        needs_block = len(seq.token_ids) % self.block_size == 0 or last.ref_count > 1
+        needs_block = len(seq.token_ids) % self.block_size == 0 or self.blocks[seq.block_table[-1]].ref_count > 1
         return not needs_block or self.num_free_blocks > 0
 
     def append_slot(self, seq_id: int, token_id: int) -> int:
-        """Reserve the slot for one more token of a sequence and return it. A new block is taken only when
-        the last one is full; a shared last block (after a fork) is copied first, the copy queued in
+        """Reserve the slot for one more token of a sequence and return it; a copy-on-write copy goes to
         ``blocks_to_copy`` for the storage to apply before writing the token."""
         seq = self._seq(seq_id)
         (token_id,) = check_token_ids([token_id], "token_id")  # before anything changes
@@ -342,8 +332,7 @@ class BlockManager:
             self._release(copy[0])
             self.blocks_to_copy.append(copy)
             self.counters["cow_copies"] += 1
-        if not own:
-            seq.block_table[:] = table
+        seq.block_table[:] = table
         seq.token_ids.append(token_id)
         block = self.blocks[seq.block_table[-1]]
         block.num_tokens += 1
@@ -352,8 +341,8 @@ class BlockManager:
         return slot
 
     def fork(self, parent_id: int, child_id: int) -> None:
-        """The child shares every block of the parent (parallel sampling); the first write to the
-        shared partial last block copies it."""
+        """The child shares every block of the parent (parallel sampling); the first write to the shared
+        partial last block copies it."""
         parent = self._seq(parent_id)
         if child_id in self.seqs:
             raise ValueError(f"sequence {child_id!r} is already allocated")
@@ -364,9 +353,9 @@ class BlockManager:
                                         parent.cached_tokens, None if parent.logical is None else list(parent.logical))
 
     def free(self, seq_id: int, keep_cached: bool = True) -> None:
-        """Release all of a sequence's blocks, tail first: registered ones stay cached for a later prefix
-        hit, and the tail leaves the LRU before the prefix other requests are likelier to share.
-        ``keep_cached=False`` forgets their hashes (after a failed forward their contents are not trusted)."""
+        """Release a sequence's blocks, tail first: registered ones stay cached for a later prefix hit, and
+        the tail leaves the LRU before the prefix others are likelier to share. ``keep_cached=False``
+        forgets their hashes (after a failed forward their contents are not trusted)."""
         seq = self._seq(seq_id)
         for bid in reversed(seq.block_table):
             self._release(bid, keep_cached)
@@ -374,9 +363,8 @@ class BlockManager:
         self.finished.add(seq_id)
 
     def evict(self, seq_id: int, logical_blocks) -> int:
-        """Drop some full blocks of a live sequence, an eviction policy's choice (:mod:`kvlab.cache.dropped`):
-        ``logical_blocks`` are logical indices (block i holds positions ``i * block_size ...``), never the
-        last block. A dropped block goes back to the pool like a freed one. Returns how many went back
+        """Drop full blocks of a live sequence, an eviction policy's choice: ``logical_blocks`` are logical
+        indices (:mod:`kvlab.cache.dropped`), never the last block. Returns how many went back to the pool
         (a block shared with another sequence stays theirs). Bad input raises and changes nothing."""
         seq = self._seq(seq_id)
         drop = set(checked_drop(seq_id, seq, logical_blocks, self.block_size))
@@ -394,13 +382,12 @@ class BlockManager:
         return copies
 
     def stats(self) -> dict:
+        """logical_tokens: as the sequences see them (a shared token per sequence); empty_slots: held slots
+        with no token *now* (a growing sequence fills them: not all "internal fragmentation")."""
         used = [b for b in self.blocks if b.ref_count > 0]
         tokens = sum(b.num_tokens for b in used)  # physical: a shared block counts once
         slots = len(used) * self.block_size
         q, h = self.counters["prefix_queries"], self.counters["prefix_hits"]
-        # logical_tokens: as the sequences see them (a shared token per sequence); tokens_evicted: by a policy.
-        # empty_slots: held slots with no token *now* (a growing sequence fills them: not "internal
-        # fragmentation", which counts only slots nothing will ever fill); blocks_saved: by sharing and forks
         return {"kind": "paged", "num_blocks": self.num_blocks, "block_size": self.block_size,
                 "blocks_used": len(used), "blocks_free": len(self.free_ids), "blocks_cached": len(self.cached_ids),
                 "blocks_shared": sum(1 for b in used if b.ref_count > 1), "sequences": len(self.seqs),
@@ -416,13 +403,11 @@ class BlockManager:
                 **{k: v for k, v in self.counters.items() if k not in ("prefix_queries", "prefix_hits")}}
 
     def eviction_order(self) -> list[int]:
-        """Cached blocks (freed, hash kept) in the order they would be evicted: least recently freed
-        first. :meth:`free` adds a sequence's blocks tail first, so its end leaves before its prefix."""
+        """Cached blocks (freed, hash kept) in the order they would be evicted: least recently freed first."""
         return list(self.cached_ids)
 
     def blocks_outside_window(self) -> int:
-        """Held blocks no layer reads any more (kvlab keeps them; vLLM would free them): 0 without
-        ``sliding_window``."""
+        """Held blocks no layer reads any more (kvlab keeps them; vLLM frees them); 0 without a window."""
         return blocks_outside_window(self.seqs.values(), self.sliding_window, self.block_size)
 
     def blocks_needed_for_all(self) -> int:
@@ -430,6 +415,5 @@ class BlockManager:
         return sum(self.blocks_needed(len(s.token_ids)) - s.evicted for s in self.seqs.values())
 
     def check_invariants(self) -> None:
-        """Every block is free xor cached xor owned; refcounts equal table references; registered
-        hashes match their tokens. Raises AssertionError with the first violation."""
+        """Raises AssertionError at the first broken invariant (:func:`~kvlab.cache.blocks.check_pool`)."""
         check_pool(self)

@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import torch
 
+from kvlab.cache.naive import check_layer
 from kvlab.cache.paged import check_block_size
 from kvlab.kernels.pool import FLOAT, Operand
 from kvlab.quant.formats import TensorFormat
 from kvlab.sizing import kv_config
-from kvlab.validate import cdiv, check_int, is_int
+from kvlab.validate import cdiv, check_int
 
 
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table, num_tokens: int):
@@ -79,17 +80,13 @@ class PagedKVCache:
         return cls(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                    dtype=dtype or p.dtype, device=device or p.device)
 
-    def _check_layer(self, layer_idx) -> None:
-        if not is_int(layer_idx) or not 0 <= layer_idx < self.num_layers:
-            raise ValueError(f"layer_idx must be in [0, {self.num_layers}), got {layer_idx!r}")
-
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Scatter ``k, v`` of shape (N, H_kv, D) to their slots (N,)."""
         if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != (self.num_kv_heads, self.head_dim):
             raise ValueError(f"k/v must be (N, {self.num_kv_heads}, {self.head_dim}), got {tuple(k.shape)}, {tuple(v.shape)}")
         if slot_mapping.shape != (k.shape[0],):
             raise ValueError(f"slot_mapping must have one slot per token: {tuple(slot_mapping.shape)} vs {k.shape[0]} tokens")
-        self._check_layer(layer_idx)
+        check_layer(layer_idx, self.num_layers)
         flat = (-1, self.num_kv_heads, self.head_dim)
         try:  # an out-of-pool slot fails on the first write (K), before anything was written
             self.k_cache[layer_idx].view(flat)[slot_mapping] = k.to(self.dtype)
@@ -108,8 +105,7 @@ class PagedKVCache:
         """Apply copy-on-write copies ``(src, dst)`` in every layer."""
         if not blocks_to_copy:
             return
-        src = torch.tensor([s for s, _ in blocks_to_copy], device=self.k_cache[0].device)
-        dst = torch.tensor([d for _, d in blocks_to_copy], device=self.k_cache[0].device)
+        src, dst = torch.tensor(blocks_to_copy, device=self.k_cache[0].device).T
         for kc, vc in zip(self.k_cache, self.v_cache):
             kc[dst] = kc[src]
             vc[dst] = vc[src]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvlab.cache.paged import check_block_size
-from kvlab.kernels.pool import FLOAT, INT4, INT8, PER_SLOT, STATIC, Operand, check_kernel_format
+from kvlab.kernels.pool import INT8, KERNEL_KINDS, PER_SLOT, STATIC, Operand, check_kernel_format, scale_code
 from kvlab.quant import core
 from kvlab.quant.calibration import Calibration
 from kvlab.quant.formats import CORRECTION_FACTOR, KVQuantConfig, TensorFormat
@@ -59,12 +59,6 @@ class _Store:
     def qmax(self) -> float:
         return self.element.qmax
 
-    def _q(self, x, scale):
-        return core.quantize_scaled(x, scale, self.element)
-
-    def _dq(self, q, scale):
-        return core.dequantize_scaled(q, scale)
-
     def _count(self, x: torch.Tensor, scale: torch.Tensor, q: torch.Tensor) -> None:
         r = (x.float() / scale).abs()  # (T, H, D) in units of one quantization step
         # beyond what rounding would do anyway: half a step past the largest code (int8: 127.5; e4m3:
@@ -90,14 +84,15 @@ class _Store:
             return
         if not self.fmt.static_scales:  # per-token(-head): exact absmax of each token on write
             scale = core.scale_from_absmax(core.absmax(x, self.fmt.granularity), self.qmax)
-            q = self._q(x, scale)
+            q = core.quantize_scaled(x, scale, self.element)
             self.token_scale.view(-1, *self.token_scale.shape[2:])[slots] = scale
         elif self.scale is None and "quantize_per_head" in self.hooks:  # the first write sets the scale for good
             q, scale = self._hooked("quantize_per_head", x)
             self.scale = scale.float()
         else:
             scale = self.settle_scale(x, policy)
-            q = self._hooked("quantize_static", x, scale) if "quantize_static" in self.hooks else self._q(x, scale)
+            q = (self._hooked("quantize_static", x, scale) if "quantize_static" in self.hooks
+                 else core.quantize_scaled(x, scale, self.element))
         self._count(x, scale, q)
         flat[slots] = q
 
@@ -136,8 +131,8 @@ class _Store:
         n = self.data.shape[0] * self.data.shape[1]
         flat = self.data.view(n, self.h, self.d)
         mask = grow.expand(1, self.h, self.d)[0]  # (H, D): which stored values sit under a widened scale
-        old_vals = self._dq(flat[:, mask], self.scale.expand(1, self.h, self.d)[0][mask])
-        flat[:, mask] = self._q(old_vals, new.expand(1, self.h, self.d)[0][mask])
+        old_vals = core.dequantize_scaled(flat[:, mask], self.scale.expand(1, self.h, self.d)[0][mask])
+        flat[:, mask] = core.quantize_scaled(old_vals, new.expand(1, self.h, self.d)[0][mask], self.element)
         per_head = grow.expand(1, self.h, self.d)[0].any(dim=1)
         self.counts["corrections"] += per_head.long().cpu()
         self.scale = new
@@ -153,24 +148,22 @@ class _Store:
                                 None if self.token_zero is None else self.token_zero[block_ids], self.fmt.group_size)
             return core.dequantize_int4(t)
         scale = self.scale if self.fmt.static_scales else self.token_scale[block_ids]
-        return self._dq(data, scale)
+        return core.dequantize_scaled(data, scale)
 
     def operand(self, what: str) -> Operand:
-        """These pages and scales as one kernel :class:`~kvlab.kernels.pool.Operand` (views)."""
-        fmt = self.fmt
+        """These pages and scales as one kernel :class:`~kvlab.kernels.pool.Operand` (views); the format
+        and scale codes come from the kernel format table (:data:`~kvlab.kernels.pool.KERNEL_KINDS`)."""
+        fmt, static = self.fmt, None
         check_kernel_format(fmt, what)
-        if not fmt.quantized:
-            return Operand(self.data, FLOAT, label=fmt.label())
-        if self.element.kind == "int":
-            if fmt.static_scales:
-                if self.scale is None:
-                    raise ValueError(f"{what}: this quantized layer has no scale yet (a dynamic policy sets it on "
-                                     "the first write); write to the cache before attending")
-                static = self.scale.float().expand(1, self.h, self.d)[0].contiguous()  # (1,1,1)|(1,H,1)|(1,H,D) -> (H, D)
-                return Operand(self.data, INT8, STATIC, static_scale=static, label=fmt.label())
-            return Operand(self.data, INT8, PER_SLOT, slot_scale=self.token_scale, label=fmt.label())
-        return Operand(self.data, INT4, PER_SLOT, slot_scale=self.token_scale, group_size=fmt.group_size,
-                       label=fmt.label())
+        scales = scale_code(fmt)
+        if scales == STATIC:
+            if self.scale is None:
+                raise ValueError(f"{what}: this quantized layer has no scale yet (a dynamic policy sets it on "
+                                 "the first write); write to the cache before attending")
+            static = self.scale.float().expand(1, self.h, self.d)[0].contiguous()  # (1,1,1)|(1,H,1)|(1,H,D) -> (H, D)
+        return Operand(self.data, KERNEL_KINDS[self.element.kind].code, scales, static_scale=static,
+                       slot_scale=self.token_scale if scales == PER_SLOT else None,
+                       group_size=fmt.group_size if self.element.kind == "packed" else 0, label=fmt.label())
 
     @property
     def nbytes(self) -> int:
@@ -230,8 +223,7 @@ class QuantizedPagedKVCache:
                     ks = calibration.scales("k_rot" if config.rotate_k else "k", config.stat, kf.granularity,
                                             kf.element.qmax)[layer]
                 if vf.static_scales:
-                    vs = calibration.scales("v", config.stat, vf.granularity,
-                                            vf.element.qmax)[layer]
+                    vs = calibration.scales("v", config.stat, vf.granularity, vf.element.qmax)[layer]
             self.k.append(_Store(kf, num_blocks, block_size, num_kv_heads, head_dim, device, ks, hooks))
             self.v.append(_Store(vf, num_blocks, block_size, num_kv_heads, head_dim, device, vs, hooks))
 
@@ -243,12 +235,15 @@ class QuantizedPagedKVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """k, v: (T, H, D) post-RoPE values of new tokens. Rejects NaN/Inf before touching anything."""
-        core.check_finite(k, f"keys (layer {layer})")
-        core.check_finite(v, f"values (layer {layer})")
-        if self.config.rotate_k:
-            k = rotate(k)
+        k = self._finite_keys(layer, k, v)
         self.k[layer].write(k, slot_mapping, self.config.policy)
         self.v[layer].write(v, slot_mapping, self.config.policy)
+
+    def _finite_keys(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The keys as stored (rotated if ``rotate_k``), after a ValueError if k or v holds NaN/Inf."""
+        core.check_finite(k, f"keys (layer {layer})")
+        core.check_finite(v, f"values (layer {layer})")
+        return rotate(k) if self.config.rotate_k else k
 
     @property
     def rotate_k(self) -> bool:
@@ -263,10 +258,7 @@ class QuantizedPagedKVCache:
         Everything is checked before any scale or page changes."""
         for which, stores in (("K", self.k), ("V", self.v)):
             check_kernel_format(stores[layer].fmt, f"layer {layer}'s {which}")
-        core.check_finite(k, f"keys (layer {layer})")  # before anything is touched, as write() does
-        core.check_finite(v, f"values (layer {layer})")
-        if self.config.rotate_k:
-            k = rotate(k)
+        k = self._finite_keys(layer, k, v)  # before anything is touched, as write() does
         stores = (self.k[layer], self.v[layer])
         keep = slot_mapping >= 0
         for st, x in zip(stores, (k, v)):
