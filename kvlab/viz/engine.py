@@ -28,7 +28,6 @@ PART_COLORS = {"schedule_s": COLORS["padding"], "packing_s": PALETTE[2], "forwar
 
 # ---- recording ------------------------------------------------------------------------------------
 
-
 class EngineRecorder:
     """Plain-data frames of an :class:`~kvlab.engine.LLM`, one per step, as its forward sees them.
     Attaches to ``llm.on_scheduled`` (chaining any callback already there). A frame holds the step,
@@ -132,12 +131,6 @@ class EngineRecorder:
 
 # ---- the scheduler widget -------------------------------------------------------------------------
 
-
-def _seq_colors(pool: dict) -> dict[int, str]:
-    """The colour ``paged.block_grid`` gives each block owner: chips match their blocks."""
-    return {sid: seq_color(sid) for sid in {o for b in pool["blocks"] for o in b["owners"]}}
-
-
 def _chip(label: str, color: str | None, title: str = "", outline: str | None = None) -> str:
     bg, fg = (color, "#ffffff") if color else ("#ffffff", "#1b2631")
     border = outline or (color if color else COLORS["weights"])
@@ -147,10 +140,9 @@ def _chip(label: str, color: str | None, title: str = "", outline: str | None = 
 
 
 def frame_html(frame: dict) -> str:
-    colors = _seq_colors(frame["pool"])
+    owners = {o for b in frame["pool"]["blocks"] for o in b["owners"]}  # chips take their blocks' colours
     sched = {s["seq_id"]: s for s in frame["scheduled"]}
-    prefill = sum(s["tokens"] for s in frame["scheduled"] if s["kind"] == "prefill")  # tokens
-    decode = sum(s["tokens"] for s in frame["scheduled"] if s["kind"] == "decode")  # tokens
+    prefill, decode = (sum(s["tokens"] for s in sched.values() if s["kind"] == k) for k in ("prefill", "decode"))
     if frame["batch"]:
         plural = "s" if len(sched) != 1 else ""
         head = (f"<b>step {frame['step']}</b>: {len(sched)} sequence{plural} in the forward, <b>{prefill}</b> prefill + "
@@ -172,7 +164,7 @@ def frame_html(frame: dict) -> str:
         else:
             label = f"{sid} p{s['tokens']}"
             title = f"seq {sid}: prefill tokens {s['start']}..{s['start'] + s['tokens']} of {s['total']}"
-        running.append(_chip(label, colors.get(sid, COLORS["weights"]), title))
+        running.append(_chip(label, seq_color(sid) if sid in owners else COLORS["weights"], title))
     finished = "".join(_chip(str(sid), None, f"seq {sid}: finished", COLORS["empty"]) for sid in frame["finished"])
     none = '<span style="color:#7f8c8d">none</span>'
     rows = "".join(
@@ -244,7 +236,6 @@ def live_scheduler_widget(llm, columns: int = 16):
 
 
 # ---- the request timeline -------------------------------------------------------------------------
-
 
 def request_states(llm, seq_ids=None) -> dict[int, list[tuple[int, str]]]:
     """Per request, ``(step, state)`` for every step from its arrival to its end, from the trace alone.
@@ -323,7 +314,6 @@ def request_timeline(llm, seq_ids=None):
 
 
 # ---- step times -----------------------------------------------------------------------------------
-
 
 def step_time_figure(step_stats):
     """Per step: schedule / packing / forward / sample time stacked (ms), and how many sequences ran."""
