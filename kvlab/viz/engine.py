@@ -77,13 +77,10 @@ class EngineRecorder:
         note = f"step {step}" if batch is not None else f"before step {step + 1}"
         pool = snapshot(llm.block_manager, note)
         del pool["tables"], pool["lengths"]  # the grid draws blocks only
-        scheduled = []
-        if batch is not None:
-            for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-                # start / total in tokens: this step feeds tokens start..start+n of total
-                kind = "decode" if i < batch.num_decodes else "prefill"  # decodes come first
-                scheduled.append(dict(seq_id=seq.seq_id, tokens=n, kind=kind, start=seq.num_computed_tokens,
-                                      total=seq.num_tokens))
+        # start / total in tokens: this step feeds tokens start..start+n of total; decodes come first
+        scheduled = [dict(seq_id=seq.seq_id, tokens=n, kind="decode" if i < batch.num_decodes else "prefill",
+                          start=seq.num_computed_tokens, total=seq.num_tokens)
+                     for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))] if batch is not None else []
         frame = dict(step=step, batch=batch is not None, pool=pool, scheduled=scheduled,
                      budget=sched.max_num_batched_tokens,  # tokens per step
                      waiting=[s.seq_id for s in sched.waiting],

@@ -58,9 +58,8 @@ class Trace:
         self.frames: list[dict] = []
 
     def record(self, note: str) -> dict:
-        frame = snapshot(self.bm, note, self.names)
-        self.frames.append(frame)
-        return frame
+        self.frames.append(snapshot(self.bm, note, self.names))
+        return self.frames[-1]
 
 
 COMPACT_COLUMNS = 12  # wider grids label each block with its owner only (c = cached, ×n = shared by n)
