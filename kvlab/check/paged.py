@@ -134,11 +134,12 @@ def prefix_hits(fn: Callable) -> bool:
     """``fn(token_ids, block_size, cached, block_hash) -> the cached blocks of the prompt's leading full blocks``."""
     a = list(range(1, 41))  # 40 tokens: 10 blocks of 4
     c = [50, 51, 52, 53] + a[4:20]  # a's blocks 1-4 after another first block
-    cases = [((query, bs, cached), ref_prefix_hits(query, bs, cached, block_hash))
-             for bs, cached, query in ((4, _cached(4, a), a), (4, _cached(4, a), a + [99]),
-                                       (4, _cached(4, a), a[:22] + [7] * 9), (4, _cached(4, a), c),
-                                       (4, _cached(4, a, c), c + [1, 2]), (4, _cached(4, a), a[:8] + [0, 0, 0, 0] + a[12:]),
-                                       (16, _cached(16, a), a[:33]), (4, {}, a))]
+    cases = []
+    for bs, cached, query in ((4, _cached(4, a), a), (4, _cached(4, a), a + [99]), (4, _cached(4, a), a[:22] + [7] * 9),
+                              (4, _cached(4, a), c), (4, _cached(4, a, c), c + [1, 2]),
+                              (4, _cached(4, a), a[:8] + [0, 0, 0, 0] + a[12:]), (16, _cached(16, a), a[:33]),
+                              (4, {}, a)):
+        cases.append(((query, bs, cached), ref_prefix_hits(query, bs, cached, block_hash)))
     def run(query, bs, cached):
         return fn(list(query), bs, dict(cached), block_hash)
     def unchained(query, bs, cached):
