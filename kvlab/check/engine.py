@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-
 from kvlab.engine.dry_run import dry_run
 from kvlab.engine.scheduler import admission_rule as ref_admission_rule
 from kvlab.engine.scheduler import chunk_prefills as ref_chunk_prefills

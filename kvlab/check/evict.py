@@ -28,22 +28,21 @@ def kept_after(num_tokens: int, block_size: int, budget: int, sinks: int) -> lis
     return bm.logical_blocks(0)
 
 
-def _cases():
-    shapes = [(200, 16, 64, 4),  # 13 blocks, 4 kept: the sink block + the last 3 (the one being written among them)
-              (40, 16, 64, 4),  # 3 blocks, under the budget: nothing dropped
-              (64, 16, 64, 4),  # exactly 4 full blocks: still under the budget
-              (65, 16, 64, 4),  # a fifth block opens: one must go
-              (300, 16, 100, 4),  # a budget that is not a whole number of blocks
-              (120, 4, 24, 10),  # sinks longer than a block: 3 sink blocks
-              (500, 16, 256, 16),  # sinks exactly one block
-              (33, 1, 8, 4)]  # block size 1: the token-level rule
-    return [(a, kept_after(*a)) for a in shapes]
+#: (num_tokens, block_size, budget, sinks) of the sinks + window task
+_SHAPES = [(200, 16, 64, 4),  # 13 blocks, 4 kept: the sink block + the last 3 (the one being written among them)
+           (40, 16, 64, 4),  # 3 blocks, under the budget: nothing dropped
+           (64, 16, 64, 4),  # exactly 4 full blocks: still under the budget
+           (65, 16, 64, 4),  # a fifth block opens: one must go
+           (300, 16, 100, 4),  # a budget that is not a whole number of blocks
+           (120, 4, 24, 10),  # sinks longer than a block: 3 sink blocks
+           (500, 16, 256, 16),  # sinks exactly one block
+           (33, 1, 8, 4)]  # block size 1: the token-level rule
 
 
 def sinks_window_blocks(fn: Callable[[int, int, int, int], list]) -> bool:
     """``fn(num_tokens, block_size, budget, sinks)`` -> the logical blocks (ascending) that sinks + window
     keeps once the sequence holds ``num_tokens`` tokens, the policy acting after every token."""
-    cases = _cases()
+    cases = [(a, kept_after(*a)) for a in _SHAPES]
     def rule(sink_blocks, budget_blocks, window_adjust=0, blocks=True, span=cdiv):
         def f(n, bs, budget, sinks):
             total = span(n, bs)
@@ -90,21 +89,20 @@ def copy_and_recompute(tokens: int, cfg, link_bytes_per_s: float, flops_per_s: f
     return tokens * kv_bytes_per_token(cfg, "fp16") / link_bytes_per_s, prefill_flops(cfg, tokens) / flops_per_s
 
 
-def _copy_cases():
-    shapes = [(1024, "llama-3-8b", LINKS["PCIe 4.0 x16"]),  # GQA, 8 KV heads: the copy wins
-              (1024, "llama-2-7b", LINKS["PCIe 4.0 x16"]),  # no GQA: four times the bytes, about even
-              (4096, "qwen2.5-7b", LINKS["PCIe 5.0 x16"]),  # 4 KV heads of 28
-              (256, "smollm2-135m", LINKS["NVLink-C2C (GH200)"]),  # a tiny model: recomputing is cheap
-              (1, "llama-2-70b", LINKS["PCIe 4.0 x16"])]
-    return [((n, kv_config(m), bw, GPU_FLOPS[1]), copy_and_recompute(n, kv_config(m), bw, GPU_FLOPS[1]))
-            for n, m, bw in shapes]
+#: (tokens, model, link) of the copy-or-recompute task
+_COPY_SHAPES = [(1024, "llama-3-8b", LINKS["PCIe 4.0 x16"]),  # GQA, 8 KV heads: the copy wins
+                (1024, "llama-2-7b", LINKS["PCIe 4.0 x16"]),  # no GQA: four times the bytes, about even
+                (4096, "qwen2.5-7b", LINKS["PCIe 5.0 x16"]),  # 4 KV heads of 28
+                (256, "smollm2-135m", LINKS["NVLink-C2C (GH200)"]),  # a tiny model: recomputing is cheap
+                (1, "llama-2-70b", LINKS["PCIe 4.0 x16"])]
 
 
 def copy_or_recompute(fn: Callable) -> bool:
     """``fn(tokens, cfg, link_bytes_per_s, flops_per_s)`` -> ``(copy_seconds, recompute_seconds)`` for a
     :class:`kvlab.sizing.KVConfig` ``cfg``: the FP16 K/V of ``tokens`` tokens over the link at its peak,
     and their prefill again at the GPU's peak FLOP/s (2 FLOPs per parameter per token)."""
-    cases = _copy_cases()
+    cases = [((n, kv_config(m), bw, GPU_FLOPS[1]), copy_and_recompute(n, kv_config(m), bw, GPU_FLOPS[1]))
+             for n, m, bw in _COPY_SHAPES]
     def close(a, b):
         return (isinstance(a, (tuple, list)) and len(a) == 2 and all(isinstance(x, (int, float)) for x in a)
                 and all(abs(x - y) <= 1e-6 * abs(y) for x, y in zip(a, b)))
@@ -140,19 +138,18 @@ def copy_or_recompute(fn: Callable) -> bool:
     return run_task("copy_or_recompute", fn, cases, same=close, hint=hint)
 
 
-def _h2o_cases():
-    """(logical, budget, recent, scores): gaps from earlier evictions, ties, a heavy block among the recent."""
-    return [([0, 1, 2, 3, 4, 5, 6, 7], 4, 2, {0: 9.0, 1: 1.0, 2: 5.0, 3: 0.5, 4: 2.0, 5: 3.0, 6: 8.0, 7: 0.1}),
-            ([0, 2, 5, 6, 9, 10, 11], 4, 2, {0: 7.0, 2: 7.0, 5: 9.0, 6: 1.0, 9: 4.0, 10: 0.0, 11: 50.0}),
-            ([0, 3, 4, 8, 9, 12, 13, 14, 15], 6, 3, {0: 3.0, 3: 1.0, 4: 3.0, 8: 2.0, 9: 2.5, 12: 0.2, 13: 9.0,
-                                                     14: 1.0, 15: 0.0}),
-            ([1, 2, 3, 4, 5], 2, 1, {1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0, 5: 0.0})]
+#: (logical, budget, recent, scores): gaps from earlier evictions, ties, a heavy block among the recent
+_H2O_CASES = [([0, 1, 2, 3, 4, 5, 6, 7], 4, 2, {0: 9.0, 1: 1.0, 2: 5.0, 3: 0.5, 4: 2.0, 5: 3.0, 6: 8.0, 7: 0.1}),
+              ([0, 2, 5, 6, 9, 10, 11], 4, 2, {0: 7.0, 2: 7.0, 5: 9.0, 6: 1.0, 9: 4.0, 10: 0.0, 11: 50.0}),
+              ([0, 3, 4, 8, 9, 12, 13, 14, 15], 6, 3, {0: 3.0, 3: 1.0, 4: 3.0, 8: 2.0, 9: 2.5, 12: 0.2, 13: 9.0,
+                                                       14: 1.0, 15: 0.0}),
+              ([1, 2, 3, 4, 5], 2, 1, {1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0, 5: 0.0})]
 
 
 def h2o_keep(fn: Callable) -> bool:
     """``fn(logical, budget, recent, scores) -> the blocks H2O keeps``: the ``recent`` newest, then the
     older blocks with the most attention received (ties to the earlier block), ``budget`` in all."""
-    cases = [(a, ref_h2o_keep(*a)) for a in _h2o_cases()]
+    cases = [(a, ref_h2o_keep(*a)) for a in _H2O_CASES]
     def run(logical, budget, recent, scores):
         got = fn(list(logical), budget, recent, dict(scores))
         return sorted(got) if isinstance(got, (list, tuple)) else got

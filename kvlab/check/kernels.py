@@ -4,7 +4,6 @@ decode kernel (:mod:`kvlab.kernels.skeleton`) then runs them together on a real 
 
 from __future__ import annotations
 
-
 import torch
 
 from kvlab import kernels
@@ -85,16 +84,12 @@ def _softmax_hint(args, got, expected):
             "acc by alpha = exp(m - m_new) before adding this tile's exp(s - m_new)")
 
 
-def _is_jitted(fn) -> bool:
-    import triton  # only reached with triton installed (the caller's kernel run needs it anyway)
-    from triton.runtime.interpreter import InterpretedFunction  # the same: triton is Linux-only
-    return isinstance(fn, (triton.runtime.JITFunction, InterpretedFunction))
-
-
 def _jitted_or_say(name: str, fn) -> bool:
     if not callable(fn):
         raise TypeError(f"{name}: pass your function itself, got {type(fn).__name__}")
-    if not _is_jitted(fn):
+    import triton  # only reached with triton installed (the caller's kernel run needs it anyway)
+    from triton.runtime.interpreter import InterpretedFunction  # the same: triton is Linux-only
+    if not isinstance(fn, (triton.runtime.JITFunction, InterpretedFunction)):
         print(f"[fail] {name}: decorate it with @triton.jit - the decode kernel calls it on the GPU, where only "
               "Triton functions run")
         return False
@@ -120,10 +115,8 @@ def online_softmax_update(fn) -> bool:
     interpreter; compared with softmax(s) @ (v * v_scale) over all tiles."""
     if not _jitted_or_say("online_softmax_update", fn):  # the interpreter would run a plain function; a GPU not
         return False
-    cases = []
-    for s, v, v_scale, tile in _softmax_cases():
-        expected = torch.softmax(s, dim=-1) @ (v * v_scale[:, None])
-        cases.append(((s, v, v_scale, tile), expected))
+    cases = [((s, v, v_scale, tile), torch.softmax(s, dim=-1) @ (v * v_scale[:, None]))
+             for s, v, v_scale, tile in _softmax_cases()]
     def call(s, v, v_scale, tile):
         return kernels.skeleton.run_online_softmax(fn, s, v, v_scale, tile)  # skeleton loads triton on first use
     def close(a, b):

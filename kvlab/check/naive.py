@@ -73,16 +73,11 @@ class _ToyModel:
         return torch.tensor([rng.random() for _ in range(self.vocab)])
 
 
-def _toy_reference(prompt, n):
-    toy = _ToyModel()
-    return cached_generate(toy, prompt, n), toy.calls
-
-
 def decode_loop(fn: Callable) -> bool:
     """``fn(step, prompt_ids, new_tokens) -> the new token ids``, greedy, where ``step(tokens)`` feeds
     tokens through the model with its cache and returns the last one's logits."""
     shapes = [([5, 9, 2], 1), ([3, 1, 4, 1, 5], 4), ([7], 6), (list(range(20)), 3)]
-    cases = [((p, n), _toy_reference(p, n)) for p, n in shapes]
+    cases = [((p, n), (cached_generate(toy := _ToyModel(), p, n), toy.calls)) for p, n in shapes]  # kvlab's loop
     def run(prompt, n):
         toy = _ToyModel()
         got = fn(toy, list(prompt), n)

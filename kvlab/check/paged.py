@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-
 from kvlab.cache import BlockManager
 from kvlab.cache.paged import append_slot as ref_append_slot
 from kvlab.cache.paged import block_hash, prefix_hits as ref_prefix_hits

@@ -7,10 +7,8 @@ import json
 import os
 from pathlib import Path
 
-
 from kvlab.files import warn, write_atomic
 from kvlab.models import cache_dir
-
 
 # checker -> (notebook, task, what the exercise is about); the order of the workshop
 EXERCISES = {

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-
 from kvlab import sizing
 from kvlab.check.core import run_task
 

@@ -20,6 +20,7 @@ from kvlab.kernels.traffic import (COMPUTE_CAPABILITY, FP8_MIN_CAPABILITY, GPU_B
 from kvlab.sizing import fmt_bytes
 
 A100_FLOPS = GPU_CORES["A100"][2]  # dense fp16 tensor-core FLOP/s
+A100_RIDGE = A100_FLOPS / A100_BW  # FLOP per byte read below which a kernel is memory-bound
 A100_L2 = 40 * 2**20  # bytes of L2 (datasheet)
 H200_HBM = 143_771 * 2**20  # bytes: the "141 GB" card reports 143,771 MiB (140.4 GiB)
 _7B = "llama-2-7b"
@@ -45,18 +46,16 @@ def c_decode_memory_bound(lab, batch: int = 1, context: int = 4096):
     """FLOPs per byte of a decode step against the A100's ridge point (peak FLOP/s / peak B/s)."""
     step = sizing.decode_step_bytes(_7B, context, batch)["total"]
     intensity = 2 * _params() * batch / step
-    ridge = A100_FLOPS / A100_BW
-    return (f"batch {batch} x {context}: {intensity:.1f} FLOP per byte read; the A100 needs {ridge:.0f} to be "
-            "compute-bound", truth(intensity < ridge),
+    return (f"batch {batch} x {context}: {intensity:.1f} FLOP per byte read; the A100 needs {A100_RIDGE:.0f} to be "
+            "compute-bound", truth(intensity < A100_RIDGE),
             "2 FLOPs per parameter per token over weights + KV read once per step; decode stays memory-bound "
             "until the batch shares each weight read among ~150 tokens (and attention over the KV never does)")
 
 
 def c_prefill_compute_bound(lab, prompt: int = 512):
     intensity = 2 * _params() * prompt / sizing.weight_bytes(_7B)
-    ridge = A100_FLOPS / A100_BW
-    return (f"a {prompt}-token prefill: {intensity:.0f} FLOP per weight byte (A100 ridge {ridge:.0f})",
-            truth(intensity > ridge), "all prompt tokens share one read of every weight")
+    return (f"a {prompt}-token prefill: {intensity:.0f} FLOP per weight byte (A100 ridge {A100_RIDGE:.0f})",
+            truth(intensity > A100_RIDGE), "all prompt tokens share one read of every weight")
 
 
 def c_l2_threshold(lab, weights: int | None = None, l2: int = A100_L2):

@@ -85,7 +85,7 @@ def c_int4_quarter(lab, group: int = 32, scale_dtype: str = "fp32"):
 
 def c_24_to_16(lab, context: int = 4096):
     w = sizing.weight_bytes("llama-2-7b")
-    fp16, int8 = w + _kv7b(context), w + sizing.kv_size("llama-2-7b", "int8", tokens=context).total_bytes
+    fp16, int8 = w + _kv7b(context), w + _kv7b(context, "int8")
     return (f"weights + KV: FP16 {fmt_bytes(fp16)}, INT8 {fmt_bytes(int8)}; a 16 GB card has 16 GiB",
             margin(fp16, 16 * GiB),
             f"FP16 leaves {fmt_bytes(16 * GiB - fp16)} for activations and the runtime, INT8 "
@@ -94,8 +94,7 @@ def c_24_to_16(lab, context: int = 4096):
 
 
 def c_fits(lab, hbm: int = A100_BYTES):
-    kv = 32 * _kv7b(16384)
-    kv8 = 32 * sizing.kv_size("llama-2-7b", "int8", tokens=16384).total_bytes
+    kv, kv8 = 32 * _kv7b(16384), 32 * _kv7b(16384, "int8")
     return (f"KV for 32 x 16K: {kv / GiB:.0f} GiB FP16, {kv8 / GiB:.0f} GiB INT8", truth(kv8 < hbm),
             "the benchmark's setting cannot fit one 80 GB A100, in either format")
 
@@ -115,16 +114,10 @@ def c_16ms(lab, bandwidth: float = A100_BW):
 
 
 def c_12_7ms(lab, bandwidth: float = A100_BW):
-    kv16 = 32 * _kv7b(16384)
-    kv8 = 32 * sizing.kv_size("llama-2-7b", "int8", tokens=16384).total_bytes
+    kv16, kv8 = 32 * _kv7b(16384), 32 * _kv7b(16384, "int8")
     ms16, ms8 = kv16 / bandwidth * 1e3, kv8 / bandwidth * 1e3
     return (f"reading the KV takes >= {ms16:.0f} ms (FP16) and >= {ms8:.0f} ms (INT8) at {bandwidth / 1e12:.3g} TB/s",
             ratio(12, ms16), "the ratio (0.58) is plausible, the milliseconds are not")
-
-
-def _largest_fp16_batch(context: int, hbm: int) -> int:
-    """The biggest batch of ``context``-token requests whose FP16 cache fits ``hbm`` beside the weights."""
-    return max(0, (hbm - sizing.weight_bytes("llama-2-7b")) // _kv7b(context))
 
 
 def c_39pct(lab, context: int = 16384, batch: int = 32, hbm: int = A100_BYTES,
@@ -135,7 +128,7 @@ def c_39pct(lab, context: int = 16384, batch: int = 32, hbm: int = A100_BYTES,
     claimed = 2020 / 1450
     need = sizing.weight_bytes("llama-2-7b") + batch * _kv7b(context)
     fits = need <= hbm
-    fit_batch = _largest_fp16_batch(context, hbm)
+    fit_batch = max(0, (hbm - sizing.weight_bytes("llama-2-7b")) // _kv7b(context))  # the biggest FP16 batch that fits
     probe = batch if fits else max(1, fit_batch)
     fp16 = sizing.decode_step_bytes("llama-2-7b", context=context, batch=probe)
     int8 = sizing.decode_step_bytes("llama-2-7b", context=context, batch=probe, kv_cache_dtype="int8")

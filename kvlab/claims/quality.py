@@ -17,11 +17,6 @@ from kvlab.claims.rules import cost_range, judged_on, parts, truth
 from kvlab.quant import core
 
 
-def _guarded_scale(amax: torch.Tensor, threshold: float) -> torch.Tensor:
-    """The article's rule as it is written: absmax / 127, or 1.0 where absmax < ``threshold``."""
-    return torch.where(amax < threshold, torch.ones_like(amax), amax / 127)
-
-
 def c_zero_guard(lab, threshold: float = 1e-6):
     """The article's guard, not kvlab's quantizer: an all-zero head must round-trip to zeros (without a
     guard it is 0/0 = NaN), and a head just below the threshold, quantized with scale 1.0, must lose
@@ -30,7 +25,7 @@ def c_zero_guard(lab, threshold: float = 1e-6):
     heads[1] = 1e-7 * torch.linspace(-1, 1, 32).view(4, 8)  # below the threshold: all rounds to 0
     heads[2] = torch.linspace(-2, 2, 32).view(4, 8)  # an ordinary head
     amax = heads.abs().amax(dim=(1, 2), keepdim=True)
-    scale = _guarded_scale(amax, threshold)
+    scale = torch.where(amax < threshold, torch.ones_like(amax), amax / 127)  # the article's rule as written
     back = torch.clamp(torch.round(heads / scale), -127, 127) * scale
     err = (back - heads).abs().amax(dim=(1, 2))
     unguarded = heads[0] / (amax[0] / 127)

@@ -20,14 +20,10 @@ def run(lab: Lab | None = None, ids=None, progress=None) -> list[dict]:
     """Measure every claim (or those in ``ids``) and judge it. One dict per claim, in table order."""
     lab = lab or Lab()
     known = {c.id for c in CLAIMS}
-    if ids is not None:
-        unknown = sorted(set(ids) - known)
-        if unknown:
-            raise ValueError(f"unknown claim id(s) {unknown}: choose from {sorted(known)}")
+    if ids is not None and (unknown := sorted(set(ids) - known)):
+        raise ValueError(f"unknown claim id(s) {unknown}: choose from {sorted(known)}")
     rows = []
-    for c in CLAIMS:
-        if ids is not None and c.id not in ids:
-            continue
+    for c in (x for x in CLAIMS if ids is None or x.id in ids):
         if progress is not None:
             progress(c.id)
         with recording() as calls:
@@ -57,18 +53,13 @@ def count_line(rows: list[dict]) -> str:
 MARKS = {HOLDS: "✓", PARTLY: "~", WRONG: "✗", NOT_CHECKABLE: "?"}
 
 
-def _mark(verdict: str) -> str:
-    return MARKS[verdict]
-
-
 def format_index(rows: list[dict], width: int = 110) -> str:
     """One line per claim: its number, mark, article and section, the claim in English and the verdict
     (cut to ``width``): the whole table at a glance; :func:`format_table` has every row in full."""
     out = []
     for i, r in enumerate(rows, 1):
-        verdict = r["verdict"]
-        line = f"{i:>2}. {_mark(r['verdict'])} {r['article']} {r['where']:<11} {r['claim']}"
-        tail = f"  [{verdict}]"
+        line = f"{i:>2}. {MARKS[r['verdict']]} {r['article']} {r['where']:<11} {r['claim']}"
+        tail = f"  [{r['verdict']}]"
         if len(line) + len(tail) > width:
             line = line[:width - len(tail) - 1] + "…"
         out.append(line + tail)
@@ -84,9 +75,8 @@ def format_table(rows: list[dict], width: int = 64, brief: bool = False, numbers
         raise ValueError(f"numbers must give one number per row ({len(rows)}), got {len(numbers)}")
     out = []
     for i, r in zip(numbers or range(1, len(rows) + 1), rows):
-        mark = _mark(r["verdict"])
         quote = f" 「{r['quote']}」" if r.get("quote") else ""
-        out.append(f"{i:>2}. {mark} [{r['article']} {r['where']}{quote}] {r['claim']}")
+        out.append(f"{i:>2}. {MARKS[r['verdict']]} [{r['article']} {r['where']}{quote}] {r['claim']}")
         parts = [("measured", r["measured"]), ("verdict", f"{r['verdict']} — {r['why']}")]
         if not brief:
             parts += [("rule", f"{r['rule']}: {r['tolerance']}"), ("see", f"notebook {r['notebook']}, “{r['section']}”")]
@@ -100,10 +90,9 @@ def format_table(rows: list[dict], width: int = 64, brief: bool = False, numbers
 def format_grouped(rows: list[dict], width: int = 110) -> str:
     """The table at one line per claim, grouped under its verdict word with the count: what holds, what
     holds in part, what is wrong, what the lab cannot check. Lines keep their numbers in the table."""
-    numbered = list(enumerate(rows, 1))
     out = []
     for v in VERDICTS:
-        group = [(i, r) for i, r in numbered if r["verdict"] == v]
+        group = [(i, r) for i, r in enumerate(rows, 1) if r["verdict"] == v]
         if not group:
             continue
         out.append(f"{MARKS[v]} {v}: {len(group)}")

@@ -38,8 +38,7 @@ def _memory_wall_traces(model: str, batch: int, kv_cache_dtype: str, weight_dtyp
     xs = _dense_contexts(model)
     w = sizing.weight_read_bytes(model, batch, weight_dtype)
     kv = [sizing.kv_size(model, kv_cache_dtype, tokens=c, batch=batch).total_bytes for c in xs]
-    gib = 2**30
-    return xs, [w / gib] * len(xs), [k / gib for k in kv]
+    return xs, [w / 2**30] * len(xs), [k / 2**30 for k in kv]
 
 
 def _memory_wall_marks(model: str, context: int, batch: int, kv_cache_dtype: str, weight_dtype: str) -> dict:
@@ -83,20 +82,16 @@ def memory_wall_figure(model: str = "llama-2-7b", batch: int = 1, kv_cache_dtype
     xs, w, kv = _memory_wall_traces(model, batch, kv_cache_dtype, weight_dtype)
     m = _memory_wall_marks(model, context, batch, kv_cache_dtype, weight_dtype)
     fig = go.Figure(
-        data=[
-            go.Scatter(x=xs, y=w, name="weights", stackgroup="one", line_color=COLORS["weights"]),
-            go.Scatter(x=xs, y=kv, name="KV cache (all sequences)", stackgroup="one", line_color=COLORS["kv"]),
-            go.Scatter(x=[m["point"][0]], y=[m["point"][1]], name="this context: total", mode="markers",
-                       marker=dict(color="black", size=10), cliponaxis=False),
-        ],
-        layout=dict(
-            title=_memory_wall_title(model, batch, kv_cache_dtype, weight_dtype, m["where"]),
-            xaxis=dict(title="context (tokens per sequence, log scale)", type="log", **_context_ticks(_contexts(model))),
-            yaxis=dict(title="GiB read per step", rangemode="tozero"), height=460,
-            legend=dict(orientation="h", y=-0.25), shapes=m["shapes"], annotations=m["annotations"],
-            margin=dict(t=80),
-        ),
-    )
+        data=[go.Scatter(x=xs, y=w, name="weights", stackgroup="one", line_color=COLORS["weights"]),
+              go.Scatter(x=xs, y=kv, name="KV cache (all sequences)", stackgroup="one", line_color=COLORS["kv"]),
+              go.Scatter(x=[m["point"][0]], y=[m["point"][1]], name="this context: total", mode="markers",
+                         marker=dict(color="black", size=10), cliponaxis=False)],
+        layout=dict(title=_memory_wall_title(model, batch, kv_cache_dtype, weight_dtype, m["where"]),
+                    xaxis=dict(title="context (tokens per sequence, log scale)", type="log",
+                               **_context_ticks(_contexts(model))),
+                    yaxis=dict(title="GiB read per step", rangemode="tozero"), height=460,
+                    legend=dict(orientation="h", y=-0.25), shapes=m["shapes"], annotations=m["annotations"],
+                    margin=dict(t=80)))
     return live(fig) if widget else fig
 
 
@@ -131,12 +126,10 @@ def memory_wall_widget(model: str = "llama-2-7b"):
                  if m["cross"] <= m["top"] else
                  f"The KV cache would outweigh the weights only beyond {m['cross']:,} tokens per sequence, "
                  f"longer than this model's {m['top']:,}-token context: at this batch the weights always dominate.")
-        out.value = (
-            f"<b>{sizing.fmt_bytes(step['total'])}</b> per step at {w_ctx.value:,} tokens "
-            f"(KV {step['kv'] / step['total']:.0%}) &rarr; at least <b>{ms:.2f} ms</b> per step at "
-            f"{w_bw.value:.2f} TB/s, so at most {w_batch.value / ms * 1e3:,.0f} tokens/s for the whole batch "
-            f"({1e3 / ms:,.0f} per sequence). " + where
-        )
+        out.value = (f"<b>{sizing.fmt_bytes(step['total'])}</b> per step at {w_ctx.value:,} tokens "
+                     f"(KV {step['kv'] / step['total']:.0%}) &rarr; at least <b>{ms:.2f} ms</b> per step at "
+                     f"{w_bw.value:.2f} TB/s, so at most {w_batch.value / ms * 1e3:,.0f} tokens/s for the whole "
+                     f"batch ({1e3 / ms:,.0f} per sequence). " + where)
     def model_changed(_=None):
         options = _contexts(w_model.value)
         value = max(c for c in options if c <= w_ctx.value) if w_ctx.value >= options[0] else options[0]

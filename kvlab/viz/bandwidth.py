@@ -23,10 +23,8 @@ CONTEXTS = [2**k for k in range(8, 16)]  # 256 ... 32768 tokens per sequence
 
 
 def _bytes(shape: str, fmt: str, batch: int, context: int) -> int:
-    layers, h_q, h_kv, d = SHAPES[shape]
-    if fmt == "int8_unfused":
-        return step_bytes("int8", batch, context, layers, h_q, h_kv, d, fused=False)
-    return step_bytes(fmt, batch, context, layers, h_q, h_kv, d)
+    unfused = fmt == "int8_unfused"
+    return step_bytes("int8" if unfused else fmt, batch, context, *SHAPES[shape], fused=not unfused)
 
 
 def measured_points(bench: dict | None, shape: str, batch: int, fmt: str) -> tuple[list, list]:
@@ -110,14 +108,12 @@ def bandwidth_widget(shape: str = "llama-3-8b", batch: int = 32, context: int = 
                      bench: dict | None = None):
     """Sliders for batch and context, dropdowns for the shape and the GPU, over :func:`bandwidth_figure`."""
     import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
-
     fig = bandwidth_figure(shape, batch, context, gpu, bench, widget=True)
     w_shape = W.Dropdown(options=sorted(SHAPES), value=shape, description="shape")
     w_gpu = W.Dropdown(options=list(GPU_BANDWIDTH), value=gpu, description="GPU")
     w_batch = W.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64, 128], value=batch, description="batch")
     w_ctx = W.SelectionSlider(options=CONTEXTS, value=context, description="context")
     out = W.HTML()
-
     def refresh(_=None):
         nums = update_bandwidth_figure(fig, w_shape.value, w_batch.value, w_ctx.value, w_gpu.value, bench)
         f16, i8, kv4, unf = (nums[f] for f in ("fp16", "int8", "k8v4", "int8_unfused"))
@@ -136,7 +132,6 @@ def bandwidth_widget(shape: str = "llama-3-8b", batch: int = 32, context: int = 
                      f"({f16['bytes'] / i8['bytes']:.2f}x fewer bytes); K8V4: {kv4['projected_ms']:.2f} ms; INT8 "
                      f"through a dequantized FP16 copy: {unf['projected_ms']:.2f} ms "
                      f"({unf['bytes'] / f16['bytes']:.1f}x the bytes of FP16).{measured}")
-
     for c in (w_shape, w_gpu, w_batch, w_ctx):
         c.observe(refresh, names="value")
     refresh()

@@ -18,7 +18,6 @@ from kvlab.viz.render import live, view
 from kvlab.viz.engine import EngineRecorder, frame_html
 from kvlab.viz.paged import block_grid, block_table_figure
 
-
 WIDTH = 1000  # px: a widget in a box does not stretch its figures; fits a laptop screen beside the file browser
 
 
@@ -109,12 +108,10 @@ class Dashboard:
             fig.update_xaxes(tickvals=list(range(2 * h)), ticktext=[f"K{i}" for i in range(h)] + [f"V{i}" for i in range(h)],
                              row=1, col=3)
             fig.add_vline(x=h - 0.5, line_color="#1b2631", line_width=2, row=1, col=3)
-        fig.update_xaxes(title_text="frame (one per engine step)", row=1, col=1)
-        fig.update_xaxes(title_text="frame", row=1, col=2)
-        fig.update_yaxes(title_text="requests", rangemode="tozero", row=1, col=1)
-        fig.update_yaxes(title_text="MiB per step", rangemode="tozero", row=1, col=2)
-        fig.update_xaxes(title_text="KV head (K, then V)", row=1, col=3)
-        fig.update_yaxes(title_text="layer", row=1, col=3)
+        for col, x, y in ((1, "frame (one per engine step)", "requests"), (2, "frame", "MiB per step"),
+                          (3, "KV head (K, then V)", "layer")):
+            fig.update_xaxes(title_text=x, row=1, col=col)
+            fig.update_yaxes(title_text=y, row=1, col=col, **({"rangemode": "tozero"} if col < 3 else {}))
         # room on the right for the colour bar and its title, and below for the legend under the axis titles
         fig.update_layout(height=400, width=WIDTH, margin=dict(l=50, r=90, t=50, b=95),
                           legend=dict(orientation="h", y=-0.3))
@@ -137,13 +134,10 @@ class Dashboard:
             self.chart.data[4].x, self.chart.data[4].y = [index], [mib[index]]
             if self.clipped[index] is not None:
                 self.chart.data[5].z = self.clipped[index]
-        s = self.llm.cache
-        sat = ""
-        if self.clipped[index] is not None:
-            total = sum(map(sum, self.clipped[index]))
-            sat = f" · clipped values so far: <b>{total:,}</b>"
+        sat = ("" if self.clipped[index] is None
+               else f" · clipped values so far: <b>{sum(map(sum, self.clipped[index])):,}</b>")
         self.info.value = (f"frame {index}: KV read by this step's decodes <b>{mib[index]:.2f} MiB</b> "
-                           f"({_bytes_per_token(s):,.0f} B per token){sat}<br>" + frame_html(frame))
+                           f"({_bytes_per_token(self.llm.cache):,.0f} B per token){sat}<br>" + frame_html(frame))
 
     def busiest(self) -> int:
         """The frame with the most requests running (the first of them): a good one to look at."""

@@ -28,7 +28,6 @@ PART_COLORS = {"schedule_s": COLORS["padding"], "packing_s": PALETTE[2], "forwar
 
 # ---- recording ------------------------------------------------------------------------------------
 
-
 class EngineRecorder:
     """Plain-data frames of an :class:`~kvlab.engine.LLM`, one per step, as its forward sees them.
     Attaches to ``llm.on_scheduled`` (chaining any callback already there). A frame holds the step,
@@ -78,13 +77,10 @@ class EngineRecorder:
         note = f"step {step}" if batch is not None else f"before step {step + 1}"
         pool = snapshot(llm.block_manager, note)
         del pool["tables"], pool["lengths"]  # the grid draws blocks only
-        scheduled = []
-        if batch is not None:
-            for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-                # start / total in tokens: this step feeds tokens start..start+n of total
-                kind = "decode" if i < batch.num_decodes else "prefill"  # decodes come first
-                scheduled.append(dict(seq_id=seq.seq_id, tokens=n, kind=kind, start=seq.num_computed_tokens,
-                                      total=seq.num_tokens))
+        # start / total in tokens: this step feeds tokens start..start+n of total; decodes come first
+        scheduled = [dict(seq_id=seq.seq_id, tokens=n, kind="decode" if i < batch.num_decodes else "prefill",
+                          start=seq.num_computed_tokens, total=seq.num_tokens)
+                     for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))] if batch is not None else []
         frame = dict(step=step, batch=batch is not None, pool=pool, scheduled=scheduled,
                      budget=sched.max_num_batched_tokens,  # tokens per step
                      waiting=[s.seq_id for s in sched.waiting],
@@ -132,12 +128,6 @@ class EngineRecorder:
 
 # ---- the scheduler widget -------------------------------------------------------------------------
 
-
-def _seq_colors(pool: dict) -> dict[int, str]:
-    """The colour ``paged.block_grid`` gives each block owner: chips match their blocks."""
-    return {sid: seq_color(sid) for sid in {o for b in pool["blocks"] for o in b["owners"]}}
-
-
 def _chip(label: str, color: str | None, title: str = "", outline: str | None = None) -> str:
     bg, fg = (color, "#ffffff") if color else ("#ffffff", "#1b2631")
     border = outline or (color if color else COLORS["weights"])
@@ -147,10 +137,9 @@ def _chip(label: str, color: str | None, title: str = "", outline: str | None = 
 
 
 def frame_html(frame: dict) -> str:
-    colors = _seq_colors(frame["pool"])
+    owners = {o for b in frame["pool"]["blocks"] for o in b["owners"]}  # chips take their blocks' colours
     sched = {s["seq_id"]: s for s in frame["scheduled"]}
-    prefill = sum(s["tokens"] for s in frame["scheduled"] if s["kind"] == "prefill")  # tokens
-    decode = sum(s["tokens"] for s in frame["scheduled"] if s["kind"] == "decode")  # tokens
+    prefill, decode = (sum(s["tokens"] for s in sched.values() if s["kind"] == k) for k in ("prefill", "decode"))
     if frame["batch"]:
         plural = "s" if len(sched) != 1 else ""
         head = (f"<b>step {frame['step']}</b>: {len(sched)} sequence{plural} in the forward, <b>{prefill}</b> prefill + "
@@ -172,7 +161,7 @@ def frame_html(frame: dict) -> str:
         else:
             label = f"{sid} p{s['tokens']}"
             title = f"seq {sid}: prefill tokens {s['start']}..{s['start'] + s['tokens']} of {s['total']}"
-        running.append(_chip(label, colors.get(sid, COLORS["weights"]), title))
+        running.append(_chip(label, seq_color(sid) if sid in owners else COLORS["weights"], title))
     finished = "".join(_chip(str(sid), None, f"seq {sid}: finished", COLORS["empty"]) for sid in frame["finished"])
     none = '<span style="color:#7f8c8d">none</span>'
     rows = "".join(
@@ -244,7 +233,6 @@ def live_scheduler_widget(llm, columns: int = 16):
 
 
 # ---- the request timeline -------------------------------------------------------------------------
-
 
 def request_states(llm, seq_ids=None) -> dict[int, list[tuple[int, str]]]:
     """Per request, ``(step, state)`` for every step from its arrival to its end, from the trace alone.
@@ -323,7 +311,6 @@ def request_timeline(llm, seq_ids=None):
 
 
 # ---- step times -----------------------------------------------------------------------------------
-
 
 def step_time_figure(step_stats):
     """Per step: schedule / packing / forward / sample time stacked (ms), and how many sequences ran."""

@@ -58,60 +58,37 @@ class Trace:
         self.frames: list[dict] = []
 
     def record(self, note: str) -> dict:
-        frame = snapshot(self.bm, note, self.names)
-        self.frames.append(frame)
-        return frame
+        self.frames.append(snapshot(self.bm, note, self.names))
+        return self.frames[-1]
 
 
 COMPACT_COLUMNS = 12  # wider grids label each block with its owner only (c = cached, ×n = shared by n)
 
 
 def block_grid(frame: dict, columns: int):
-    rows = cdiv(len(frame["blocks"]), columns)
-    compact = columns > COMPACT_COLUMNS
-    z, text, colors = [], [], {}
-    for r in range(rows):
+    compact = columns > COMPACT_COLUMNS  # a wide grid has narrow cells: the owner only (the hover text has it all)
+    blocks, z, text, colors = frame["blocks"], [], [], {}
+    for r in range(cdiv(len(blocks), columns)):
         zr, tr = [], []
-        for c in range(columns):
-            i = r * columns + c
-            if i >= len(frame["blocks"]):
-                zr.append(None)
-                tr.append("")
-                continue
-            b = frame["blocks"][i]
-            if compact:  # a wide grid has narrow cells: the owner only (the hover text has it all)
-                if b["state"] == "free":
-                    key, label = FREE, ""
-                elif b["state"] == "cached":
-                    key, label = CACHED, "c"
-                elif b["ref"] > 1:
-                    key, label = SHARED, f"×{b['ref']}"
-                else:
-                    key, label = seq_color(b["owners"][0]), _name(frame, b["owners"][0]).removeprefix("seq ")
-                zr.append(colors.setdefault(key, len(colors)))
-                tr.append(label)
-                continue
+        for b in blocks[r * columns:(r + 1) * columns]:
             if b["state"] == "free":
-                key, label = FREE, f"#{b['id']}<br>free"
+                key, short, label = FREE, "", f"#{b['id']}<br>free"
             elif b["state"] == "cached":
-                key, label = CACHED, f"#{b['id']}<br>cached"
+                key, short, label = CACHED, "c", f"#{b['id']}<br>cached"
             elif b["ref"] > 1:
-                key, label = SHARED, f"#{b['id']}<br>ref {b['ref']}"
+                key, short, label = SHARED, f"×{b['ref']}", f"#{b['id']}<br>ref {b['ref']}"
             else:
-                key = seq_color(b["owners"][0])
-                label = f"#{b['id']}<br>{_name(frame, b['owners'][0])}"
+                key, name = seq_color(b["owners"][0]), _name(frame, b["owners"][0])
+                short, label = name.removeprefix("seq "), f"#{b['id']}<br>{name}"
             if b["state"] != "free":
                 label += f"<br>{b['fill']}/{frame['block_size']}"
-            colors.setdefault(key, len(colors))
-            zr.append(colors[key])
-            tr.append(label)
-        z.append(zr)
-        text.append(tr)
+            zr.append(colors.setdefault(key, len(colors)))
+            tr.append(short if compact else label)
+        z.append(zr + [None] * (columns - len(zr)))  # the last row runs past the pool
+        text.append(tr + [""] * (columns - len(tr)))
     # a discrete colourscale: one flat band per colour actually present
     n = max(len(colors), 1)
-    scale = []
-    for color, idx in sorted(colors.items(), key=lambda kv: kv[1]):
-        scale += [[idx / n, color], [(idx + 1) / n, color]]
+    scale = [[(idx + j) / n, color] for color, idx in sorted(colors.items(), key=lambda kv: kv[1]) for j in (0, 1)]
     return z, text, scale or [[0, FREE], [1, FREE]], n
 
 
@@ -133,8 +110,7 @@ def block_table_figure(frame: dict, columns: int = 8, widget: bool = False):
     z, text, scale, n = block_grid(frame, columns)
     fig = go.Figure(go.Heatmap(
         z=z, text=text, texttemplate="%{text}", textfont=dict(size=13 if columns <= COMPACT_COLUMNS else 11),
-        colorscale=scale, zmin=0, zmax=n,
-        showscale=False, xgap=3, ygap=3, hoverinfo="text"))
+        colorscale=scale, zmin=0, zmax=n, showscale=False, xgap=3, ygap=3, hoverinfo="text"))
     fig.update_layout(height=70 + 62 * len(z), margin=dict(l=10, r=10, t=30, b=10),
                       title="physical blocks (colour = owner, dark = shared, grey = cached, white = free)"
                             + ("<br><sup>each block labelled with its owner; c = cached, ×n = shared by n"
@@ -200,8 +176,7 @@ def block_size_figure(rows: list[dict], title: str = "The block-size trade-off")
                     hovertemplate="block size %{x}: %{y:.1f} entries per sequence<extra></extra>")
     ticks = [t for t in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000) if t <= 2 * max(entries)]
     fig.update_layout(height=420, title=title, xaxis_title="block size (tokens per block)",
-                      yaxis=dict(title="% of slots empty at completion",
-                                 range=[0, max(waste) * 1.15 + 1]),
+                      yaxis=dict(title="% of slots empty at completion", range=[0, max(waste) * 1.15 + 1]),
                       yaxis2=dict(title="block-table entries per sequence (log scale)", overlaying="y", side="right",
                                   type="log", tickvals=ticks, ticktext=[str(t) for t in ticks], showgrid=False,
                                   range=[math.log10(0.7), math.log10(max(entries) * 2)]),

@@ -17,10 +17,7 @@ def saturation_heatmap(saturation: dict, counter: str = "clipped", title: str = 
     fig = make_subplots(rows=1, cols=2, subplot_titles=("K", "V"), horizontal_spacing=0.08)
     for col, which in enumerate(("k", "v"), start=1):
         s = saturation[which]
-        if counter == "corrections":
-            z = s["corrections"].float()
-        else:
-            z = s[counter].float() / s["values"].clamp(min=1).float()
+        z = s[counter].float() if counter == "corrections" else s[counter].float() / s["values"].clamp(min=1).float()
         fig.add_trace(go.Heatmap(z=z.tolist(), colorscale="Reds", zmin=0, coloraxis="coloraxis",
                                  hovertemplate="layer %{y}, head %{x}: %{z:.2e}<extra></extra>"), 1, col)
         fig.update_xaxes(title_text="KV head", row=1, col=col, dtick=1)
@@ -71,8 +68,7 @@ def per_layer_figure(values: list[float], title: str, yaxis: str, highlight: lis
             fig.add_bar(x=layers, y=[values[i] for i in layers], marker_color=color, name=name, width=0.8)
     fig.update_layout(height=360, title=title, xaxis=dict(title="layer", dtick=1 if len(values) <= 40 else None),
                       yaxis=dict(title=yaxis, type="log", dtick=1) if log else dict(title=yaxis, rangemode="tozero"),
-                      barmode="overlay",
-                      legend=dict(orientation="h", y=-0.3), showlegend=bool(marked))
+                      barmode="overlay", legend=dict(orientation="h", y=-0.3), showlegend=bool(marked))
     return fig
 
 
@@ -101,8 +97,7 @@ def granularity_explorer(keys, values, calibration=None,
     fig.add_bar(x=list(range(len(keys))), y=[0.0] * len(keys), marker_color=COLORS["tokens"], name="SNR (dB)")
     fig.add_scatter(x=list(range(len(keys))), y=[0.0] * len(keys), mode="lines+markers", line_color=COLORS["kv"],
                     name="clip rate", secondary_y=True)
-    fig.update_layout(height=400, xaxis_title="layer", legend=dict(orientation="h", y=-0.22),
-                      margin=dict(t=60, b=40))
+    fig.update_layout(height=400, xaxis_title="layer", legend=dict(orientation="h", y=-0.22), margin=dict(t=60, b=40))
     fig.update_yaxes(title_text="INT8 SNR (dB, higher is better)", rangemode="tozero", secondary_y=False)
     fig.update_yaxes(title_text="share of values clipped", tickformat=".3~%", nticks=5, rangemode="tozero",
                      secondary_y=True)
