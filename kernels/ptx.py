@@ -22,7 +22,7 @@ from kvlab.kernels import require_triton
 from kvlab.kernels.convert import CONVERSIONS, CONVERT_CODES, MAGIC, check_convert
 from kvlab.kernels.pool import INT4, INT8
 from kvlab.kernels.traffic import spec_of_format
-from kvlab.quant.formats import named_config
+from kvlab.quant.config import named_config
 
 require_triton("kvlab.kernels.ptx")  # where triton is missing (macOS, Windows): an ImportError that says why
 import triton  # noqa: E402

@@ -15,7 +15,7 @@ from kvlab.formats import kernel_names
 from kvlab.kernels import require_triton, triton_mode
 from kvlab.kernels.convert import check_convert
 from kvlab.kernels.pool import FLOAT, INT4, INT8, NO_SCALE, PER_SLOT, STATIC, kernel_kind, scale_code
-from kvlab.quant.formats import TensorFormat, named_config
+from kvlab.quant.config import TensorFormat, named_config
 from kvlab.sizing import kv_config
 from kvlab.validate import cdiv
 

@@ -24,7 +24,7 @@ from kvlab.cache.paged_storage import PagedKVCache
 from kvlab.kernels.traffic import count_traffic, decode_traffic, spec_of
 from kvlab.quant import core
 from kvlab.cache import QuantizedPagedKVCache
-from kvlab.quant.formats import KVQuantConfig, TensorFormat, named_config
+from kvlab.quant.config import KVQuantConfig, TensorFormat, named_config
 
 TRITON = get_backend("triton")  # the write and decode kernels applied to a pool (notebook 05)
 

@@ -309,7 +309,7 @@ def test_every_pytorch_path_honours_the_feature(feature):
     from kvlab.attention import (DecodeIndex, batched_decode_attention, paged_attention,
                                  quantized_batched_decode_attention, quantized_paged_attention)
     from kvlab.cache import QuantizedPagedKVCache
-    from kvlab.quant.formats import FP32
+    from kvlab.quant.config import FP32
 
     feat = FEATS[feature]
     g = torch.Generator().manual_seed(2)

@@ -16,7 +16,7 @@ from kvlab.calibrate import default_calibration
 from kvlab.data import CALIBRATION_PLAY, EVAL_PLAY, chat_prompts, text_tokens
 from kvlab.eval import auto_config, evaluate, kv_bytes_per_token, layer_sensitivity
 from kvlab.generate import greedy_generate
-from kvlab.quant.formats import KVQuantConfig, TensorFormat, named_config
+from kvlab.quant.config import KVQuantConfig, TensorFormat, named_config
 from kvlab.validate import is_int
 
 

@@ -33,7 +33,7 @@ import torch
 from kvlab.cache.naive import check_layer
 from kvlab.cache.paged import check_block_size
 from kvlab.kernels.pool import FLOAT, Operand
-from kvlab.quant.formats import TensorFormat
+from kvlab.quant.config import TensorFormat
 from kvlab.sizing import kv_config
 from kvlab.validate import cdiv, check_int
 

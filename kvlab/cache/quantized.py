@@ -16,7 +16,7 @@ from kvlab.cache.paged import check_block_size
 from kvlab.kernels.pool import INT8, KERNEL_KINDS, PER_SLOT, STATIC, Operand, check_kernel_format, scale_code
 from kvlab.quant import core
 from kvlab.quant.calibration import Calibration
-from kvlab.quant.formats import CORRECTION_FACTOR, KVQuantConfig, TensorFormat
+from kvlab.quant.config import CORRECTION_FACTOR, KVQuantConfig, TensorFormat
 from kvlab.quant.rotation import rotate
 from kvlab.sizing import kv_config
 

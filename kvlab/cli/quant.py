@@ -10,7 +10,7 @@ from kvlab.eval import check_scoring, evaluate, kv_bytes_per_token
 from kvlab.files import check_writable_target, read_text
 from kvlab.calibrate import calibrate, default_calibration
 from kvlab.quant.calibration import Calibration
-from kvlab.quant.formats import named_config
+from kvlab.quant.config import named_config
 from kvlab.sizing import kv_config
 from kvlab.cli.common import emit
 

@@ -22,7 +22,7 @@ from kvlab.engine import ModelRunner, SamplingParams, Sequence
 from kvlab.engine.scheduler import SchedulerOutput
 from kvlab.generate import paged_generate
 from kvlab.probe import paged_attention_spec
-from kvlab.quant.formats import FP32, KVQuantConfig, TensorFormat, named_config
+from kvlab.quant.config import FP32, KVQuantConfig, TensorFormat, named_config
 from kvlab.sizing import kv_config, kv_size
 from kvlab.validate import cdiv, check_int, is_int
 

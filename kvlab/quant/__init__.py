@@ -7,7 +7,7 @@ The quantized pool is :mod:`kvlab.cache.quantized`; taking a calibration needs a
 from kvlab.quant.calibration import Calibration
 from kvlab.quant.core import (GRANULARITIES, dequantize_int4, dequantize_int8, error_metrics,
                               int8_roundtrip, quantize_fp8, quantize_int4, quantize_int8, scale_from_absmax)
-from kvlab.quant.formats import FP32, KVQuantConfig, TensorFormat, named_config
+from kvlab.quant.config import FP32, KVQuantConfig, TensorFormat, named_config
 from kvlab.quant.rotation import hadamard, rotate
 
 __all__ = ["Calibration", "GRANULARITIES", "quantize_int8", "dequantize_int8",
