@@ -335,8 +335,9 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
     # what the pool and its DecodeIndex guarantee (the triton backend's check is the user-facing one)
     assert k.head_dim == d == v.head_dim and v.data.shape[:3] == k.data.shape[:3], "q, K and V pages disagree"
     assert q.device == k.data.device == v.data.device, "q, K and V pages on different devices"
-    assert block_tables.dim() == 2 and block_tables.shape[0] == bsz and seq_lens.shape == (bsz,)
-    assert block_tables.stride(1) == 1 and seq_lens.stride(0) == 1 and q.stride(-1) == 1
+    assert block_tables.dim() == 2 and block_tables.shape[0] == bsz and seq_lens.shape == (bsz,), "a row per q row"
+    assert block_tables.stride(1) == 1 and seq_lens.stride(0) == 1, "block_tables and seq_lens must be contiguous"
+    q = q.contiguous()  # the kernel reads q's last dimension with unit stride
     assert k.data.stride(-1) == 1 and v.data.stride(-1) == 1, "pages must be contiguous along head_dim"
     if d & (d - 1) or d < 16 or block_size & (block_size - 1):
         raise ValueError(f"the kernel needs a power-of-two head_dim >= 16 (tl.dot's smallest) and a power-of-two "

@@ -67,7 +67,7 @@ def check_only(only) -> tuple[str, ...] | None:
     """``only`` as a tuple of step names (None: every step), or a ValueError naming the unknown ones."""
     if only is None:
         return None
-    names = tuple(s.strip() for s in (only.split(",") if isinstance(only, str) else only) if s.strip())
+    names = tuple(str(s).strip() for s in (only.split(",") if isinstance(only, str) else only) if str(s).strip())
     unknown = [s for s in names if s not in STEP_NAMES]
     if unknown or not names:
         raise ValueError(f"only must name steps of {', '.join(STEP_NAMES)}, got {', '.join(unknown) or 'none'}")
@@ -76,24 +76,32 @@ def check_only(only) -> tuple[str, ...] | None:
 
 def run_step(step: Step, log: Path, dry_run: bool = False) -> dict:
     """Run one step with its output in ``log``; killed (with its children) at its limit."""
-    t0 = time.perf_counter()
+    t0, rc = time.perf_counter(), None
+    env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}  # no progress bars; a killed step's last lines
     with open(log, "w", encoding="utf-8") as f:
-        proc = subprocess.Popen(step.argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                                env={**os.environ, "TQDM_DISABLE": "1"})  # progress bars stay out of the log
         try:
-            rc = proc.wait(timeout=step.limit_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = None
+            proc = subprocess.Popen(step.argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                    start_new_session=True)  # its own process group: killed whole at its limit
+        except OSError as e:
+            print(f"could not start: {e}", file=f)
+            rc = -1
+        else:
+            try:
+                rc = proc.wait(timeout=step.limit_s)
+            except subprocess.TimeoutExpired:
+                pass
+            finally:  # its limit, or Ctrl-C here: nothing of the step keeps running
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL) if hasattr(os, "killpg") else proc.kill()
+                    proc.wait()
     text = log.read_text(encoding="utf-8", errors="replace")
     last = next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
     if rc is None:
         status, detail = "failed", f"stopped at its limit ({step.limit_s} s)"
     elif rc != 0:
         status, detail = "failed", f"exit status {rc}: {last}"
-    elif step.name == "environment" and not dry_run and "interpreter" in text:
-        status, detail = "failed", "Triton runs its interpreter, not compiled kernels"
+    elif step.name == "environment" and not dry_run and "compiled" not in text:
+        status, detail = "failed", "Triton does not run compiled kernels here (its interpreter, or no triton)"
     else:
         status, detail = "ok", ""
     return {"name": step.name, "status": status, "detail": detail, "seconds": round(time.perf_counter() - t0, 1),
@@ -106,7 +114,7 @@ def run_check(out, dry_run: bool = False, jobs: int = DEFAULT_JOBS, only=None, p
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be a whole number >= 1, got {jobs!r}")
     only = check_only(only)
-    out = Path(out)
+    out = Path(out).resolve()  # the steps run in the checkout: a relative --out means the caller's folder
     if out.exists() and not out.is_dir():
         raise ValueError(f"out: {out} is a file, not a folder")
     if not dry_run and not torch.cuda.is_available():
@@ -135,6 +143,7 @@ def summary(report: dict, out: Path, tail: int = 12) -> str:
         status = s["status"] + (f": {s['detail']}" if s["detail"] else "")
         lines.append(f"| {s['name']} | {status} | {s['seconds']:.0f} / {s['limit_s']} | `{s['command']}` |")
     for s in report["steps"]:
-        printed = (Path(out) / s["log"]).read_text(encoding="utf-8", errors="replace").rstrip().splitlines()
+        log = Path(out) / s["log"]
+        printed = log.read_text(encoding="utf-8", errors="replace").rstrip().splitlines() if log.exists() else ["(no log)"]
         lines += ["", f"## {s['name']}", "", "```", *printed[-tail:], "```"]
     return "\n".join(lines) + "\n"

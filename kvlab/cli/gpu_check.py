@@ -13,5 +13,5 @@ from kvlab.gpu_check import run_check
 def cmd_gpu_check(args) -> int:
     report = run_check(args.out, dry_run=args.dry_run, jobs=args.jobs, only=args.only,
                        progress=lambda line: print(line, file=sys.stderr, flush=True))
-    print(json.dumps(report) if args.json else (args.out / "summary.md").read_text(encoding="utf-8"), end="")
+    print(json.dumps(report) if args.json else (args.out / "summary.md").read_text(encoding="utf-8").rstrip("\n"))
     return 0 if report["ok"] else 1

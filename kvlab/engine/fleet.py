@@ -16,7 +16,7 @@ from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.sequence import Sequence
 from kvlab.sizing import kv_bytes_per_token, kv_config
-from kvlab.validate import cdiv, check_int
+from kvlab.validate import check_int
 
 
 @dataclass

@@ -197,6 +197,8 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         ids = self._encode(prompt)
+        if params.forced_token_ids:
+            check_token_ids(params.forced_token_ids, "forced_token_ids", self.vocab_size)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit the model's context of {self.max_model_len}")
         bm = self.block_manager
@@ -296,7 +298,13 @@ class LLM:
         tokens are appended, finished requests free their blocks."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):  # their K/V are in the pool now
             seq.num_computed_tokens += n
-        self._evict(batch, observer)
+        try:
+            self._evict(batch, observer)
+        finally:  # a plugged-in policy that raises still leaves every sampled token committed
+            outputs, finished = self._append(batch, rows, sampled, now, logits)
+        return outputs, finished
+
+    def _append(self, batch, rows, sampled, now, logits) -> tuple[list[RequestOutput], int]:
         outputs, finished = [], 0
         for k, (i, token) in enumerate(zip(rows, sampled)):
             seq = batch.seqs[i]
@@ -328,8 +336,8 @@ class LLM:
 
     def eviction_scores(self, seq_id: int) -> torch.Tensor | None:
         """A running sequence's attention scores per logical position (a scoring policy), or None."""
-        state = self._evict_states.get(seq_id)
-        return None if state is None or not len(state.scores) else state.scores
+        state, blocks = self._evict_states.get(seq_id), self.block_manager.seqs.get(seq_id)
+        return None if state is None or state.owner is not blocks or not len(state.scores) else state.scores
 
     def _observer(self, batch) -> AttentionMass | None:
         """For policies that score blocks: which sequences' attention to watch in this forward."""
@@ -372,6 +380,7 @@ class LLM:
             return
         with hold_interrupts():
             self.scheduler.abort(seq)
+            self._evict_states.pop(request_id, None)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         text = None

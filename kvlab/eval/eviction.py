@@ -33,8 +33,11 @@ def _serve_text(model, tokens: list[int], prompt_len: int, policies: list, fmt: 
     """One engine over a pool of format ``fmt``, one request per policy (None: keep every token), all in
     one batch: ``tokens[:prompt_len]`` is the prompt, the rest is forced in one token a step (each
     request's policy acting after every forward), then ``greedy`` tokens by argmax. Per request: the
-    logits after every forced token, the generated tokens, and what its cache held at the end."""
+    logits after every forced token but the last, the generated tokens, and what its cache held at the end."""
     rows, forced = len(policies), tokens[prompt_len:]
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and len(tokens) + greedy > limit:
+        raise ValueError(f"tokens ({len(tokens)}) + generated ({greedy}) exceed the model's context of {limit}")
     nb = rows * (cdiv(len(tokens) + greedy, block_size) + 1) + 1
     bm = BlockManager(nb, block_size, enable_prefix_caching=False)
     cache = (PagedKVCache.from_model(model, nb, block_size, dtype=torch.float32) if fmt == "fp32" else

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import torch
 
-from kvlab.cache import BlockManager, PagedKVCache, QuantizedPagedKVCache, saturation_summary
+from kvlab.cache import BlockManager, QuantizedPagedKVCache, saturation_summary
 from kvlab.cache.paged import check_token_ids
 from kvlab.engine import ModelRunner, SamplingParams, Sequence
 from kvlab.engine.scheduler import SchedulerOutput
@@ -24,7 +24,7 @@ from kvlab.generate import paged_generate
 from kvlab.probe import paged_attention_spec
 from kvlab.quant.config import FP32, KVQuantConfig, TensorFormat, named_config
 from kvlab.sizing import kv_config, kv_size
-from kvlab.validate import cdiv, check_int, is_int
+from kvlab.validate import cdiv, is_int
 
 
 class _Runner:
