@@ -331,3 +331,32 @@ def test_block_rule_equals_dense_rule_on_random_scores():
             kept = torch.cat([kept, torch.ones(1, dtype=torch.bool)])
             if n % bs == 0:  # position n opens a new block
                 logical.append(n // bs)
+
+
+def test_a_policy_that_raises_leaves_the_engine_serving(tiny):
+    """A participant's keep() that answers wrongly raises from step(); the step's tokens are still
+    committed, so the engine serves on (it used to stall: every later step found nothing to run)."""
+    model, tok = tiny
+    answers = iter([[999], None])  # first call: a block that does not exist; then kvlab's own rule
+
+    def keep(num_tokens, block_size, budget, sinks):
+        answer = next(answers, None)
+        return answer if answer is not None else ev.sinks_window_blocks(num_tokens, block_size, budget, sinks)
+
+    llm = LLM(model, tok, num_blocks=32, block_size=4, max_num_seqs=2, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, eviction=ev.SinksWindow(16, sinks=4, keep=keep))
+    rid = llm.add_request([3 + i % 40 for i in range(30)], params)
+    with pytest.raises(ValueError, match="keep"):
+        llm.step()
+    assert len(llm.seqs[rid].output_token_ids) == 1  # the prefill's token was committed
+    while llm.has_unfinished():
+        llm.step()
+    assert len(llm.seqs[rid].output_token_ids) == 6 and llm.block_manager.num_free_blocks == 32
+
+
+def test_forced_tokens_are_checked_against_the_vocabulary(tiny):
+    model, tok = tiny
+    llm = LLM(model, tok, num_blocks=16, block_size=4)
+    with pytest.raises(ValueError, match="forced_token_ids"):
+        llm.add_request([5, 6, 7], SamplingParams(max_tokens=2, forced_token_ids=[10**6]))
+    assert not llm.has_unfinished()
