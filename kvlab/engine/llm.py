@@ -105,7 +105,7 @@ class LLM:
     oneDNN's small-row GEMM on the CPU, :mod:`kvlab.engine.prepack`; False: plain ``F.linear``). Pass ``block_manager`` and
     ``cache`` to share a pool across engines. ``eviction``: a :mod:`kvlab.cache.evict` policy (a sliding
     window, sinks + window, H2O, SnapKV) that drops blocks of each sequence to keep it within a token
-    budget (notebook 07); ``host_blocks``: a host tier behind the pool that keeps the cached blocks the
+    budget (notebook 07), for every request (one request: ``SamplingParams(eviction=...)``); ``host_blocks``: a host tier behind the pool that keeps the cached blocks the
     pool's LRU gives away, for a later prefix hit to bring back (float pools). Sliding windows, soft caps and attention sinks are
     honoured; a model whose attention needs something else is refused here, before any pool exists,
     with a one-line :class:`kvlab.hf.UnsupportedModelError` (:func:`kvlab.probe.paged_attention_spec`).
