@@ -105,9 +105,9 @@ class LLM:
     oneDNN's small-row GEMM on the CPU, :mod:`kvlab.engine.prepack`; False: plain ``F.linear``). Pass ``block_manager`` and
     ``cache`` to share a pool across engines. ``eviction``: a :mod:`kvlab.cache.evict` policy (a sliding
     window, sinks + window, H2O, SnapKV) that drops blocks of each sequence to keep it within a token
-    budget (notebook 07), for every request (one request: ``SamplingParams(eviction=...)``); ``host_blocks``: a host tier behind the pool that keeps the cached blocks the
-    pool's LRU gives away, for a later prefix hit to bring back (float pools). Sliding windows, soft caps and attention sinks are
-    honoured; a model whose attention needs something else is refused here, before any pool exists,
+    budget (notebook 07), for every request (one request: ``SamplingParams(eviction=...)``); ``host_blocks``:
+    a host tier that keeps the cached blocks the pool's LRU gives away for a later prefix hit (float pools).
+    Sliding windows, soft caps and attention sinks are honoured; a model whose attention needs something else is refused here, before any pool exists,
     with a one-line :class:`kvlab.hf.UnsupportedModelError` (:func:`kvlab.probe.paged_attention_spec`).
     """
 
@@ -317,7 +317,8 @@ class LLM:
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 bm = self.block_manager
-                seq.metrics.held_blocks, seq.metrics.held_tokens = len(bm.block_table(seq.seq_id)), bm.kept_tokens(seq.seq_id)
+                seq.metrics.held_blocks = len(bm.block_table(seq.seq_id))
+                seq.metrics.held_tokens = bm.kept_tokens(seq.seq_id)
                 self._evict_states.pop(seq.seq_id, None)
                 self.scheduler.finish(seq, reason)
                 seq.metrics.finished = now
