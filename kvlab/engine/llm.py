@@ -316,9 +316,8 @@ class LLM:
                 seq.metrics.first_token = now
             reason = self._stop_reason(seq, token)
             if reason is not None:
-                bm = self.block_manager
-                seq.metrics.held_blocks = len(bm.block_table(seq.seq_id))
-                seq.metrics.held_tokens = bm.kept_tokens(seq.seq_id)
+                m, bm = seq.metrics, self.block_manager
+                m.held_blocks, m.held_tokens = len(bm.block_table(seq.seq_id)), bm.kept_tokens(seq.seq_id)
                 self._evict_states.pop(seq.seq_id, None)
                 self.scheduler.finish(seq, reason)
                 seq.metrics.finished = now
