@@ -120,7 +120,7 @@ class LLM:
                  admission_rule=None, schedule_decodes=None, chunk_prefills=None):
         self.model, self.tokenizer = model, tokenizer
         layers = paged_attention_spec(model)  # a model the paged attention cannot run is refused before any pool
-        self._layers = layers
+        self._positional = any(a.sliding_window is not None or a.softcap is not None or a.sinks for a in layers)
         if eviction is not None:
             if not isinstance(eviction, EvictionPolicy):
                 raise TypeError(f"eviction must be a kvlab.cache.evict policy (SlidingWindow, SinksWindow, HeavyHitters, "
@@ -170,12 +170,12 @@ class LLM:
 
     def _check_eviction(self, policy: EvictionPolicy, block_size: int) -> None:
         policy.budget_blocks(block_size)
-        if any(a.sliding_window is not None or a.softcap is not None or a.sinks for a in self._layers):
+        if self._positional:
             raise ValueError("eviction cannot be combined with a model whose attention slides, soft-caps or has "
                              "sinks: its masks count positions, and an evicted cache has gaps")
 
-    def _policy(self, seq: Sequence) -> EvictionPolicy | None:
-        return seq.params.eviction if seq.params.eviction is not None else self.eviction
+    def _policy(self, params: SamplingParams) -> EvictionPolicy | None:
+        return params.eviction if params.eviction is not None else self.eviction
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -203,7 +203,7 @@ class LLM:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit the model's context of {self.max_model_len}")
         bm = self.block_manager
         worst = bm.blocks_needed(min(len(ids) + params.max_tokens, self.max_model_len))
-        policy = params.eviction if params.eviction is not None else self.eviction
+        policy = self._policy(params)
         if params.eviction is not None:
             self._check_eviction(params.eviction, bm.block_size)
         if policy is not None:
@@ -343,7 +343,7 @@ class LLM:
         """For policies that score blocks: which sequences' attention to watch in this forward."""
         watch = {}
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            policy = self._policy(seq)
+            policy = self._policy(seq.params)
             if policy is None or not policy.needs_scores:
                 continue
             end = seq.num_computed_tokens + n
@@ -357,7 +357,7 @@ class LLM:
         its blocks, once its prompt is computed)."""
         bm = self.block_manager
         for i, seq in enumerate(batch.seqs):
-            policy = self._policy(seq)
+            policy = self._policy(seq.params)
             if policy is None or seq.seq_id not in bm.seqs:
                 continue
             mass = observer.mass.get(i) if observer is not None else None
