@@ -91,9 +91,11 @@ def run_step(step: Step, log: Path, dry_run: bool = False) -> dict:
             except subprocess.TimeoutExpired:
                 pass
             finally:  # its limit, or Ctrl-C here: nothing of the step keeps running
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL) if hasattr(os, "killpg") else proc.kill()
-                    proc.wait()
+                if proc.poll() is None and hasattr(os, "killpg"):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                elif proc.poll() is None:  # no process groups (Windows): the step itself
+                    proc.kill()
+                proc.wait()
     text = log.read_text(encoding="utf-8", errors="replace")
     last = next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
     if rc is None:
