@@ -19,6 +19,7 @@ from kvlab.probe import paged_attention_spec
 from kvlab.quant import named_config
 from kvlab.validate import cdiv, check_int, is_int
 
+
 def _as_eviction_config(name, spec) -> tuple:
     policy, fmt = spec if isinstance(spec, tuple) else (spec, "fp16")
     if policy is not None and not isinstance(policy, EvictionPolicy):
