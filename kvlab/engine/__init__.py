@@ -1,9 +1,6 @@
 """A continuous-batching serving engine over the paged KV pool, in vLLM's nouns (notebook 04).
 
-``Sequence`` (one request's tokens and state), ``SamplingParams`` (how to pick tokens, when to
-stop), ``Scheduler`` (who runs each step; preemption; the trace), ``ModelRunner`` (one packed
-forward of the unmodified HF model), ``LLM`` (the front door). Runs headless; ``kvlab.viz.engine``
-only reads its trace and step stats.
+It runs headless; ``kvlab.viz.engine`` only reads its trace and step stats.
 """
 
 from kvlab.engine.llm import LLM, RequestOutput, kv_cache_dtypes

@@ -1,9 +1,7 @@
 """The scheduler without a model (notebook 04): fake tokens, real decisions.
 
-Scheduling only needs token COUNTS: which sequence gets how many tokens, which blocks, who waits.
-:func:`dry_run` drives a real :class:`~kvlab.engine.scheduler.Scheduler` and
-:class:`~kvlab.cache.BlockManager` through a workload in milliseconds, every "sampled" token a
-placeholder, so a learner can watch (and the exercise checker can compare) its decisions.
+Scheduling only needs token COUNTS, so a real scheduler and block manager run a workload in
+milliseconds, and a learner (or the exercise checker) can watch their decisions.
 """
 
 from __future__ import annotations
@@ -17,12 +15,8 @@ from kvlab.engine.sequence import Sequence, SequenceStatus
 def dry_run(requests, num_blocks: int = 32, block_size: int = 4, max_num_seqs: int = 4,
             max_num_batched_tokens: int = 16, policy: str = "continuous", watermark: float = 0.0,
             rule=admission_rule, max_steps: int = 10_000, check: bool = True) -> tuple[Scheduler, list[dict]]:
-    """Serve ``requests`` — ``(prompt_len, output_len[, arrival_step])`` tuples — with fake tokens.
-
-    Returns the scheduler (its ``trace``) and one dict per step: ``running``, ``waiting``,
-    ``prefill_tokens``, ``decode_tokens``, ``blocks_used``. The prefix cache is off: each prompt is
-    one repeated placeholder id.
-    """
+    """Serve ``(prompt_len, output_len[, arrival_step])`` tuples with fake tokens; returns the scheduler
+    and one dict per step. The prefix cache is off: each prompt is one repeated placeholder id."""
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs, max_num_batched_tokens, policy, watermark, admission_rule=rule)
     pending = sorted(((r[2] if len(r) > 2 else 0), i, r[0], r[1]) for i, r in enumerate(requests))

@@ -1,7 +1,5 @@
-"""Many turns on many engines (notebook 07): multi-turn chats (each prompt the conversation so far) on
-one or many engines' real schedulers and block managers, on a simulated clock whose steps take what
-:func:`fit_step_time` fitted to the real engine's measured steps, behind a router; and
-:func:`tier_projection`, the host tier's counted bytes as link times against recomputation."""
+"""Many turns on many engines (notebook 07): chats on real schedulers and block managers behind a
+router, on a clock fitted to the real engine's steps; and the host tier's bytes as link times."""
 
 from __future__ import annotations
 
@@ -21,8 +19,7 @@ from kvlab.validate import check_int
 
 @dataclass
 class Conversation:
-    """One chat: a system prompt shared by every conversation, then turns of (user tokens, answer
-    tokens). Turn k's prompt is everything before its answer: the conversation so far."""
+    """One chat after a shared system prompt; turn k's prompt is everything before its answer."""
 
     system: list[int]
     turns: list[tuple[list[int], list[int]]]
@@ -36,8 +33,7 @@ class Conversation:
 
 def chat_workload(conversations: int = 32, turns: int = 4, system_tokens: int = 64, user=(16, 64), answer=(16, 96),
                   seed: int = 0, vocab: int = 49152) -> list[Conversation]:
-    """Multi-turn chats with made-up token ids (the scheduler needs counts and, for prefix hits, ids):
-    one shared system prompt, user turns and answers of uniform random lengths."""
+    """Made-up chats: the scheduler needs counts and, for prefix hits, ids; lengths are uniform random."""
     for name, v in (("conversations", conversations), ("turns", turns), ("system_tokens", system_tokens)):
         check_int(name, v)
     rng = random.Random(seed)
@@ -126,14 +122,9 @@ def _route(router: str, replicas, prompt, counter: int):
 def simulate_fleet(conversations: list[Conversation], replicas: int, router: str, step_time: StepTimeModel,
                    num_blocks: int = 512, block_size: int = 16, host_blocks: int = 0, max_num_seqs: int = 16,
                    max_num_batched_tokens: int = 512, think_s: float = 1.0, arrival_gap_s: float = 0.25) -> dict:
-    """Serve multi-turn chats on ``replicas`` engines behind a ``router`` (:data:`ROUTERS`), each engine
-    its real :class:`~kvlab.engine.scheduler.Scheduler` and :class:`~kvlab.cache.BlockManager` (prefix
-    cache on, an optional host tier), each step taking ``step_time(prefill tokens, decodes)`` seconds of
-    simulated time. Conversation *c* starts at ``c * arrival_gap_s``; each next turn arrives
-    ``think_s`` after the previous answer is complete (its prompt: the conversation so far).
-
-    Returns TTFT p50/p99 (s), output tokens per second over the run, the prefix hit rate (blocks found
-    cached / blocks asked for, device and host), host-tier blocks moved each way, and per-replica counts."""
+    """Serve chats on ``replicas`` real schedulers behind ``router``, each step ``step_time(...)``
+    simulated seconds; a turn arrives ``think_s`` after the previous answer. Returns TTFT, throughput,
+    the prefix hit rate (blocks found cached / asked for) and host-tier traffic."""
     if router not in ROUTERS:
         raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
     check_int("replicas", replicas)
@@ -212,17 +203,13 @@ GPU_FLOPS = ("H100 SXM, BF16 dense peak", 989e12)
 
 
 def prefill_flops(model, tokens: int) -> float:
-    """FLOPs a prefill of ``tokens`` tokens costs: 2 x parameters per token (a multiply-add per
-    weight; attention left out), for a model preset or :class:`~kvlab.sizing.KVConfig`."""
+    """Prefill FLOPs: 2 x parameters per token (a multiply-add per weight; attention left out)."""
     return 2 * kv_config(model).num_params * tokens
 
 
 def tier_projection(blocks_moved: int, tokens_saved: int, model: str = "llama-3-8b", block_size: int = 16) -> dict:
-    """The host tier's counts as times, **projected** (nothing here is measured: on a CPU both tiers are
-    the same RAM). ``blocks_moved`` host -> device for ``tokens_saved`` prompt tokens not recomputed, for
-    a model preset of :mod:`kvlab.sizing`: the bytes over each named link at its peak, against the
-    prefill FLOPs (2 x parameters per token, attention left out) at :data:`GPU_FLOPS`' peak. Both are
-    lower bounds; their ratio says which way the choice leans."""
+    """Moving blocks over each link vs recomputing their tokens, **projected** (on a CPU both tiers are one
+    RAM). Both times are peak-rate lower bounds; their ratio says which way the choice leans."""
     cfg = kv_config(model)
     per_token = kv_bytes_per_token(model, "fp16")
     moved = blocks_moved * block_size * per_token

@@ -1,9 +1,7 @@
 """The engine's front door (notebook 04): ``LLM(model, tokenizer, ...).generate(prompts, params)``.
 
-One :meth:`LLM.step` = schedule (who runs, with how many tokens, who is preempted) -> one packed
-forward of the unmodified HF model through the paged pool -> sample -> finish and free. Requests
-may be added between any two steps; :meth:`LLM.iter_steps` yields after every step, so a
-notebook can draw the engine while it runs.
+One :meth:`LLM.step` = schedule -> one packed forward through the paged pool -> sample -> finish
+and free. :meth:`LLM.iter_steps` yields after every step, so a notebook can draw the engine as it runs.
 """
 
 from __future__ import annotations
@@ -33,12 +31,10 @@ from kvlab.quant import KVQuantConfig, named_config
 from kvlab.validate import is_int
 
 
-
 @contextmanager
 def hold_interrupts():
-    """Hold Ctrl-C (SIGINT: Jupyter's stop button) while the engine's bookkeeping runs, and raise it
-    as KeyboardInterrupt right after: the block manager and the queues are never left half-updated.
-    A no-op outside the main thread, where Python delivers no signals anyway."""
+    """Hold Ctrl-C (Jupyter's stop button) during bookkeeping and raise it right after, so the block
+    manager and the queues are never left half-updated. A no-op outside the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -61,8 +57,7 @@ def hold_interrupts():
 
 @dataclass
 class RequestOutput:
-    """What a request has produced so far (vLLM's ``RequestOutput``). One request is one sequence here
-    (no parallel sampling), so ``request_id`` is its :class:`Sequence`'s ``seq_id``."""
+    """What a request has produced so far; a request is one sequence, ``request_id`` its ``seq_id``."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -93,22 +88,13 @@ def make_cache(model, tokenizer, num_blocks, block_size, kv_cache_dtype, quant_c
 
 
 class LLM:
-    """A continuous-batching engine over a paged (optionally quantized) KV pool.
+    """A continuous-batching engine over a paged (optionally quantized) KV pool, knobs in vLLM's names.
 
-    Knobs in vLLM's names: ``num_blocks`` and ``block_size`` (the pool), ``max_num_seqs`` (running
-    at once), ``max_num_batched_tokens`` (tokens per step: decodes + prefill chunks), ``policy``
-    ("continuous" or "static"), ``attn_backend`` ("reference", "torch" or
-    "triton": the kernels of notebook 05; the backend runs the write and the decodes, prefill is the
-    PyTorch spec in all three, :mod:`kvlab.attention` has the table), ``kv_cache_dtype`` ("auto":
-    the model's dtype; "fp16", "int8", "fp8", "int4", "k8v4": a quantized pool, scales from
-    ``calibration`` or the cached default), ``enable_prefix_caching``, ``prepack_weights`` (the linear layers' weights packed once for
-    oneDNN's small-row GEMM on the CPU, :mod:`kvlab.engine.prepack`; False: plain ``F.linear``). Pass ``block_manager`` and
-    ``cache`` to share a pool across engines. ``eviction``: a :mod:`kvlab.cache.evict` policy (a sliding
-    window, sinks + window, H2O, SnapKV) that drops blocks of each sequence to keep it within a token
-    budget (notebook 07), for every request (one request: ``SamplingParams(eviction=...)``); ``host_blocks``:
-    a host tier that keeps the cached blocks the pool's LRU gives away for a later prefix hit (float pools).
-    Sliding windows, soft caps and attention sinks are honoured; a model whose attention needs something else is refused here, before any pool exists,
-    with a one-line :class:`kvlab.hf.UnsupportedModelError` (:func:`kvlab.probe.paged_attention_spec`).
+    ``attn_backend`` picks what runs the write and the decodes (:mod:`kvlab.attention` has the table);
+    ``kv_cache_dtype`` other than "auto" is a quantized pool; pass ``block_manager`` and ``cache`` to
+    share a pool across engines. ``eviction`` keeps each sequence within a token budget (notebook 07);
+    ``host_blocks`` keeps blocks the LRU gives away for later prefix hits (float pools only). A model
+    whose attention the paged path cannot run is refused before any pool exists.
     """
 
     def __init__(self, model, tokenizer=None, *, num_blocks: int = 256, block_size: int = 16,
@@ -214,8 +200,7 @@ class LLM:
         return ids, params
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, arrival: float | None = None) -> int:
-        """Queue one request (text or token ids); returns its id. Bad input raises ValueError and
-        changes nothing: the engine keeps serving the others."""
+        """Queue one request; bad input raises ValueError and changes nothing, so the others keep running."""
         return self._enqueue(*self._check(prompt, sampling_params), arrival)
 
     def _enqueue(self, ids: list[int], params: SamplingParams, arrival: float | None = None) -> int:
@@ -241,18 +226,14 @@ class LLM:
         return None
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one packed forward, sample, finish. Returns an output for every request that
-        produced a token in this step.
+        """One step; an output for every request that produced a token.
 
-        A step is all or nothing. If the forward fails or is interrupted (the notebook's stop
-        button), the running requests are preempted (their blocks freed, their cached hashes
-        forgotten: those blocks may be half-written), the pool's write counters are put back, and
-        the exception propagates; the next ``step()`` carries on, recomputing them. Ctrl-C during
-        the bookkeeping around the forward is held until the bookkeeping is done.
+        All or nothing: if the forward fails or is interrupted, the running requests are preempted (their
+        hashes forgotten, the blocks may be half-written), the write counters are put back, and the
+        exception propagates; the next ``step()`` recomputes them.
         """
         sched, bm = self.scheduler, self.block_manager
-        # a quantized pool's write counters, to put back if the step is cut short (~0.3 ms for 30 layers;
-        # taken before the clock starts, so the scheduler's share of the step stays what it was)
+        # write counters to put back if the step is cut short (~0.3 ms for 30 layers, before the clock starts)
         saved = self.cache.counters_snapshot()
         t0 = time.perf_counter()
         preempted_before = sched.num_preemptions
@@ -294,8 +275,7 @@ class LLM:
         return outputs
 
     def _commit(self, batch, rows, sampled, now, logits, observer) -> tuple[list[RequestOutput], int]:
-        """After a good forward: the new tokens' K/V count as computed, eviction policies act, sampled
-        tokens are appended, finished requests free their blocks."""
+        """After a good forward: K/V count as computed, policies evict, tokens are appended, finished free."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):  # their K/V are in the pool now
             seq.num_computed_tokens += n
         try:
@@ -353,8 +333,7 @@ class LLM:
         return AttentionMass(watch) if watch else None
 
     def _evict(self, batch, observer: AttentionMass | None) -> None:
-        """After a good step: every running sequence of the batch through the policy (its scores, then
-        its blocks, once its prompt is computed)."""
+        """Each running sequence through its policy; blocks go only once its prompt is computed."""
         bm = self.block_manager
         for i, seq in enumerate(batch.seqs):
             policy = self._policy(seq.params)
@@ -371,8 +350,7 @@ class LLM:
         self.cache.restore_counters(saved_counters)
 
     def abort_request(self, request_id: int) -> None:
-        """Drop a request that has not finished: its blocks go back to the pool, it is never
-        scheduled again (``finish_reason`` "aborted"). Finished requests are left as they are."""
+        """Drop an unfinished request and free its blocks (finish_reason "aborted"); finished ones stay."""
         seq = self.seqs.get(request_id)
         if seq is None:
             raise ValueError(f"request_id {request_id!r} is not a request of this engine")
@@ -399,11 +377,7 @@ class LLM:
     # ---- whole runs ------------------------------------------------------------------------------
 
     def generate(self, prompts, sampling_params=None, progress: bool = False) -> list[RequestOutput]:
-        """Serve ``prompts`` (texts or token-id lists) concurrently; outputs in prompt order.
-
-        ``sampling_params``: one :class:`SamplingParams` for all, or a list with one per prompt.
-        Every prompt is validated before any is queued.
-        """
+        """Serve ``prompts`` concurrently, outputs in prompt order; all are validated before any is queued."""
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:

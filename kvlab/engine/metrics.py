@@ -1,8 +1,7 @@
 """What the engine measures (notebook 04): per step and per request, and their percentiles.
 
-Step time is split into the parts that compete for it: **scheduling** (the scheduler and the block
-manager, before and after the forward), **packing** (building the ragged batch and its index
-tensors), **forward** (the model, attention inside it) and **sampling**.
+Step time is split into the parts that compete for it: scheduling (scheduler and block manager),
+packing (the ragged batch and its index tensors), forward (the model) and sampling.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """One engine step on the model (notebook 04): pack, forward, pick the logits that sample.
 
-All scheduled tokens of all sequences go side by side in ONE row ``(1, T)``, ragged and without
-padding, with per-token positions; the attention function registered in :mod:`kvlab.hf` writes
-their K/V by ``slot_mapping`` and reads each sequence's context through its block table. The HF
-model itself is unmodified. Only the sequences whose chunk reaches their last token need logits,
-so only those rows go through the LM head (``logits_to_keep``).
+All scheduled tokens go side by side in ONE ragged row ``(1, T)``; :mod:`kvlab.hf`'s attention
+writes their K/V by ``slot_mapping`` and reads through block tables, the HF model unmodified.
+Only rows that sample go through the LM head (``logits_to_keep``).
 """
 
 from __future__ import annotations
@@ -19,11 +17,8 @@ from kvlab.hf import PagedBatch, attention_implementation, model_configs, regist
 
 
 class ModelRunner:
-    """Runs the engine's steps on the model through one attention backend (:mod:`kvlab.attention`:
-    its table says what runs prefill and decode in each).
-
-    ``prepack=True``: the model's linear layers multiply by weights packed once for oneDNN
-    (:mod:`kvlab.engine.prepack`; on the CPU in fp32, a no-op elsewhere), ``batch_hint`` rows in mind."""
+    """Runs the engine's steps through one attention backend (:mod:`kvlab.attention` has the table).
+    ``prepack=True`` packs the linear weights for oneDNN (:mod:`kvlab.engine.prepack`, CPU fp32 only)."""
 
     def __init__(self, model, cache, attn_backend: str = "reference", prepack: bool = False, batch_hint: int = 16):
         if not isinstance(attn_backend, str) or attn_backend not in BACKENDS:
@@ -42,16 +37,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, batch, block_manager, all_logits: bool = False,
                       observer=None) -> tuple[torch.Tensor, list[int]]:
-        """Run one :class:`~kvlab.engine.scheduler.SchedulerOutput`.
+        """Logits (R, V) of the R sequences that sample, and their rows in ``batch.seqs``; with
+        ``all_logits`` (scoring text) logits (T, V) of every packed token.
 
-        Returns ``(logits, rows)``: logits (R, V) for the R sequences that sample this step, and their
-        indices into ``batch.seqs``. ``all_logits=True`` (scoring text, :func:`kvlab.eval.evaluate`):
-        logits (T, V) of every packed token instead, and rows of every sequence. ``observer``: a
-        :class:`kvlab.cache.evict.AttentionMass` that every layer's attention reports to.
-
-        After an eviction policy dropped blocks of a sequence, its table holds only the kept ones:
-        attention reads ``seq_len`` = the kept tokens, and the new tokens' slots are counted from the
-        end of the table, while their positions (RoPE) stay the sequence's true positions.
+        After eviction a table holds only the kept blocks: ``seq_len`` and the new slots count kept
+        tokens, while positions (RoPE) stay the sequence's true ones.
         """
         t0 = time.perf_counter()
         out, into = block_manager.take_transfers()  # the host tier: offloads, then loads, before anything

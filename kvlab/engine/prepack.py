@@ -1,24 +1,8 @@
-"""Prepacked weights for the model's linear layers on the CPU (notebook 04: where a step's time goes).
+"""Linear weights packed once for oneDNN's small-row GEMM on the CPU (notebook 04: where a step's time goes).
 
-A decode step multiplies a few rows (one per running sequence) by every weight matrix of the model.
-``F.linear`` hands that to a general GEMM that re-reads the weight in its stored row-major layout on
-every call; oneDNN can reorder a weight ONCE into the blocked layout its small-row kernels read
-(``torch.ops.mkldnn._reorder_linear_weight``), and then multiply straight from it
-(``torch.ops.mkldnn._linear_pointwise``). vLLM's CPU build does the same (its ``onednn_mm``). At
-SmolLM2's shapes on 2 cores this makes the model's GEMMs 2-3x faster at 16 rows, for one extra copy of
-the weights (the packed one).
-
-Sibling layers that read the same input (an attention's ``q_proj``, ``k_proj``, ``v_proj``; an MLP's
-``gate_proj``, ``up_proj``) are packed as ONE weight, their rows stacked, and multiplied in one GEMM on
-the first call; the others get their slice of its output when they are called with the same input
-tensor (vLLM's ``QKVParallelLinear`` and ``MergedColumnParallelLinear`` stack them the same way). Seven
-GEMMs a layer become four, and the narrow ones (SmolLM2's K/V projections are 192 wide) stop paying a
-whole call each.
-
-The model stays unmodified: :meth:`PrepackedLinears.active` points each ``nn.Linear``'s ``forward``
-at its packed weight for the duration of one engine forward and restores it afterwards, so the same
-model object keeps serving HF ``generate()`` as before. A weight changed in place after packing
-(its tensor ``_version`` moves) or replaced is packed again when the next forward begins.
+A decode multiplies a few rows by every weight; packed (as vLLM's CPU ``onednn_mm`` does), SmolLM2's
+GEMMs run 2-3x faster at 16 rows on 2 cores, for one extra copy of the weights. Siblings that read one
+input (q/k/v, gate/up) share one stacked GEMM: seven a layer become four. The model stays unmodified.
 """
 
 from __future__ import annotations
@@ -30,7 +14,7 @@ from torch import nn
 
 
 def prepack_available(model) -> bool:
-    """True where oneDNN can pack this model's weights: a CPU build with mkldnn and fp32 weights on the CPU."""
+    """Whether oneDNN can pack: a CPU build with mkldnn and fp32 weights on the CPU."""
     p = next(model.parameters(), None)
     return (p is not None and p.device.type == "cpu" and p.dtype == torch.float32
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
@@ -67,12 +51,8 @@ FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class _Fused:
-    """Sibling linear layers that read the same input, their weights stacked into ONE packed weight.
-
-    The first member called with an input tensor runs the one GEMM and keeps its output's slices;
-    a sibling called with that same tensor (same object, not changed in place since) gets its slice;
-    a call with any other input runs the one GEMM again on it, so a model that feeds siblings
-    different inputs stays right (and pays for the stacked rows it throws away)."""
+    """Siblings that read one input, packed as ONE weight: the first call runs the GEMM, and a sibling
+    called with the same unchanged tensor gets its slice; any other input reruns it, so stays correct."""
 
     __slots__ = ("modules", "state", "packed", "bias", "sizes", "x", "x_version", "outs")
 
@@ -121,8 +101,7 @@ def _version(x: torch.Tensor) -> int | None:
 
 
 def _fused_groups(model) -> list[list[nn.Linear]]:
-    """Each parent's children named as one of :data:`FUSED_GROUPS`, where all are plain fp32 ``nn.Linear``
-    of one input width with bias on all or none."""
+    """:data:`FUSED_GROUPS` of plain ``nn.Linear`` with one input width and bias on all or none."""
     groups = []
     for parent in model.modules():
         for names in FUSED_GROUPS:
@@ -135,11 +114,8 @@ def _fused_groups(model) -> list[list[nn.Linear]]:
 
 
 class PrepackedLinears:
-    """Every ``nn.Linear`` of ``model`` with its weight packed for oneDNN's small-row GEMM.
-
-    ``batch_hint``: the row count the layout is tuned for (the engine's ``max_num_seqs``); any row
-    count works. Where :func:`prepack_available` is False this holds nothing and :meth:`active` does
-    nothing. A module that already carries its own ``forward`` (a hook library's) is left alone."""
+    """Every ``nn.Linear`` of ``model`` packed; ``batch_hint`` tunes the layout, any row count works.
+    A module that carries its own ``forward`` (a hook library's) is left alone."""
 
     def __init__(self, model, batch_hint: int = 16):
         self.batch_hint = max(1, int(batch_hint))
@@ -163,7 +139,6 @@ class PrepackedLinears:
 
     @property
     def modules(self) -> list[nn.Linear]:
-        """Every linear layer that multiplies by a packed weight (alone or in a fused group)."""
         return [e.module for e in self.entries] + [m for f in self.fused for m in f.modules]
 
     def __len__(self) -> int:
@@ -172,7 +147,7 @@ class PrepackedLinears:
 
     @contextmanager
     def active(self):
-        """Within: each packed module's forward multiplies by its packed weight; after: as it was."""
+        """Points each packed module's ``forward`` at its packed weight for one forward, then restores it."""
         hint = self.batch_hint
         for e in [*self.entries, *self.fused]:  # weights do not change inside a forward: checked once here
             e.refresh(hint)

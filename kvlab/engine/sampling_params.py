@@ -1,7 +1,6 @@
 """What a request asks for: how many tokens, how to pick them, when to stop (notebook 04).
 
-vLLM's ``SamplingParams``, cut to what the lab teaches. Validation happens here, at
-``add_request`` time, so a bad request is refused before it touches the block pool.
+Validated at ``add_request`` time, so a bad request is refused before it touches the block pool.
 """
 
 from __future__ import annotations
@@ -21,14 +20,10 @@ def _int(name: str, value, minimum: int) -> int:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """``temperature=0`` (the default) is greedy decoding: the lab's correctness anchor.
+    """vLLM's ``SamplingParams``, cut down; ``temperature=0`` (greedy) is the lab's correctness anchor.
 
-    Every request draws from its own ``torch.Generator`` seeded with ``seed`` (a fresh random seed
-    when None), so what it samples never depends on which other requests share its batch.
-    ``ignore_eos`` keeps generating past EOS (benchmarks that need exact output lengths).
-    ``eviction``: this request's :mod:`kvlab.cache.evict` policy (None: the engine's).
-    ``forced_token_ids``: the first outputs are these tokens, not sampled ones (a quality run feeds a
-    text's own tokens); ``return_logits``: keep the logits of every output (``RequestOutput.logits``).
+    Each request samples from its own generator (``seed``), so its tokens never depend on its batch.
+    ``forced_token_ids`` are output instead of sampled ones (a quality run feeds a text's own tokens).
     """
 
     max_tokens: int = 16

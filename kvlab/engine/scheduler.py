@@ -1,22 +1,9 @@
-"""Who runs in the next step, and with how many tokens (notebook 04).
+"""Who runs in the next step, and with how many tokens (notebook 04), by vLLM's rules made explicit.
 
-Each step, in this order (vLLM's and nano-vllm's rules, made explicit):
-
-1. **Running decodes first.** Every running sequence that sampled a token last step needs one slot
-   for it. When the pool has no block for it, the most recently admitted running sequence is
-   **preempted by recompute**: its blocks are freed and it goes back to the FRONT of the waiting
-   queue, its generated tokens kept as part of its prompt (they are recomputed on readmission,
-   cheaply if their blocks are still in the prefix cache).
-2. **Running prefills continue**, a chunk each, under the step's token budget.
-3. **Admissions** from the front of the waiting queue while a sequence slot (``max_num_seqs``),
-   token budget (``max_num_batched_tokens``) and blocks (all of its prompt, minus prefix-cache hits,
-   keeping ``watermark`` of the pool free) allow. A prompt longer than the budget left is
-   **chunked**: the rest follows in the next steps, sharing them with the decodes.
-
-``policy="static"`` is the baseline on the same code: admit a batch of up to ``max_num_seqs`` only
-when nothing is running, then nothing until all of them finished.
-
-Every decision is appended to ``trace`` as a :class:`TraceEvent`, and the widgets and tests read it.
+Each step: running decodes first (preempting the newest by recompute when the pool is dry), then
+running prefills a chunk each, then admissions from the queue's front while seats, token budget and
+blocks allow. ``policy="static"`` is the baseline: a new batch only when nothing runs. Every decision
+goes to ``trace`` as a :class:`TraceEvent`.
 """
 
 from __future__ import annotations
@@ -119,8 +106,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  policy: str = "continuous", watermark: float = 0.01, admission_rule=admission_rule,
                  schedule_decodes=schedule_decodes, chunk_prefills=chunk_prefills):
-        """``admission_rule``, ``schedule_decodes`` and ``chunk_prefills`` are the three rules of a step, as
-        functions: notebook 04 plugs the participant's in."""
+        """The three rules of a step are functions, so notebook 04 can plug the participant's in."""
         for name, fn in (("admission_rule", admission_rule), ("schedule_decodes", schedule_decodes),
                          ("chunk_prefills", chunk_prefills)):
             if not callable(fn):
@@ -160,12 +146,8 @@ class Scheduler:
     # ---- the rules -------------------------------------------------------------------------------
 
     def admission_blocker(self, seq: Sequence, budget: int, batch_open: bool = True) -> str | None:
-        """Why ``seq`` (the head of the queue) cannot be admitted now; None if it can.
-
-        ``budget``: tokens left in this step; ``batch_open``: for the static policy, whether no batch
-        was running when this step began (a static batch ignores the token budget: its prompts are
-        prefilled in chunks over the next steps).
-        """
+        """Why the head of the queue cannot be admitted now, or None. A static batch ignores the token
+        budget (its prompts are prefilled in chunks) and waits while one runs (``batch_open`` False)."""
         if self.policy == "static":
             if not batch_open:
                 return "batch running"
@@ -271,8 +253,7 @@ class Scheduler:
         return budget - n
 
     def abort(self, seq: Sequence) -> None:
-        """Drop a request wherever it is: waiting (nothing to free) or running (its blocks are freed;
-        hashes forgotten, since a step may have been cut short while writing them)."""
+        """Drop a request wherever it is; a running one's hashes are forgotten (may be half-written)."""
         if seq in self.running:
             self.running.remove(seq)
             if seq.seq_id in self.bm.seqs:

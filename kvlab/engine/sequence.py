@@ -1,8 +1,7 @@
 """One request as the engine sees it (notebook 04): its tokens, its state and its clock.
 
-A sequence is ``prompt + output`` tokens. ``num_computed_tokens`` of them have their K/V in the
-block pool; the rest are fed to the model in the next steps, a chunk of the prompt at a time or
-one token per decode step. The step that computes the LAST token samples a new one.
+``num_computed_tokens`` of its ``prompt + output`` tokens have their K/V in the pool; the step
+that computes the LAST token samples a new one.
 """
 
 from __future__ import annotations
@@ -55,8 +54,7 @@ class Sequence:
         self.seq_id = seq_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
-        # prompt + output, kept in step with output_token_ids (append_token): the scheduler and the
-        # runner read it every step, so it is one list, not a concatenation made on each access
+        # prompt + output, one list kept in step by append_token: read every step, never concatenated
         self.token_ids: list[int] = list(prompt_token_ids)
         self.params = params
         self.status = SequenceStatus.WAITING
