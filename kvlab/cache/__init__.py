@@ -1,8 +1,7 @@
-"""KV-cache storage. Knows tensors, token ids and counters only: no models, no scheduling, no drawing.
+"""KV-cache storage: tensors, token ids and counters only, no models, no scheduling, no drawing.
 
-Contiguous caches (notebook 01, ``naive``), the block manager (notebook 02, ``paged``), and the two
-paged pools behind one interface (``paged_storage`` lists it): float pages (``PagedKVCache``) and
-quantized pages with their scales beside them (``QuantizedPagedKVCache``, notebook 03).
+Contiguous caches (notebook 01), the block manager (notebook 02), and float and quantized paged
+pools behind one interface (``paged_storage`` lists it; quantized: notebook 03).
 """
 
 from kvlab.cache.naive import CacheShape, ContiguousCache, StaticCache, static_tokens_stored, static_utilization

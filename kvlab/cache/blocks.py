@@ -1,6 +1,4 @@
-"""What the block manager (:mod:`kvlab.cache.paged`) is made of, and what it is held to: a block and
-a sequence's view of the pool, the block hash, the checks of token ids and of the functions notebook 02
-plugs in, and the pool's invariants."""
+"""What the block manager (:mod:`kvlab.cache.paged`) is made of, and what it is held to (notebook 02)."""
 
 from __future__ import annotations
 
@@ -13,8 +11,7 @@ from kvlab.validate import check_power_of_two, is_int
 
 
 class OutOfBlocksError(RuntimeError):
-    """The pool cannot supply the blocks a request needs. Nothing was changed: the caller may
-    preempt another sequence (notebook 04) and retry."""
+    """Nothing was changed, so the caller may preempt another sequence (notebook 04) and retry."""
 
     def __init__(self, needed: int, available: int, what: str):
         self.needed, self.available = needed, available
@@ -65,9 +62,8 @@ INT32 = 2**31
 
 
 def check_token_ids(ids, name: str = "token_ids", vocab_size: int | None = None) -> list[int]:
-    """Token ids as a list of Python ints, or a ValueError naming ``name``: ints or integer scalars
-    (numpy, 0-d tensors), not bools, floats or strs; in ``0..vocab_size - 1`` when a vocabulary is
-    given, else within the 32 bits the block hash stores. Every entry point taking tokens uses it."""
+    """Token ids as Python ints (integer scalars too, never bools), in the vocabulary or else within
+    the 32 bits the block hash stores; every entry point taking tokens uses it."""
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
         raise ValueError(f"{name} must be a list of ints, got {type(ids).__name__}")
     lo, hi = (0, vocab_size) if vocab_size else (-INT32, INT32)
@@ -92,8 +88,7 @@ def check_block_size(block_size) -> int:
 
 
 def check_hits(hits, token_ids: list[int], block_size: int, blocks: list[Block]) -> list[int]:
-    """A plugged-in prefix match's answer, held to what a hit must be: the prompt's leading full blocks,
-    in order, each a cached block holding exactly those tokens, the last prompt token left out."""
+    """A plugged-in prefix match must name the prompt's leading full blocks, each holding just its tokens."""
     bs = block_size
     if not isinstance(hits, (list, tuple)) or len(hits) > (len(token_ids) - 1) // bs:
         raise ValueError(f"prefix_match must return a list of at most {(len(token_ids) - 1) // bs} block ids "
@@ -107,8 +102,8 @@ def check_hits(hits, token_ids: list[int], block_size: int, blocks: list[Block])
 
 
 def check_append(before: list[int], table: list[int], n: int, bs: int, slot, copy, taken: int) -> None:
-    """A plugged-in append, held to what an append is: one new block exactly when the last is full,
-    or a copy of a shared partial last block, and the slot of token ``n`` in the resulting table."""
+    """A plugged-in append must take a block only when the last is full (or copy a shared one) and
+    return token ``n``'s slot."""
     grew = len(table) - len(before)
     ok = (grew == (n % bs == 0) and table[:len(before) - 1] == before[:-1]
           and slot == table[-1] * bs + n % bs and taken == grew + (copy is not None)

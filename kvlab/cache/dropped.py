@@ -1,13 +1,8 @@
 """Blocks a live sequence no longer reads: the block manager's side of eviction and sliding windows.
 
-An eviction policy (:mod:`kvlab.cache.evict`) names full blocks to drop; :meth:`BlockManager.evict
-<kvlab.cache.paged.BlockManager.evict>` checks the choice here and gives them back to the pool. The
-sequence's table then holds the kept blocks in position order, and ``SeqBlocks.logical`` their logical
-indices (position // block_size).
-
-Sliding-window models (Mistral, Gemma-2/3, gpt-oss): kvlab keeps every block of a sequence until it
-finishes, also those that fell out of the window, so a later prompt can still hit them in the prefix
-cache (vLLM frees them as the window passes). :func:`blocks_outside_window` counts them.
+After eviction a table holds the kept blocks in position order, ``SeqBlocks.logical`` their indices.
+Blocks out of a sliding window are kept until the sequence finishes, so later prompts can still hit
+them (vLLM frees them as the window passes).
 """
 
 from __future__ import annotations
@@ -18,8 +13,7 @@ from kvlab.validate import is_int
 
 
 def checked_drop(seq_id: int, seq, logical_blocks, block_size: int) -> list[int]:
-    """``logical_blocks`` as a list, or a TypeError / ValueError: each a block the sequence still holds,
-    never its last (the one being written), none named twice."""
+    """``logical_blocks`` as a list: each held by the sequence, never its last (being written), none twice."""
     if isinstance(logical_blocks, (str, bytes)) or not hasattr(logical_blocks, "__iter__"):
         raise TypeError(f"logical_blocks must be a list of block indices, got {type(logical_blocks).__name__}")
     drop, logical = list(logical_blocks), seq.logical_blocks()
@@ -49,8 +43,7 @@ def shift_after_drops(seq_id: int, seq, start: int, block_size: int) -> int:
 
 
 def blocks_outside_window(seqs, window: int | None, block_size: int) -> int:
-    """Held blocks no layer reads: every token in them is before the window of the newest token of every
-    sequence holding them. 0 without a ``window``."""
+    """Held blocks no layer reads: before the window of every sequence holding them; 0 without a window."""
     if window is None:
         return 0
     outside, inside = set(), set()

@@ -1,24 +1,9 @@
 """Eviction policies: which blocks a sequence keeps when its cache must stay within a budget (notebook 07).
 
-Each policy is a **block policy**: after every step it names the logical blocks (block ``i`` holds
-positions ``i * block_size ...``) a sequence drops, and :meth:`kvlab.cache.paged.BlockManager.evict`
-hands them back to the pool; attention then reads exactly the kept blocks. **Kept tokens keep their
-original positions** (keys are stored after RoPE; new tokens count on from the true length, as H2O and
-SnapKV do).
-
-| policy | keeps | scores | when |
-|---|---|---|---|
-| :class:`SlidingWindow` | the last ``budget`` tokens' blocks | none | every step |
-| :class:`SinksWindow` (StreamingLLM) | the first ``sinks`` tokens' blocks + the most recent | none | every step |
-| :class:`HeavyHitters` (H2O) | the most recent half + the blocks with the most attention received so far | accumulated attention | every step |
-| :class:`PromptSelect` (SnapKV) | the prompt's last ``window`` tokens + the prompt blocks its last queries attend most | the last ``window`` prompt queries' attention, pooled | once, at the end of the prompt |
-
-A policy holds at most ``budget // block_size`` blocks of a sequence (SnapKV: of its prompt) and acts
-only once the whole prompt is computed. Scores are **summed over heads and layers** (one paged block
-holds every head of every layer; the papers choose per head); a block's score is the sum of its tokens'.
-:meth:`EvictionPolicy.textbook_keep` is the same rule over a dense position mask, in groups of ``group``
-tokens; :func:`kvlab.generate.textbook_eviction` runs it on the HF model, and tests/test_07_evict.py
-holds the engine to it (same kept positions, same logits within fp32 rounding).
+A policy names whole logical blocks to drop once the prompt is computed; **kept tokens keep their
+original positions** (keys are stored after RoPE, as H2O and SnapKV do). Scores are **summed over heads
+and layers**, since one paged block holds them all (the papers choose per head). ``textbook_keep`` is
+the same rule over a dense mask, and tests/test_07_evict.py holds the engine to it.
 """
 
 from __future__ import annotations
@@ -35,8 +20,7 @@ __all__ = ["EvictionPolicy", "SlidingWindow", "SinksWindow", "HeavyHitters", "Pr
 
 
 class EvictionPolicy:
-    """A budget in tokens and a rule for which blocks to keep. Subclasses set :attr:`name` and write
-    :meth:`choose_keep` (over block indices) and :meth:`textbook_keep` (over a dense position mask)."""
+    """A budget in tokens and a rule for which blocks to keep, over block indices and over a dense mask."""
 
     name = "policy"
     #: the rule reads attention scores (the engine then observes each step's attention)
@@ -63,7 +47,7 @@ class EvictionPolicy:
         return None
 
     def max_blocks(self, prompt_len: int, max_tokens: int, block_size: int) -> int:
-        """The most blocks one request holds at once: its whole prompt (prefilled before the cut), or the
+        """The most blocks a request holds at once: its whole prompt (prefilled before the cut), or the
         budget plus the block being written."""
         return max(math.ceil(prompt_len / block_size), self.budget_blocks(block_size) + 1)
 
@@ -71,9 +55,7 @@ class EvictionPolicy:
 
     def choose(self, logical: list[int], num_tokens: int, prompt_len: int, block_size: int,
                scores: torch.Tensor | None = None) -> list[int]:
-        """The logical blocks to drop now, given the kept ones (``logical``, in position order; the last
-        is the one being written), the sequence's ``num_tokens`` cached tokens and its per-position
-        scores (logical positions; None for a policy without scores)."""
+        """The logical blocks to drop now, of the kept ones in ``logical``; the last (being written) stays."""
         budget = self.budget_blocks(block_size)
         if len(logical) <= budget:
             return []
@@ -88,8 +70,7 @@ class EvictionPolicy:
 
     def textbook_keep(self, kept: torch.Tensor, prompt_len: int, scores: torch.Tensor | None,
                       group: int = 1) -> torch.Tensor:
-        """The rule over a dense mask: ``kept`` (n,) bool, the positions still in the cache (False:
-        evicted earlier) -> the positions kept after this step. Positions count in groups of ``group``."""
+        """``kept`` (n,) bool, positions still cached -> (n,) kept after this step (groups of ``group``)."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -118,8 +99,7 @@ def _top(candidates, k: int, score: dict[int, float]) -> list[int]:
 
 
 def _textbook_top(cands: torch.Tensor, k: int, gscore: torch.Tensor) -> torch.Tensor:
-    """Indices of the ``k`` groups among ``cands`` (group indices, ascending) with the highest score;
-    ties to the earlier group (a stable sort of the negated scores)."""
+    """The ``k`` groups among ``cands`` (ascending) with the highest score; ties to the earlier group."""
     order = torch.sort(-gscore[cands], stable=True).indices
     return cands[order[:max(0, k)]]
 
@@ -151,7 +131,7 @@ def _plugged(keep):
 
 
 def _checked_keep(name: str, kept, logical, budget: int) -> list[int]:
-    """A plugged-in choice, held to what a choice can be: kept blocks of this sequence, at most the budget."""
+    """A plugged-in choice must name this sequence's kept blocks, at most the budget."""
     if not isinstance(kept, (list, tuple)) or not all(is_int(b) for b in kept) or not set(kept) <= set(logical) \
             or len(set(kept)) > budget:
         raise ValueError(f"{name} returned {kept!r}: a list of at most {budget} of the sequence's blocks {list(logical)}")
@@ -173,12 +153,12 @@ class SlidingWindow(EvictionPolicy):
 
 class SinksWindow(EvictionPolicy):
     """StreamingLLM: the first ``sinks`` tokens (which soak up attention whatever they say) plus the most
-    recent ones, ``budget`` tokens in all (in whole blocks: the sinks take ``ceil(sinks / block_size)``)."""
+    recent, ``budget`` tokens in all; the sinks take whole blocks."""
 
     name = "sinks+window"
 
     def __init__(self, budget: int, sinks: int = 4, keep=None):
-        """``keep(num_tokens, block_size, budget, sinks)`` replaces the rule (notebook 07 plugs the participant's in)."""
+        """``keep`` replaces the rule (notebook 07 plugs the participant's in)."""
         super().__init__(budget)
         self.sinks = check_int("sinks", sinks)
         self.keep = _plugged(keep)
@@ -199,15 +179,14 @@ class SinksWindow(EvictionPolicy):
 
 
 class HeavyHitters(EvictionPolicy):
-    """H2O: the ``recent`` most recent blocks (default: half the budget) plus the others that received
-    the most attention so far (summed over every query computed, every head and layer)."""
+    """H2O: the most recent blocks (``recent`` share of the budget) plus the others that received the
+    most attention so far."""
 
     name = "h2o"
     needs_scores = True
 
     def __init__(self, budget: int, recent: float = 0.5, keep=None):
-        """``keep(logical, budget, recent, scores)`` replaces the choice (:func:`h2o_keep`; notebook 07 plugs
-        the participant's in)."""
+        """``keep`` replaces :func:`h2o_keep` (notebook 07 plugs the participant's in)."""
         super().__init__(budget)
         self.keep = _plugged(keep)
         if isinstance(recent, bool) or not isinstance(recent, (int, float)) or not 0 < recent < 1:
@@ -245,10 +224,8 @@ class HeavyHitters(EvictionPolicy):
 
 
 class PromptSelect(EvictionPolicy):
-    """SnapKV: at the end of the prompt, the last ``window`` prompt queries vote: each prompt position's
-    attention from them (summed over heads and layers) is smoothed over ``kernel`` neighbours (average
-    pooling, as SnapKV's default), and the prompt keeps the blocks holding its last ``window`` tokens
-    plus the highest-voted others, ``budget`` tokens in all. The answer's blocks are never dropped."""
+    """SnapKV: once, at the prompt's end, its last ``window`` queries vote (pooled over ``kernel``
+    neighbours); the prompt keeps its window plus the top-voted blocks. The answer is never dropped."""
 
     name = "snapkv"
     needs_scores = True
@@ -277,8 +254,7 @@ class PromptSelect(EvictionPolicy):
                    self.budget_blocks(block_size) + math.ceil(max_tokens / block_size) + 1)
 
     def pooled(self, scores: torch.Tensor, prompt_len: int) -> torch.Tensor:
-        """The prompt's votes smoothed over ``kernel`` neighbours (zero-padded at the ends, as
-        ``avg_pool1d`` with ``count_include_pad``); positions past the prompt score 0."""
+        """Votes averaged over ``kernel`` neighbours, zero-padded at the ends; past the prompt, 0."""
         s = scores[:prompt_len].float()[None, None]
         p = torch.nn.functional.avg_pool1d(s, self.kernel, stride=1, padding=self.kernel // 2)[0, 0]
         out = torch.zeros_like(scores, dtype=torch.float32)
@@ -315,8 +291,7 @@ POLICIES = {p.name: p for p in (SlidingWindow, SinksWindow, HeavyHitters, Prompt
 
 
 def make_policy(policy, budget: int | None = None, **kwargs) -> EvictionPolicy:
-    """A policy object from its name (``"window"``, ``"sinks+window"``, ``"h2o"``, ``"snapkv"``) and a
-    budget in tokens, or ``policy`` itself if it already is one."""
+    """A policy from its name in :data:`POLICIES` and a budget in tokens, or ``policy`` if it is one."""
     if isinstance(policy, EvictionPolicy):
         return policy
     if not isinstance(policy, str) or policy not in POLICIES:
@@ -336,13 +311,8 @@ def kept_positions(logical: list[int], kept_len: int, block_size: int) -> torch.
 
 
 class AttentionMass:
-    """Observes one packed forward for a scoring policy: for each watched sequence, the attention its
-    queries at positions ``>= from_pos`` give each key it reads, summed over query heads, queries and
-    layers. The backends call :meth:`observe` after every layer (:meth:`AttentionBackend.forward`).
-
-    ``watch``: packed index -> ``(logical end, from_pos)``, the sequence's token count after this
-    forward and the first query position that counts. Computed in PyTorch from the pool, whatever
-    backend ran the attention (a quantized pool's keys are read dequantized)."""
+    """Per watched sequence, the attention its queries at ``>= from_pos`` give each key, summed over
+    heads, queries and layers. Recomputed in PyTorch from the pool whatever backend ran."""
 
     def __init__(self, watch: dict[int, tuple[int, int]]):
         self.watch = watch
@@ -372,9 +342,8 @@ class AttentionMass:
 
 
 class EvictionState:
-    """One sequence's scores (per logical position) under a scoring policy, and whether a once-only
-    policy has acted. Tied to the block manager's view of the sequence: a preempted sequence, whose
-    blocks were freed and whose prompt is computed again, starts over."""
+    """One sequence's scores per logical position; a preempted sequence (blocks freed, prompt
+    recomputed) starts over."""
 
     def __init__(self, owner):
         self.owner = owner
@@ -389,8 +358,7 @@ class EvictionState:
 
 
 def watch_from(policy: EvictionPolicy, state: EvictionState, prompt_len: int, end: int) -> int | None:
-    """The first query position whose attention this forward must observe for ``policy`` (a sequence
-    with ``end`` tokens after it), or None: nothing to watch."""
+    """The first query position whose attention this forward must observe, or None."""
     if not policy.needs_scores or (policy.once and state.done):
         return None
     from_pos = policy.observe_from(prompt_len)
@@ -399,9 +367,8 @@ def watch_from(policy: EvictionPolicy, state: EvictionState, prompt_len: int, en
 
 def after_forward(policy: EvictionPolicy, bm, seq_id: int, state: EvictionState, prompt_len: int,
                   num_computed: int, mass: torch.Tensor | None = None) -> int:
-    """One sequence after a good forward: add the attention observed (``mass``, over the kept keys in
-    the order attention read them) to its scores, then, once its whole prompt is computed, let the
-    policy drop blocks. Returns the blocks dropped. ``LLM`` calls it for every request with a policy."""
+    """Add the observed attention to a sequence's scores, then, once its prompt is computed, let the
+    policy drop blocks; returns how many."""
     if mass is not None:
         # the mass covers the keys this forward read: the first len(mass) kept positions (a chunked
         # prompt's blocks are all allocated up front, its later chunks not computed yet)

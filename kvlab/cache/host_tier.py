@@ -1,8 +1,7 @@
 """The host tier behind the block pool (notebook 07; vLLM's CPU offloading, SGLang's HiCache).
 
-Cached blocks the device LRU gives away are copied to a host slot instead of being forgotten, and a
-later prefix hit loads them back. Exclusive: a hash is on the device or here, never both. The tier
-only books slots and queues copies; the storage applies them (``take_transfers``) before a forward.
+Blocks the device LRU gives away are copied here for a later prefix hit; a hash is on the device or
+here, never both. The tier only books slots and queues copies; the storage applies them.
 """
 
 from __future__ import annotations
@@ -51,8 +50,8 @@ class HostTier:
         self.counters["offloaded_blocks"] += 1
 
     def load(self, h: bytes, take_block) -> tuple[int, bytes | None, tuple]:
-        """Block ``h`` comes back into the device block ``take_block()`` gives: ``(block, parent, tokens)``.
-        The entry leaves the LRU first, so an offload the take causes cannot push it out."""
+        """Load block ``h`` into a fresh device block; its entry leaves the LRU first, so an offload the
+        take causes cannot push it out."""
         slot, parent, tokens = self.entries.pop(h)
         block_id = take_block()
         self.into.append((slot, block_id))
@@ -69,8 +68,7 @@ class HostTier:
         return out, into
 
     def drop_pending(self) -> list[int]:
-        """After an aborted step whose copies never ran: forget the entries they would have filled.
-        Returns the device blocks that were to be loaded (they hold nothing)."""
+        """After an aborted step, forget what its copies were to fill; returns the blocks left unloaded."""
         pending = {slot for _, slot in self.out}
         for h in [h for h, (slot, _, _) in self.entries.items() if slot in pending]:
             self.free.append(self.entries.pop(h)[0])

@@ -1,10 +1,7 @@
-"""The two contiguous KV caches every inference engine starts from (notebook 01).
+"""The two contiguous KV caches every engine starts from (notebook 01), ``[B, H_kv, T, D]`` per layer.
 
-Both keep keys and values per layer as ``[B, H_kv, T, D]``, what attention consumes, and know nothing of
-transformers (:mod:`kvlab.hf` plugs them into a model). :class:`ContiguousCache` grows by concatenation:
-tight, but every append copies the layer cache (it counts the bytes copied). :class:`StaticCache`
-reserves ``[max_batch, H_kv, max_seq_len, D]`` up front, like HF's ``StaticCache``: nothing is copied,
-but unused slots are reserved for nothing (it reports its utilization, tokens stored / slots reserved).
+:class:`ContiguousCache` is tight but copies the layer cache on every append (it counts the bytes);
+:class:`StaticCache` copies nothing but reserves slots for nothing (it reports its utilization).
 """
 
 from __future__ import annotations
@@ -25,10 +22,8 @@ def static_utilization(tokens_per_sequence, max_batch: int, max_seq_len: int) ->
 
 
 def static_tokens_stored(prompt_lens, answer_lens) -> list[int]:
-    """Real tokens each row of a static cache holds after one padded greedy batch: its prompt plus
-    every generated token fed back. The loop runs until the longest answer is done, and the token of
-    its last step is never fed back; a row that ended earlier fed back all of its tokens (its
-    end-of-sequence token included) and then only pads, which are written but are not tokens."""
+    """Real tokens per row after one padded greedy batch: the prompt plus the tokens fed back. The last
+    step's token is never fed back; a row that ended earlier writes pads after its EOS, not tokens."""
     prompt_lens, answer_lens = list(prompt_lens), list(answer_lens)
     if len(prompt_lens) != len(answer_lens) or not prompt_lens:
         raise ValueError(f"need one answer length per prompt, got {len(prompt_lens)} prompts and "
@@ -87,16 +82,14 @@ def _check_hook(name: str, fn) -> None:
 
 
 def _check_result(who: str, got, shape: tuple) -> None:
-    """A plugged-in function's result must have the shape attention expects: say so before attention fails."""
+    """Catch a plugged-in function's wrong shape here, before attention fails on it."""
     if not isinstance(got, torch.Tensor) or tuple(got.shape) != shape:
         found = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
         raise ValueError(f"{who} returned {found}, expected a tensor of shape {shape} (B, H_kv, tokens, D)")
 
 
 class ContiguousCache:
-    """Growing contiguous cache: ``torch.cat`` on every append (what HF's DynamicCache does).
-
-    ``append(cached, new) -> tensor`` replaces kvlab's :func:`grow` (notebook 01 plugs the participant's in)."""
+    """Grows by ``torch.cat`` on every append, like HF's DynamicCache; ``append`` replaces :func:`grow`."""
 
     kind = "dynamic"
 
@@ -155,13 +148,8 @@ class ContiguousCache:
 
 
 class StaticCache:
-    """Pre-allocated contiguous cache of ``max_batch`` rows x ``max_seq_len`` slots per layer.
-
-    Rows are written left to right; the first ``seq_len`` slots hold tokens (padding included, for
-    left-padded batches) and the rest is reserved but empty. ``update`` returns views of only the
-    filled slots, so attention reads exactly what a growing cache would hold: the waste is memory,
-    not compute.
-    """
+    """``max_batch`` x ``max_seq_len`` slots per layer, reserved up front like HF's ``StaticCache``.
+    ``update`` returns views of the filled slots only, so the waste is memory, not compute."""
 
     kind = "static"
 
@@ -192,11 +180,8 @@ class StaticCache:
                    dtype=dtype or p.dtype, device=device or p.device, write=write)
 
     def set_real_tokens(self, tokens_per_row: list[int]) -> None:
-        """Tell the cache how many of each row's filled slots hold real tokens.
-
-        The cache itself only sees tensors: it cannot tell a left pad, or a pad written after a row
-        has finished, from a token. Without this call every filled slot counts as a token.
-        """
+        """How many of each row's filled slots are real tokens: the cache cannot tell a pad from a token,
+        and without this call every filled slot counts as one."""
         tokens_per_row = list(tokens_per_row)
         if not all(is_int(t) for t in tokens_per_row):
             raise TypeError(f"tokens_per_row must be a list of ints, got {tokens_per_row!r}")

@@ -1,10 +1,8 @@
 """Paged KV cache: PagedAttention's memory manager, made inspectable (notebook 02).
 
-Token t of a sequence is stored at slot ``block_table[t // block_size] * block_size + t % block_size``.
+Token t is stored at slot ``block_table[t // block_size] * block_size + t % block_size``.
 :class:`BlockManager` is bookkeeping only (vLLM's names): allocate on demand, free tail first, share
-full blocks of equal prefixes (hash chain + token check + refcounts, LRU of freed cached blocks), fork
-with copy-on-write. Its parts and checks are in :mod:`~kvlab.cache.blocks`; the host tier and policy
-eviction are :mod:`~kvlab.cache.host_tier` and :mod:`~kvlab.cache.dropped`.
+equal prefixes' full blocks (hash chain, refcounts, an LRU of freed ones), fork with copy-on-write.
 """
 
 from __future__ import annotations
@@ -60,8 +58,7 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
                  host_blocks: int = 0, slot_mapping=None, append=None, prefix_match=None):
-        """``slot_mapping``, ``append`` and ``prefix_match`` replace kvlab's :meth:`slot_mapping_of`,
-        :func:`append_slot` and :func:`prefix_hits` (notebook 02 plugs the participant's in)."""
+        """The three hooks replace kvlab's own rules: notebook 02 plugs the participant's in."""
         for name, fn in (("slot_mapping", slot_mapping), ("append", append), ("prefix_match", prefix_match)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be a function (or None for kvlab's own), got {type(fn).__name__}")
@@ -182,8 +179,8 @@ class BlockManager:
         self.blocks[bid].ref_count += 1
 
     def _release(self, bid: int, keep_cached: bool = True, first: bool = False) -> bool:
-        """Drop one reference; at none the block goes back: cached while registered (and ``keep_cached``),
-        else free (at the front when ``first``, undoing a take). Returns whether it went back."""
+        """Drop one reference; at none the block goes back, to the LRU while registered, else free
+        (at the front when ``first`` undoes a take). Returns whether it went back."""
         b = self.blocks[bid]
         b.ref_count -= 1
         if b.ref_count:
@@ -216,13 +213,11 @@ class BlockManager:
             b.hash, b.parent, b.token_ids = h, parent, chunk
 
     def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The host-tier copies the storage makes before this step's forward: ``out`` (device block ->
-        host slot), then ``in`` (host slot -> device block)."""
+        """Host-tier copies to make before this step's forward: ``out`` (device -> host), then ``in``."""
         return self.host.take_transfers()
 
     def drop_pending_transfers(self) -> None:
-        """After an aborted step whose copies never ran: the host entries they would have filled hold
-        nothing, nor do the blocks that were to be loaded (they belong to sequences being freed)."""
+        """After an aborted step: the host entries and blocks its copies were to fill hold nothing."""
         for bid in self.host.drop_pending():
             b = self.blocks[bid]
             if b.hash is not None and self.hash_to_block.get(b.hash) == bid:
@@ -232,9 +227,8 @@ class BlockManager:
                     self.free_ids.append(bid)
 
     def allocation_cost(self, token_ids, hits: list | None = None) -> tuple[int, int]:
-        """``(needed, available)``: new blocks a prompt would take after prefix hits, and blocks free for
-        it. A host hit still needs a device block to load into; hit blocks waiting in the LRU are not
-        free for us: we are about to use them."""
+        """``(needed, available)`` blocks for a prompt after prefix hits. A host hit still needs a device
+        block; hit blocks waiting in the LRU are not free for it: it is about to use them."""
         token_ids = check_token_ids(token_ids)
         device = [bid for bid in (self._match_prefix(token_ids) if hits is None else hits) if not isinstance(bid, HostHit)]
         cached_hits = sum(1 for bid in device if self.blocks[bid].ref_count == 0)
@@ -245,13 +239,8 @@ class BlockManager:
         return needed <= available
 
     def allocate(self, seq_id: int, token_ids, register: bool = True) -> int:
-        """Give a new sequence blocks for its prompt; returns how many prompt tokens were already cached.
-
-        ``register=False`` keeps the prompt's full blocks out of the prefix cache until :meth:`mark_computed`
-        says their K/V are (being) written: a prompt prefilled in chunks must not be hit by another request
-        before a forward fills it. Raises :class:`OutOfBlocksError`, changing nothing, when the pool cannot
-        hold the prompt.
-        """
+        """Blocks for a new prompt; returns its cached tokens. ``register=False`` keeps its blocks out of
+        the prefix cache until :meth:`mark_computed`, so no request hits a chunk not yet written."""
         token_ids = check_token_ids(token_ids)
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
@@ -290,8 +279,7 @@ class BlockManager:
         return seq.cached_tokens
 
     def mark_computed(self, seq_id: int, num_computed: int) -> None:
-        """The first ``num_computed`` tokens' K/V are in the pool, or written by the forward about to run:
-        offer the full blocks among them to the prefix cache (after ``allocate(..., register=False)``)."""
+        """Offer full blocks of the first ``num_computed`` tokens (written or about to be) to prefix hits."""
         seq = self._seq(seq_id)
         for i in range(len(seq.hashes), min(num_computed, len(seq.token_ids)) // self.block_size):
             self._register_full(seq, i)
@@ -302,8 +290,7 @@ class BlockManager:
         return not needs_block or self.num_free_blocks > 0
 
     def append_slot(self, seq_id: int, token_id: int) -> int:
-        """Reserve the slot for one more token of a sequence and return it; a copy-on-write copy goes to
-        ``blocks_to_copy`` for the storage to apply before writing the token."""
+        """Reserve and return one more token's slot; a copy-on-write goes to ``blocks_to_copy``."""
         seq = self._seq(seq_id)
         (token_id,) = check_token_ids([token_id], "token_id")  # before anything changes
         bs, n = self.block_size, len(seq.token_ids)
@@ -341,8 +328,7 @@ class BlockManager:
         return slot
 
     def fork(self, parent_id: int, child_id: int) -> None:
-        """The child shares every block of the parent (parallel sampling); the first write to the shared
-        partial last block copies it."""
+        """The child shares every parent block (parallel sampling); writing a shared last block copies it."""
         parent = self._seq(parent_id)
         if child_id in self.seqs:
             raise ValueError(f"sequence {child_id!r} is already allocated")
@@ -353,9 +339,8 @@ class BlockManager:
                                         parent.cached_tokens, None if parent.logical is None else list(parent.logical))
 
     def free(self, seq_id: int, keep_cached: bool = True) -> None:
-        """Release a sequence's blocks, tail first: registered ones stay cached for a later prefix hit, and
-        the tail leaves the LRU before the prefix others are likelier to share. ``keep_cached=False``
-        forgets their hashes (after a failed forward their contents are not trusted)."""
+        """Release blocks tail first, so the tail leaves the LRU before the prefix others likelier share.
+        ``keep_cached=False`` forgets their hashes (after a failed forward the contents are not trusted)."""
         seq = self._seq(seq_id)
         for bid in reversed(seq.block_table):
             self._release(bid, keep_cached)
@@ -363,9 +348,8 @@ class BlockManager:
         self.finished.add(seq_id)
 
     def evict(self, seq_id: int, logical_blocks) -> int:
-        """Drop full blocks of a live sequence, an eviction policy's choice: ``logical_blocks`` are logical
-        indices (:mod:`kvlab.cache.dropped`), never the last block. Returns how many went back to the pool
-        (a block shared with another sequence stays theirs). Bad input raises and changes nothing."""
+        """Drop full blocks (logical indices, never the last) a policy chose; returns how many went back
+        to the pool, since a shared block stays its other owners'. Bad input changes nothing."""
         seq = self._seq(seq_id)
         drop = set(checked_drop(seq_id, seq, logical_blocks, self.block_size))
         if not drop:
@@ -382,8 +366,7 @@ class BlockManager:
         return copies
 
     def stats(self) -> dict:
-        """logical_tokens: as the sequences see them (a shared token per sequence); empty_slots: held slots
-        with no token *now* (a growing sequence fills them: not all "internal fragmentation")."""
+        """``empty_slots``: held slots with no token *now* (growing sequences fill them: not all waste)."""
         used = [b for b in self.blocks if b.ref_count > 0]
         tokens = sum(b.num_tokens for b in used)  # physical: a shared block counts once
         slots = len(used) * self.block_size

@@ -1,15 +1,8 @@
-"""The tensors behind a :class:`~kvlab.cache.paged.BlockManager` (notebook 02), and the one interface
-every paged pool has.
+"""The tensors behind a :class:`~kvlab.cache.paged.BlockManager` (notebook 02), and the one pool interface.
 
-Per layer, ``k_cache`` and ``v_cache`` are ``[num_blocks, block_size, H_kv, D]``: one layout end to
-end, shared by the PyTorch specification (:mod:`kvlab.attention`) and the Triton kernels, so a
-notebook can show the very tensor a kernel reads. Slot ``s`` is row ``s`` of the flattened
-``[num_blocks * block_size, H_kv, D]`` view.
-
-**The pool interface.** The attention backends (:mod:`kvlab.attention.backends`) and the engine
-talk to a pool only through these names, which :class:`PagedKVCache` (float pages) and
-:class:`~kvlab.cache.quantized.QuantizedPagedKVCache` (INT8/FP8/INT4 pages, scales beside them)
-both implement:
+Pages are ``[num_blocks, block_size, H_kv, D]`` per layer, one layout for the PyTorch spec and the Triton
+kernels, so a notebook can show the very tensor a kernel reads; slot ``s`` is row ``s`` of the flat view.
+Backends and the engine reach a pool (float or quantized) only through these names:
 
 | member                                   | what                                                     |
 |------------------------------------------|----------------------------------------------------------|
@@ -97,8 +90,7 @@ class PagedKVCache:
 
     def kernel_write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
                      launch) -> None:
-        """The write with the scatter done by ``launch(k, v, slot_mapping, k_operand, v_operand)`` (the
-        Triton write kernel); a float pool has no bookkeeping around it."""
+        """The write with the scatter done by ``launch`` (the Triton kernel); a float pool keeps no books."""
         launch(k, v, slot_mapping, *self.kernel_operands(layer_idx))
 
     def copy_blocks(self, blocks_to_copy) -> None:
@@ -111,8 +103,7 @@ class PagedKVCache:
             vc[dst] = vc[src]
 
     def attach_host(self, num_host_blocks: int) -> None:
-        """A host tier of ``num_host_blocks`` blocks, the same layout in host memory (pinned on a GPU, so
-        a copy can run at the link's speed); the block manager decides what moves (notebook 07)."""
+        """The same layout in host memory, pinned on a GPU so copies run at the link's speed (notebook 07)."""
         check_int("num_host_blocks", num_host_blocks)
         shape = (num_host_blocks, *self.k_cache[0].shape[1:])
         pin = self.k_cache[0].device.type == "cuda"
@@ -120,8 +111,7 @@ class PagedKVCache:
         self.host_v = [torch.zeros(shape, dtype=self.dtype, pin_memory=pin) for _ in range(self.num_layers)]
 
     def swap(self, out, into) -> None:
-        """Apply the block manager's host transfers, ``out`` (device block, host slot) first, then
-        ``into`` (host slot, device block), in every layer."""
+        """Apply the host transfers in every layer, ``out`` (device block, host slot) before ``into``."""
         if not out and not into:
             return
         if getattr(self, "host_k", None) is None:

@@ -1,11 +1,8 @@
-"""A paged KV cache that stores INT8 / INT4 / FP8 (or float) blocks with SEPARATE scale tensors.
+"""A paged KV cache of INT8 / INT4 / FP8 (or float) blocks with SEPARATE scales (notebook 03).
 
-Same pool layout and the same pool interface as :class:`~kvlab.cache.PagedKVCache` (its module
-docstring lists it), one :class:`BlockManager` drives both (notebook 03).
-Per layer, K and V each have a data tensor (int8 ``[N, bs, H, D]``, fp8 the same, int4 packed
-``[N, bs, H, D/2]``) and scales beside it, never inside the pages: static scales are one small
-tensor per layer (``[1,1,1]``, ``[1,H,1]`` or ``[1,H,D]``), per-token scales live in their own
-``[N, bs, H or 1, 1]`` pages indexed by the same slots. Writes count saturation per layer x head.
+The pool interface of :class:`~kvlab.cache.PagedKVCache`. Pages: int8/fp8 ``[N, bs, H, D]``, int4
+``[N, bs, H, D/2]``; static scales ``[1,1,1]``, ``[1,H,1]`` or ``[1,H,D]`` per layer, per-token
+scales in their own ``[N, bs, H or 1, 1]`` pages. Writes count saturation per layer x head.
 """
 
 from __future__ import annotations
@@ -24,8 +21,7 @@ COUNTERS = ("values", "clipped", "at_qmax", "corrections")
 
 
 class _Store:
-    """Data + scales for one of K or V in one layer, laid out as its registry entry says
-    (:mod:`kvlab.formats`: the page dtype, how values become codes, qmax)."""
+    """Data + scales for K or V of one layer, laid out as its :mod:`kvlab.formats` entry says."""
 
     def __init__(self, fmt: TensorFormat, num_blocks: int, block_size: int, h: int, d: int, device,
                  static_scale: torch.Tensor | None, hooks: dict | None = None):
@@ -110,9 +106,8 @@ class _Store:
         return q if scale else (q, got_scale)
 
     def settle_scale(self, x: torch.Tensor, policy: str) -> torch.Tensor:
-        """The static scale to quantize ``x`` with, after the policy has seen it: the dynamic policy's
-        first write sets it for good; ``corrected`` widens (and re-quantizes under) scales ``x`` exceeds.
-        Shared by this write and the Triton write (:meth:`QuantizedPagedKVCache.kernel_write`)."""
+        """The static scale for ``x`` once the policy saw it (shared with the Triton write): the first
+        dynamic write sets it for good; ``corrected`` widens the scales ``x`` exceeds."""
         amax = core.absmax(x, self.fmt.granularity)
         if self.scale is None:
             self.scale = core.scale_from_absmax(amax, self.qmax)
@@ -151,8 +146,7 @@ class _Store:
         return core.dequantize_scaled(data, scale)
 
     def operand(self, what: str) -> Operand:
-        """These pages and scales as one kernel :class:`~kvlab.kernels.pool.Operand` (views); the format
-        and scale codes come from the kernel format table (:data:`~kvlab.kernels.pool.KERNEL_KINDS`)."""
+        """These pages and scales as one kernel :class:`~kvlab.kernels.pool.Operand` (views, no copy)."""
         fmt, static = self.fmt, None
         check_kernel_format(fmt, what)
         scales = scale_code(fmt)
@@ -188,9 +182,8 @@ class QuantizedPagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  config: KVQuantConfig, calibration=None, device="cpu", quantize_per_head=None, quantize_static=None,
                  pack_int4=None):
-        """``quantize_per_head(x) -> (q, scale)`` (the first write of a ``policy="dynamic"`` INT8 per-head pool
-        sets its scales with it), ``quantize_static(x, scale) -> q`` (every later INT8 per-head write) and
-        ``pack_int4(codes) -> bytes`` (INT4 writes) replace kvlab's own: notebook 03 plugs the participant's in."""
+        """The three hooks replace kvlab's own (notebook 03 plugs the participant's in); ``quantize_per_head``
+        sets a dynamic INT8 per-head pool's scales on its first write, ``quantize_static`` runs after."""
         self.block_size = check_block_size(block_size)
         hooks = {n: f for n, f in (("quantize_per_head", quantize_per_head), ("quantize_static", quantize_static),
                                    ("pack_int4", pack_int4)) if f is not None}
@@ -252,10 +245,8 @@ class QuantizedPagedKVCache:
 
     def kernel_write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
                      launch) -> None:
-        """:meth:`write` with the scatter and quantization done by ``launch(k, v, slot_mapping, k_operand,
-        v_operand)`` (the Triton write kernel, which returns per-head INT8 counts or None); the scale
-        policy, rotation and saturation counters stay here. Slots of -1 are padding and not counted.
-        Everything is checked before any scale or page changes."""
+        """:meth:`write` with the scatter and quantization done by ``launch`` (the Triton kernel); scale
+        policy, rotation and counters stay here. Slots of -1 are padding. Checked before anything changes."""
         for which, stores in (("K", self.k), ("V", self.v)):
             check_kernel_format(stores[layer].fmt, f"layer {layer}'s {which}")
         k = self._finite_keys(layer, k, v)  # before anything is touched, as write() does
@@ -276,7 +267,6 @@ class QuantizedPagedKVCache:
                 st.counts["at_qmax"] += per_head[:, 1]
 
     def formats(self, layer: int) -> tuple[TensorFormat, TensorFormat]:
-        """How K and V of one layer are stored (the config's per-layer formats)."""
         return self.config.formats(layer)
 
     def kernel_operands(self, layer: int) -> tuple[Operand, Operand]:
@@ -317,9 +307,8 @@ class QuantizedPagedKVCache:
         return [{c: s.counts[c].clone() for c in COUNTERS} for s in self.k + self.v]
 
     def restore_counters(self, snapshot: list[dict]) -> None:
-        """After an aborted step: values, clipped and at_qmax count only the writes of completed
-        steps again. ``corrections`` stay: a widened scale stays widened (its data was re-quantized
-        under it), and the counter says how often that happened."""
+        """After an aborted step, count only completed steps' writes again; ``corrections`` stay, since a
+        widened scale stays widened (its data was re-quantized under it)."""
         for s, saved in zip(self.k + self.v, snapshot):
             for c in ("values", "clipped", "at_qmax"):
                 s.counts[c] = saved[c].clone()

@@ -1,12 +1,8 @@
 """Where KV memory goes, for a whole workload, without running a model (notebook 02).
 
-Following the PagedAttention paper (SOSP 2023, Fig. 2), every reserved slot at every decode step is
-**token states** (holds a token's K/V now), **reservation** (empty, a later token of the request fills
-it) or **internal fragmentation** (no token of the request will ever fill it). External fragmentation
-is 0 here: each contiguous policy gets one private tensor. The contiguous policies are the paper's
-Orca baselines: ``max`` reserves ``max_seq_len`` per request, ``pow2`` the next power of two at or above
-its real length, ``oracle`` exactly that length (prompt + output - 1: the last sampled token is never
-fed back). ``paged`` runs the real :class:`~kvlab.cache.paged.BlockManager` and reports its accounting.
+As in the PagedAttention paper (Fig. 2), each reserved slot is token states, reservation (a later
+token fills it) or internal fragmentation (none ever will). ``max``, ``pow2`` and ``oracle`` are the
+paper's Orca baselines; ``paged`` runs the real block manager.
 """
 
 from __future__ import annotations
@@ -80,13 +76,8 @@ def _reserved(policy: str, r: Request, max_seq_len: int) -> int:
 
 
 def simulate(requests: list[Request], policy: str, block_size: int = 16, max_seq_len: int = 2048) -> dict:
-    """Run all requests as one batch (prefill together, decode one token per step each, free at the
-    end) and average the slot breakdown over the decode steps (each live request's slots counted at
-    every step it is live).
-
-    Returns fractions of the reserved slots (``token_states + reservation + internal_fragmentation
-    == 1``), plus the peak number of slots reserved.
-    """
+    """All requests as one batch: the slot breakdown averaged over decode steps, as fractions of the
+    reserved slots that sum to 1, plus the peak slots reserved."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if not requests:
@@ -134,9 +125,8 @@ def simulate(requests: list[Request], policy: str, block_size: int = 16, max_seq
 
 
 def over_seeds(name: str = "sharegpt", seeds=range(5), n: int = 64, block_size: int = 16) -> dict[str, list[float]]:
-    """Token-state share per policy for ``n``-request batches of one workload drawn with each seed:
-    ``{policy: [share for seed in seeds]}``. One batch of 64 draws wanders by about 1/sqrt(64) = 12 %
-    around the distribution's means, so a verdict near its threshold is read over several seeds."""
+    """Token-state share per policy, one per seed: a batch of 64 wanders about 1/sqrt(64) = 12 % around
+    the means, so a verdict near its threshold is read over several seeds."""
     seeds = list(seeds)
     if not seeds:
         raise ValueError("seeds must not be empty")
@@ -146,11 +136,8 @@ def over_seeds(name: str = "sharegpt", seeds=range(5), n: int = 64, block_size: 
 
 def external_fragmentation(name: str = "sharegpt", n: int = 400, pool_slots: int = 4096, block_size: int = 16,
                            leave: float = 0.1, seed: int = 0) -> dict:
-    """Requests come and go (before each arrival every live request leaves with probability ``leave``);
-    each arriving request asks for its whole length at once. A contiguous first-fit allocator and a
-    real :class:`BlockManager` of the same number of slots serve the same stream. Counts, for each,
-    the requests refused although the free slots in total would have held them: memory lost between
-    allocations (external fragmentation), which paging is claimed to remove."""
+    """External fragmentation, which paging is claimed to remove: the requests a first-fit contiguous
+    allocator and a real block manager refuse although their free slots in total would hold them."""
     if not 0 < leave < 1:
         raise ValueError(f"leave must be a probability in (0, 1), got {leave!r}")
     reqs, rng = workload(name, n, seed=seed), random.Random(seed)
@@ -187,13 +174,8 @@ def external_fragmentation(name: str = "sharegpt", n: int = 400, pool_slots: int
 
 
 def block_size_sweep(requests: list[Request], sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256)) -> list[dict]:
-    """The block-size trade-off: bigger blocks mean fewer table entries but more slots wasted in
-    each sequence's last block.
-
-    ``waste_at_completion`` is taken at one moment, when every request is complete (all its tokens
-    stored, nothing more to come): the share of the held blocks' slots that stay empty. For a
-    complete sequence that is exactly its internal fragmentation, all in its last block; it is not
-    the average over decode steps that :func:`simulate` reports."""
+    """Bigger blocks mean fewer table entries but more slots wasted in each last block.
+    ``waste_at_completion`` is taken once every request is complete, not averaged as :func:`simulate` does."""
     rows = []
     for bs in sizes:
         bm = BlockManager(sum(cdiv(r.stored, bs) for r in requests), bs, enable_prefix_caching=False)
@@ -225,11 +207,7 @@ def fork_blocks(prompt_len: int, block_size: int, n: int, steps: int) -> int:
 
 
 def parallel_sampling(requests: list[Request], n: int, block_size: int = 16) -> dict:
-    """Blocks held at the end when every request draws ``n`` samples of its output length.
-
-    With forking, the samples share the prompt's blocks and copy only the partial last block on
-    their first write; without it each sample is a separate sequence with its own prompt copy.
-    """
+    """Blocks held at the end when every request draws ``n`` samples, forked (sharing the prompt) or not."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     need = sum(n * cdiv(r.stored, block_size) for r in requests)
