@@ -1,6 +1,4 @@
-"""What a KV format or an eviction policy costs in quality: :mod:`kvlab.eval.quality` (perplexity, KL,
-greedy agreement, layer sensitivity; notebook 03) and :mod:`kvlab.eval.eviction` (evicting against
-quantizing at equal bytes, the pass key, the blocks each policy keeps; notebook 07)."""
+"""What a KV format (notebook 03) or an eviction policy (notebook 07) costs in quality."""
 
 from kvlab.eval.eviction import (CUTS, FORMATS, TIE_KL, answers_after_cut, block_share, equal_byte_budgets,
                                  equal_bytes_verdict, eviction_quality, kept_blocks, passkey, quantize_or_evict)

@@ -1,11 +1,8 @@
-"""How much does a KV format cost in quality? Perplexity, KL, top-1 and greedy agreement, and the
-per-layer sensitivity behind a mixed-precision choice (notebook 03).
+"""How much does a KV format cost in quality, and which layers can take fewer bits (notebook 03)?
 
-Every configuration is run in lockstep with a full-precision reference through the SAME paged
-attention path, over the same text: the text is cut into sliding windows, each window is fed in
-chunks of ``chunk`` tokens, and every chunk attends to its own K/V in full precision and to
-everything before it through the (quantized) cache, exactly as generation would read it.
-Smaller chunks put more of the context through the quantized cache (``chunk=1`` is pure decode).
+Each config runs in lockstep with a full-precision reference through the SAME paged path, fed in
+chunks: a chunk reads its own K/V in full precision and everything before it through the cache,
+so smaller chunks test more of the cache (``chunk=1`` is pure decode).
 """
 
 from __future__ import annotations
@@ -28,9 +25,8 @@ from kvlab.validate import cdiv, is_int
 
 
 class _Runner:
-    """One sequence through one paged pool (quantized or not), chunk by chunk, on the engine's own
-    :class:`~kvlab.engine.ModelRunner`: the same packing, slot mapping and attention path a served
-    request gets, asked for the logits of every position instead of the last."""
+    """One sequence through one pool on the engine's own runner, the path a served request takes,
+    asked for the logits of every position."""
 
     def __init__(self, model, config: KVQuantConfig, calibration, ids: list[int], block_size: int):
         blocks = cdiv(len(ids), block_size)
@@ -40,7 +36,7 @@ class _Runner:
         self.seq = Sequence(0, ids, SamplingParams(), arrival=0.0)
 
     def forward(self, piece: list[int]) -> torch.Tensor:
-        """Logits (len(piece), V) of the next chunk of the sequence (``piece`` is that chunk)."""
+        """Logits (len(piece), V) of the sequence's next chunk."""
         seq, start = self.seq, self.seq.num_computed_tokens
         if seq.token_ids[start:start + len(piece)] != list(piece):
             raise ValueError("the chunks must follow the sequence the runner was built for, in order")
@@ -56,9 +52,8 @@ class _Runner:
 
 
 def _windows(n: int, window: int, stride: int):
-    """(start, end, first target scored, relative to start) of sliding windows covering n tokens:
-    every target token after the first is scored exactly once, with up to window - stride tokens of
-    context before it."""
+    """(start, end, first target relative to start) of windows scoring every target once, with up to
+    window - stride tokens of context."""
     _check_window(window, stride)
     start, done = 0, 0  # targets 1..done are scored
     while True:
@@ -76,8 +71,7 @@ def _check_window(window: int, stride: int) -> None:
 
 
 def check_scoring(num_tokens: int, window: int, stride: int, chunk: int, block_size: int = 16) -> None:
-    """The numbers of an evaluation of ``num_tokens`` tokens, checked before any model work
-    (``kvlab ppl`` calls it before it loads the model)."""
+    """Checked before any model work (``kvlab ppl`` calls it before loading the model)."""
     for name, value in (("window", window), ("stride", stride), ("chunk", chunk), ("block_size", block_size)):
         if not is_int(value):
             raise TypeError(f"{name} must be an integer, got {value!r}")
@@ -94,7 +88,7 @@ def check_scoring(num_tokens: int, window: int, stride: int, chunk: int, block_s
 
 
 def check_tokens(tokens, vocab_size: int) -> list[int]:
-    """Token ids as a list of ints in the model's vocabulary (an id outside it would fail deep in the embedding)."""
+    """Token ids in the model's vocabulary: an id outside it would fail deep in the embedding."""
     if isinstance(tokens, torch.Tensor):
         tokens = tokens.flatten().tolist()
     if not isinstance(tokens, (list, tuple)):
@@ -117,13 +111,10 @@ def _check_configs(configs) -> None:
 @torch.inference_mode()
 def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: int = 512, stride: int = 256,
              chunk: int = 32, block_size: int = 16) -> dict:
-    """Perplexity of FP and each config on ``tokens``, plus mean next-token KL(FP || config) and
-    top-1 agreement, scored on the same positions. ``configs``: name -> KVQuantConfig.
+    """Perplexity, KL(FP || config) and top-1 agreement of each config against FP, on the same positions.
 
-    ``delta_ppl_ci95`` is a paired 95 % interval for ``delta_ppl_pct``: from the per-token NLL
-    differences (config - FP) on the same positions, mean +- 1.96 standard errors, treating
-    positions as independent (they are not quite, so read it as a scale of the noise, not a test).
-    It says how precisely Δppl is measured on THIS text, not how it would vary across texts."""
+    ``delta_ppl_ci95`` is a paired 95 % interval from per-token NLL differences, positions taken as
+    independent (not quite): a scale of the noise on THIS text, not across texts."""
     tokens = check_tokens(tokens, model.config.vocab_size)
     _check_configs(configs)
     check_scoring(len(tokens), window, stride, chunk, block_size)
@@ -188,8 +179,7 @@ def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: 
 
 
 def kv_bytes_per_token(model, config: KVQuantConfig) -> float:
-    """Bytes one token adds to the cache under ``config`` (data + per-token scales; static scale
-    tables are amortised away), from :mod:`kvlab.sizing` layer by layer."""
+    """Bytes one token adds under ``config``: data and per-token scales (static scale tables amortised)."""
     cfg = kv_config(model)
     one = dict(num_hidden_layers=1, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
                head_dim=cfg.head_dim)
@@ -204,14 +194,8 @@ def kv_bytes_per_token(model, config: KVQuantConfig) -> float:
 @torch.inference_mode()
 def greedy_comparison(model, prompts: list[list[int]], config: KVQuantConfig, calibration=None,
                       max_new_tokens: int = 32, block_size: int = 16) -> dict:
-    """Greedy generation through the quantized pool against the full-precision pool, per prompt.
-
-    Returns ``first_divergence`` (per prompt: the index of the first generated token that differs, or
-    None when all are identical), ``identical`` (prompts whose whole answers match), ``position_share``
-    (tokens equal position by position, over all prompts) and the two runs' ``token_ids``. After a
-    first divergence the two texts continue from different tokens, so position-wise agreement beyond
-    it is mostly chance: the divergence points are the measure.
-    """
+    """Greedy generation through the quantized pool against full precision, per prompt. After a first
+    divergence the texts go separate ways, so the divergence points are the measure."""
     blocks = sum(cdiv(len(p) + max_new_tokens, block_size) for p in prompts)
     runs = []
     for cfg in (FP32, config):
@@ -232,15 +216,9 @@ def greedy_comparison(model, prompts: list[list[int]], config: KVQuantConfig, ca
 @torch.inference_mode()
 def teacher_forced(model, sequences: list[list[int]], starts: list[int], config: KVQuantConfig, calibration=None,
                    block_size: int = 16) -> dict:
-    """Each sequence (a prompt and an answer already generated, e.g. by the FP16 pool) fed through the
-    quantized pool; at every answer position (``start`` onwards) is the pool's most likely next token
-    the answer's own next token? Greedy generation through that pool reproduces the answer exactly
-    when every position agrees, so this is the per-token rate *on the answers' own path*, and
-    ``intact`` counts the answers it would leave unchanged.
-
-    Returns ``positions`` scored, ``top1`` (share agreeing), ``intact`` (sequences agreeing at every
-    position), ``first_miss`` (per sequence: the answer index of the first disagreement, or None), and
-    ``top1_fp32``: the same rate for the full-precision pool, the floor set by float rounding alone."""
+    """Top-1 agreement with given answers, fed through the quantized pool: the rate *on the answers' own
+    path*; ``intact`` counts answers greedy decoding would leave unchanged, ``top1_fp32`` is the floor
+    set by float rounding alone."""
     if len(sequences) != len(starts):
         raise ValueError(f"starts must give one answer start per sequence ({len(sequences)}), got {len(starts)}")
     agree, intact, first_miss, scored = {"q": 0, "fp": 0}, 0, [], 0
@@ -270,15 +248,11 @@ def teacher_forced(model, sequences: list[list[int]], starts: list[int], config:
 
 def greedy_agreement(model, prompts: list[list[int]], config: KVQuantConfig, calibration=None,
                      max_new_tokens: int = 32, block_size: int = 16) -> float:
-    """Share of greedily generated tokens identical to the full-precision cache's, position by position
-    (see :func:`greedy_comparison` for where they first differ)."""
+    """Share of greedy tokens equal to full precision's, position by position (:func:`greedy_comparison`)."""
     return greedy_comparison(model, prompts, config, calibration, max_new_tokens, block_size)["position_share"]
 
 
 # ---- mixed precision: which layers can take fewer bits? Measure, then choose under a byte budget ----
-# A layer's sensitivity = mean next-token KL(FP || model) when only that layer's cache is stored in
-# the low-bit format. auto_config starts with every layer at the high format and moves the least
-# sensitive layers to the low one until the cache fits the byte budget (notebook 03, section 5).
 
 FP = TensorFormat("fp32")
 
@@ -295,10 +269,7 @@ def layer_sensitivity(model, tokens: list[int], calibration=None, chunk: int = 3
 
 def auto_config(model, sensitivity: list[float], budget_bytes_per_token: float,
                 high: KVQuantConfig, low: KVQuantConfig) -> KVQuantConfig:
-    """Every layer ``high``; then the least sensitive layers become ``low`` until the budget holds.
-
-    Raises ValueError if even all-``low`` does not fit.
-    """
+    """Every layer ``high``, then the least sensitive ones ``low`` until the budget holds (notebook 03)."""
     layers = len(sensitivity)
     chosen: dict[int, tuple] = {layer: high.formats(layer) for layer in range(layers)}
     cfg = replace(high, layers=dict(chosen))
