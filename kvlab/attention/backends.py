@@ -1,10 +1,7 @@
-"""The attention backends: one object per way of running paged attention over a pool.
+"""The attention backends: one object per way of running paged attention over a pool (notebooks 04, 05).
 
-Each implements, over the pool interface (:mod:`kvlab.cache.paged_storage`), ``write`` (the new
-tokens' K/V into their slots), ``decode`` (one new token per sequence, all decodes of a step at once
-through a :class:`~kvlab.attention.batched.DecodeIndex`) and ``prefill`` (packed chunks of any length);
-:meth:`AttentionBackend.forward` runs them for one layer. ``features`` are ``window``, ``softcap``,
-``sinks`` (:mod:`kvlab.attention.spec`).
+Each is a ``write``, ``decode`` and ``prefill`` over the pool interface (:mod:`kvlab.cache.paged_storage`),
+so the engine can swap them.
 """
 
 from __future__ import annotations
@@ -21,9 +18,8 @@ from kvlab.quant.rotation import rotate
 
 def spec_attention(q, k_new, v_new, pool, layer: int, block_tables, seq_lens, query_lens, scale: float,
                    **features) -> torch.Tensor:
-    """The specification over any pool: float pages are read as stored; a quantized pool gives its
-    cached tokens dequantized and each sequence's new tokens at full precision (only what is stored is
-    quantized). q (T, H_q, D), k_new/v_new (T, H_kv, D) packed -> (T, H_q, D)."""
+    """The spec over any pool; new tokens attend at full precision (only what is stored is quantized).
+    q (T, H_q, D), k_new/v_new (T, H_kv, D) packed -> (T, H_q, D)."""
     if pool.is_quantized:
         return quantized_paged_attention(q, k_new, v_new, pool, layer, block_tables, seq_lens, query_lens, scale,
                                          **features)
@@ -32,9 +28,8 @@ def spec_attention(q, k_new, v_new, pool, layer: int, block_tables, seq_lens, qu
 
 
 class AttentionBackend:
-    """The reference backend: the PyTorch specification for everything, one sequence at a time.
-    Subclasses replace ``write`` and ``decode``; prefill stays the specification in every backend
-    (the table in :mod:`kvlab.attention`)."""
+    """The reference backend: the PyTorch spec for everything, one sequence at a time; subclasses
+    replace ``write`` and ``decode``."""
 
     name = "reference"
     #: decodes go through :meth:`decode` with a DecodeIndex (else the specification runs them too)
@@ -61,8 +56,8 @@ class AttentionBackend:
 
     def forward(self, batch, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float,
                 **features) -> torch.Tensor:
-        """One layer of one packed forward (``batch`` a :class:`kvlab.hf.PagedBatch`): write the new K/V,
-        then the ``batch.decode.num`` decodes packed first, then everything else. (T, H_q, D) -> same."""
+        """One layer of one packed forward: write the new K/V, then the decodes (packed first), then the
+        rest. (T, H_q, D) -> same."""
         pool = batch.cache
         self.write(pool, layer, k_new, v_new, batch.slot_mapping)
         nd = batch.decode.num if self.batched_decode and batch.decode is not None else 0
@@ -87,8 +82,7 @@ class AttentionBackend:
 
 
 class TorchBackend(AttentionBackend):
-    """Decodes batched in PyTorch: one gather through the step's block-table tensor and one masked SDPA
-    for all decodes of a layer (notebook 04)."""
+    """Decodes batched in PyTorch: one gather and one masked SDPA for a layer's decodes (notebook 04)."""
 
     name = "torch"
     batched_decode = True
@@ -127,9 +121,8 @@ class TritonBackend(AttentionBackend):
         pool.kernel_write(layer, k, v, slot_mapping, kernels.write.launch_write)
 
     def decode(self, q, pool, layer: int, index, scale: float, k_new=None, v_new=None, **kw) -> torch.Tensor:
-        """q (B, H_q, D) over ``pool`` through ``index``. A quantized pool attends each sequence's own new
-        token (``k_new, v_new`` (B, H_kv, D)) at full precision, as the specification does. ``kw`` goes to
-        :func:`kvlab.kernels.decode.paged_decode` (``window``, ``softcap``, ``sinks``, tuning knobs)."""
+        """q (B, H_q, D) -> (B, H_q, D); over a quantized pool the own token, ``k_new, v_new`` (B, H_kv, D),
+        is attended at full precision, as the spec does."""
         k_op, v_op = pool.kernel_operands(layer)
         if not pool.is_quantized:
             return kernels.paged_decode(q, k_op, v_op, index.table, index.seq_lens, scale, **kw)

@@ -1,10 +1,7 @@
-"""Decode attention for a whole batch at once over the paged pool (notebook 04: the engine's
-``"torch"`` backend).
+"""Attention for a whole step at once over the paged pool (notebook 04: the ``"torch"`` backend).
 
-The spec (:mod:`kvlab.attention.spec`) walks one sequence at a time. A decode step has one new
-token per sequence, so the block tables of all of them fit in ONE tensor (:class:`DecodeIndex`,
-built once per step and read by every layer): one gather through it and one masked SDPA replace
-the Python loop. Equal to the spec within fp32 rounding (tests/test_04_engine.py).
+A step's block tables fit in ONE tensor, built once and read by every layer, so one gather and one
+masked SDPA replace the spec's Python loop; equal to the spec within fp32 rounding.
 """
 
 from __future__ import annotations
@@ -26,9 +23,8 @@ def _table_tensor(block_tables, n_blocks: int, device) -> torch.Tensor:
 
 
 class DecodeIndex:
-    """The block tables of one step's decode sequences as ONE tensor, built once and read by every
-    layer: ``table`` (B, n_blocks) physical block ids (0-padded), ``valid`` (B, n_blocks * block_size)
-    which key positions exist, ``seq_lens`` (B,). :meth:`visible` adds a sliding window."""
+    """One step's decode block tables: ``table`` (B, n_blocks) block ids (0-padded), ``valid``
+    (B, n_blocks * block_size) which key positions exist, ``seq_lens`` (B,)."""
 
     #: at most this many length groups in :meth:`groups` (1: one padded gather for all decodes)
     max_groups = 4
@@ -47,10 +43,8 @@ class DecodeIndex:
         self._pos, self._windowed = pos, {None: self.valid}
 
     def groups(self) -> list[tuple[torch.Tensor | None, "DecodeIndex"]]:
-        """The decodes in up to :attr:`max_groups` groups of similar context length, ``(rows, index)`` each
-        (``rows`` None: one group, this index itself). Contexts are heavy-tailed: padding every row to
-        the longest gathers and attends mostly padding, so rows sorted by length are cut where the
-        padded (row x block) work saved pays for another call. Built once per step, read by every layer."""
+        """Up to :attr:`max_groups` ``(rows, index)`` groups of similar context length (``rows`` None: one).
+        Contexts are heavy-tailed, so padding all to the longest would attend mostly padding."""
         if self._groups is None:
             self._groups = self._split()
         return self._groups
@@ -78,8 +72,7 @@ class DecodeIndex:
         return out
 
     def visible(self, window: int | None = None) -> torch.Tensor:
-        """(B, S) the key positions each sequence's new token sees: the last ``window`` of its context
-        under a sliding window. Built once per window and step, shared by the layers that use it."""
+        """(B, S) the keys each new token sees under a sliding window; cached per window for the step."""
         if window not in self._windowed:
             check_features(1, window)
             self._windowed[window] = self.valid & (self._pos[None, :] >= self.seq_lens[:, None] - window)
@@ -88,9 +81,8 @@ class DecodeIndex:
 
 def _decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float,
                  softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q (B, H_q, D); k, v (B, S, H_kv, D); valid (B, S) -> (B, H_q, D), GQA without repeating K/V:
-    the G query heads of one KV head ride on SDPA's query-length axis (on the scores' row axis when a
-    soft cap or sinks need the scores written out)."""
+    """q (B, H_q, D); k, v (B, S, H_kv, D); valid (B, S) -> (B, H_q, D). GQA without repeating K/V:
+    a KV head's G query heads ride on SDPA's query-length axis."""
     b, h_q, d = q.shape
     h_kv = k.shape[2]
     check_features(h_q, None, softcap, sinks)
@@ -109,9 +101,7 @@ def _decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch
 def batched_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: DecodeIndex,
                              scale: float, *, window: int | None = None, softcap: float | None = None,
                              sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """One query token per sequence (B, H_q, D) over the pool: one gather through the block-table
-    tensor and one masked SDPA per group of similar context lengths (:meth:`DecodeIndex.groups`),
-    instead of a Python loop over sequences."""
+    """q (B, H_q, D), one token per sequence: one gather and one masked SDPA per length group."""
     groups = index.groups()
     if len(groups) > 1:
         out = torch.empty_like(q)
@@ -131,8 +121,7 @@ def batched_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 def quantized_batched_decode_attention(q, k_new, v_new, cache, layer: int, index: DecodeIndex,
                                        scale: float, *, window: int | None = None, softcap: float | None = None,
                                        sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """The batched path over a quantized pool: cached blocks dequantized in one read, each
-    sequence's own new token in full precision (as :func:`quantized_paged_attention` does)."""
+    """Over a quantized pool: cached blocks dequantized in one read, the own new token at full precision."""
     b, n_blocks = index.table.shape
     k, v = cache.read(layer, index.table.flatten())  # (B * n_blocks, bs, H_kv, D) float32 each
     k, v = k.reshape(b, -1, *k.shape[2:]), v.reshape(b, -1, *v.shape[2:])  # (B, S, H_kv, D)
@@ -146,18 +135,15 @@ def quantized_batched_decode_attention(q, k_new, v_new, cache, layer: int, index
 
 
 class PrefillIndex:
-    """The block tables and query positions of one step's prefill chunks as tensors, built once and
-    read by every layer: ``table`` (P, n_blocks), ``q_index`` (P, L) packed row of each padded query
-    slot (L: the longest chunk), ``q_rows`` the padded slots that are real queries, in packed order,
-    and :meth:`visible` (P, L, S) which keys each query sees (causal, inside its sequence, windowed)."""
+    """One step's prefill chunks as tensors: ``table`` (P, n_blocks), ``q_index`` (P, L) the packed row of
+    each padded query slot (L: the longest chunk), ``q_rows`` the real ones, in packed order."""
 
     #: batch the chunks only while padding at most doubles the (query x key) work
     max_padding = 2.0
 
     @classmethod
     def pays(cls, seq_lens, query_lens, block_size: int) -> bool:
-        """Whether one padded call beats the per-sequence spec: more than one chunk, and padding to the
-        longest chunk and context at most :attr:`max_padding` times the exact work."""
+        """Whether one padded call beats the per-sequence spec: several chunks, little padding."""
         if len(seq_lens) < 2:
             return False
         s = cdiv(max(seq_lens), block_size) * block_size
@@ -195,9 +181,8 @@ class PrefillIndex:
 
 def batched_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: PrefillIndex,
                               scale: float, *, window: int | None = None) -> torch.Tensor:
-    """Every prefill chunk of a step in ONE masked SDPA over a float pool whose pages already hold the
-    chunks' own K/V (the write comes first): q (T, H_q, D) packed -> (T, H_q, D). Chunks are padded to
-    the longest, contexts to the longest; the mask keeps each query causal and inside its sequence."""
+    """Every prefill chunk in ONE masked SDPA over a float pool already holding their K/V (the write comes
+    first): q (T, H_q, D) packed -> (T, H_q, D)."""
     p, n_blocks = index.table.shape
     s = n_blocks * k_cache.shape[1]
     h_kv, d = k_cache.shape[2], k_cache.shape[3]

@@ -1,14 +1,8 @@
-"""The PyTorch specification of paged attention (notebook 02): what every backend and the Triton
-kernels (notebook 05) are tested against. Plain tensor ops, one sequence at a time, K/V read through
-the block table. Queries arrive packed along one token axis; sequence i owns ``query_lens[i]`` of them,
-the LAST ``query_lens[i]`` positions of its ``seq_lens[i]`` cached tokens.
+"""The PyTorch specification of paged attention (notebook 02): every backend and kernel is tested against it.
 
-Keyword arguments are what an HF model hands its attention function besides Q, K, V
-(:mod:`kvlab.probe` refuses models that need anything else): ``window`` (sliding window: the query
-at p sees keys ``p - window < j <= p``, HF's rule; only the mask changes, the cache keeps every
-block), ``softcap`` (Gemma-2: scores become ``softcap * tanh(scores / softcap)`` after scaling, before
-the mask) and ``sinks`` (gpt-oss's ``s_aux``: one logit per query head joining every softmax as a key
-whose value is zero: it takes probability mass, adds nothing).
+Packed queries: sequence i owns the LAST ``query_lens[i]`` positions of its ``seq_lens[i]`` tokens.
+``window``: query p sees keys ``p - window < j <= p`` (HF's rule); ``softcap`` (Gemma-2) is applied after
+scaling, before the mask; ``sinks`` (gpt-oss) is one logit per query head with a zero value.
 """
 
 from __future__ import annotations
@@ -23,8 +17,7 @@ __all__ = ["gather_kv", "visible", "scores_softmax", "attend", "paged_attention"
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """Which keys each query sees: ``k <= q``, and ``k > q - window`` under a sliding window.
-    Broadcasts ``q_pos`` against ``k_pos`` (absolute token positions)."""
+    """Which keys each query sees (absolute positions, broadcast): ``k <= q``, and ``k > q - window``."""
     mask = k_pos <= q_pos
     return mask if window is None else mask & (k_pos > q_pos - window)
 
@@ -36,9 +29,8 @@ def _sink_logits(sinks: torch.Tensor, h_kv: int, like: torch.Tensor) -> torch.Te
 
 def scores_softmax(s: torch.Tensor, mask: torch.Tensor, softcap: float | None = None,
                    sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Softmax of scaled scores ``s`` (..., H_kv, G, q, n) over the keys ``mask`` lets through, with the
-    soft cap applied before the mask and the sinks joining the softmax (then dropped), as HF's eager
-    attention of Gemma-2 and gpt-oss computes them."""
+    """Softmax of scaled scores ``s`` (..., H_kv, G, q, n) as HF's eager attention of Gemma-2 and gpt-oss
+    computes it: soft cap before the mask, sinks joining the softmax and then dropped."""
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
     s = s.masked_fill(~mask, float("-inf"))
@@ -50,11 +42,8 @@ def scores_softmax(s: torch.Tensor, mask: torch.Tensor, softcap: float | None = 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, window: int | None = None,
            softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of the last ``q_len`` positions over ``ctx`` keys, GQA aware.
-    q: (q_len, H_q, D); k, v: (ctx, H_kv, D) -> (q_len, H_q, D). Query j sits at position
-    ``ctx - q_len + j`` and sees keys 0..that position (the last ``window`` of them under a sliding
-    window). Without a soft cap or sinks this is one SDPA call; with them, the (q_len, ctx) scores of
-    every head are written out, as HF's eager attention does for Gemma-2 and gpt-oss."""
+    """Causal GQA attention of the last ``q_len`` positions: q (q_len, H_q, D); k, v (ctx, H_kv, D) ->
+    (q_len, H_q, D). A soft cap or sinks write the scores out, as HF's eager attention does."""
     q_len, h_q, d = q.shape
     ctx, h_kv, _ = k.shape
     if h_q % h_kv:
@@ -77,9 +66,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, w
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables,
                     seq_lens, query_lens, scale: float, *, window: int | None = None,
                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Packed queries (T, H_q, D) of several sequences -> outputs (T, H_q, D).
-    Each sequence's K/V are gathered through its own block table; nothing outside its blocks
-    is read, and no padding exists anywhere. ``window``, ``softcap``, ``sinks``: see the module."""
+    """Packed queries (T, H_q, D) -> (T, H_q, D), each sequence reading only its own blocks, no padding."""
     if len(block_tables) != len(seq_lens) or len(seq_lens) != len(query_lens):
         raise ValueError("block_tables, seq_lens and query_lens need one entry per sequence")
     if sum(query_lens) != q.shape[0]:
@@ -99,9 +86,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 # ---- over a quantized pool (notebook 03) ------------------------------------------------------------
 
 def _online_update(state, q, k, v, scale, mask=None, softcap=None):
-    """One step of online softmax (FlashAttention's recurrence) over a chunk of keys.
-    q (q_len, H_kv, G, D); k, v (n, H_kv, D); state = (running max m, running sum l, accumulator acc);
-    mask (q_len, n) the keys each query sees. A query that has seen no key yet keeps m = -inf."""
+    """One step of online softmax (FlashAttention's recurrence): q (q_len, H_kv, G, D); k, v (n, H_kv, D);
+    state (max m, sum l, acc); mask (q_len, n). A query that has seen no key keeps m = -inf."""
     m, l, acc = state
     s = torch.einsum("qhgd,nhd->hgqn", q, k) * scale  # (H_kv, G, q_len, n)
     if softcap is not None:
@@ -118,14 +104,9 @@ def _online_update(state, q, k, v, scale, mask=None, softcap=None):
 def quantized_paged_attention(q, k_new, v_new, cache, layer: int, block_tables, seq_lens, query_lens,
                               scale: float, tile_blocks: int = 8, *, window: int | None = None,
                               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention where everything cached BEFORE this forward is read from a quantized pool.
-    q (T, H_q, D) packed queries; k_new, v_new (T, H_kv, D) the same tokens' own keys/values, used in
-    full precision (prefill never attends to its own quantization error; only what is stored is
-    quantized). Cached blocks are dequantized ``tile_blocks`` at a time and folded in with online
-    softmax, so no full-precision copy of a sequence's cache ever exists: the PyTorch picture of
-    what a fused kernel does in registers. Under a sliding ``window`` the tiles that no query of the
-    sequence can see are not read at all; ``sinks`` start the softmax state (a key of logit ``sink``
-    and value 0)."""
+    """Attention reading everything cached BEFORE this forward from a quantized pool; the new tokens'
+    own k_new, v_new (T, H_kv, D) stay full precision. Tiles are dequantized and folded in by online
+    softmax, so no full-precision copy exists: the PyTorch picture of a fused kernel."""
     check_features(q.shape[1], window, softcap, sinks)
     out = torch.empty_like(q, dtype=torch.float32)
     bs = cache.block_size
