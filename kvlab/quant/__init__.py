@@ -1,7 +1,6 @@
 """KV-cache quantization: quantizers, rotation, formats and scale policies, calibration data (notebook 03).
 
-The quantized pool is :mod:`kvlab.cache.quantized`; taking a calibration needs a model,
-:mod:`kvlab.calibrate`; judging a format's quality, :mod:`kvlab.eval`.
+Model-free: the pool is :mod:`kvlab.cache.quantized`, calibrating a model :mod:`kvlab.calibrate`.
 """
 
 from kvlab.quant.calibration import Calibration

@@ -1,12 +1,7 @@
 """Calibration data: what ranges do K and V actually take, per layer and head? (notebook 03)
 
-A :class:`Calibration` holds |x| of the post-RoPE K and V of every layer, summarised per layer x KV
-head (and per channel, and per layer) as abs-max and percentiles. Static INT8 scales are one of
-those statistics divided by 127. A percentile below 100 clips the rarest outliers on purpose,
-trading a few saturated values for finer steps everywhere else. Taking one needs a model: that
-run is :mod:`kvlab.calibrate`; this module needs only tensors.
-
-Saved as one safetensors file whose metadata holds JSON (model, text, tokens, percentiles).
+Static scales are a statistic of post-RoPE |K|, |V| over qmax; a percentile below 100 clips the rarest
+outliers on purpose, for finer steps everywhere else. Saved as one safetensors file, JSON metadata.
 """
 
 from __future__ import annotations
@@ -37,10 +32,7 @@ def _quantile(x: torch.Tensor, q: torch.Tensor, dim=None) -> torch.Tensor:
 
 @dataclass
 class Calibration:
-    """Per-layer statistics of |K|, |V| (and |K rotated|). Shapes: L layers, H KV heads, D channels.
-
-    ``stats[tensor][granularity][stat]``: per-tensor (L,), per-head (L, H), per-channel (L, H, D).
-    """
+    """``stats[tensor][granularity][stat]``: per-tensor (L,), per-head (L, H), per-channel (L, H, D)."""
 
     stats: dict
     meta: dict = field(default_factory=dict)
@@ -68,8 +60,7 @@ class Calibration:
         return out
 
     def shrunk(self, factor: float) -> "Calibration":
-        """The same statistics divided by ``factor`` (> 1): static scales that many times too small, as if
-        the traffic had drifted ``factor`` times past what calibration saw (notebook 03, section 4)."""
+        """Statistics over ``factor``: as if traffic drifted that far past calibration (notebook 03)."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
             raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
         stats = {t: {g: {s: v / factor for s, v in ss.items()} for g, ss in gs.items()} for t, gs in self.stats.items()}
@@ -89,7 +80,7 @@ class Calibration:
                              f"--model ...)")
 
     def save(self, path: str | Path) -> Path:
-        """Write one safetensors file, atomically (a temporary name, then a rename)."""
+        """Write one safetensors file atomically."""
         from safetensors.torch import save  # only saving and loading need safetensors
 
         flat = {f"{t}.{g}.{s}": v.contiguous() for t, gs in self.stats.items() for g, ss in gs.items()
@@ -98,8 +89,7 @@ class Calibration:
 
     @classmethod
     def load(cls, path: str | Path) -> "Calibration":
-        """Read a ``kvlab calibrate`` file. Anything else (missing, empty, not safetensors, another
-        program's tensors, inconsistent shapes) is a one-line :class:`~kvlab.files.FileError`."""
+        """Read a ``kvlab calibrate`` file; anything else is a one-line :class:`~kvlab.files.FileError`."""
         from safetensors import SafetensorError  # only saving and loading need safetensors
         from safetensors.torch import load  # only saving and loading need safetensors
 

@@ -1,17 +1,8 @@
 """How K and V are stored, layer by layer: formats, scale policies, mixed precision (notebook 03).
 
-A :class:`TensorFormat` describes one of K or V in one layer (dtype, scale granularity, INT4 group
-size and symmetry). A :class:`KVQuantConfig` gives every layer its K and V formats (mixed
-precision: per-layer overrides, K8V4), the scale policy and the Hadamard option.
-
-Scale policies:
-
-* ``static``: calibrated scales (per-tensor / per-head / per-channel), fixed forever;
-* ``dynamic``: scales computed on write — per token for per-token granularities (always exact),
-  and from the *first write* for the static granularities (what engines that estimate scales from
-  the first batch do: fine until later traffic is larger);
-* ``corrected``: static, but when a value exceeds 1.2x the static range its scale is widened
-  and only the data under that scale is re-quantized (the TurboQuant article's 1.2× correction).
+Scale policies: ``static`` (calibrated, fixed forever); ``dynamic`` (per-token scales on write, and
+static granularities from the *first write*, as engines that estimate from the first batch do: fine
+until traffic grows); ``corrected`` (static, widened when a value exceeds 1.2x the range, TurboQuant's rule).
 """
 
 from __future__ import annotations
@@ -141,9 +132,7 @@ def _default_format(fmt: ElementFormat) -> TensorFormat:
 
 
 def named_config(name: str, **kw) -> KVQuantConfig:
-    """The config of a kv_cache_dtype name (:data:`kvlab.formats.KV_CACHE_DTYPES`: fp32, fp16, int8,
-    fp8, int4, k8v4 = K INT8 per-head, V INT4), each at its default granularity unless ``granularity=``
-    (for the scaled formats) says otherwise; other keywords go to :class:`KVQuantConfig`."""
+    """The config of a ``kv_cache_dtype`` name at default granularities (``granularity=`` overrides them)."""
     k, v = (_default_format(f) for f in kv_cache_dtype(name, "kv format"))
     gran = kw.pop("granularity", None)
     if gran is not None:

@@ -1,7 +1,4 @@
-"""Reference quantizers for K/V tensors: INT8 at five granularities, INT4 groups, FP8 (notebook 03).
-
-Tensors are laid out as the paged cache stores them, ``(T, H, D)``: tokens, KV heads, channels.
-A granularity says which axes share one scale:
+"""Reference quantizers for K/V ``(T, H, D)``: INT8 at five granularities, INT4 groups, FP8 (notebook 03).
 
 | granularity      | scale shape | one scale per                        |
 |------------------|-------------|--------------------------------------|
@@ -11,9 +8,7 @@ A granularity says which axes share one scale:
 | per-token        | (T, 1, 1)   | token                                |
 | per-token-head   | (T, H, 1)   | token and head                       |
 
-Symmetric INT8: ``q = clamp(round_half_even(x / scale), -127, 127)``, ``scale = absmax / 127``,
-and a zero guard (scale 1.0 where absmax < 1e-6, so an all-zero head never divides by zero).
-Scales are always separate tensors, never stored inside the data pages.
+INT8 ``scale = absmax / 127``, 1.0 where absmax < 1e-6 so an all-zero head never divides by zero.
 """
 
 from __future__ import annotations
@@ -70,9 +65,7 @@ def scale_from_absmax(amax: torch.Tensor, qmax: float = 127.0) -> torch.Tensor:
 
 
 def quantize_scaled(x: torch.Tensor, scale: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
-    """Codes of ``x`` under ``scale`` in a scaled element format (:mod:`kvlab.formats`): kind ``int``
-    rounds half to even and clamps to +-qmax; kind ``fp8`` clamps to +-qmax and casts (torch rounds
-    to nearest even)."""
+    """Codes of ``x`` under ``scale``: ``int`` rounds half to even then clamps, ``fp8`` clamps then casts."""
     _check_tensor(x, "x")
     _check_tensor(scale, "scale")
     if fmt.kind == "int":
@@ -148,12 +141,8 @@ class Int4Tensor:
 
 
 def quantize_int4(x: torch.Tensor, group_size: int = 32, symmetric: bool = True, pack=pack_int4) -> Int4Tensor:
-    """Per token, per head, per group of ``group_size`` channels. ``pack`` turns the codes (uint8 0..15,
-    (T, H, D)) into bytes (T, H, D/2) (notebook 03 plugs the participant's in).
-
-    Symmetric: q in -7..7 stored as q + 8; asymmetric: q in 0..15 with a zero point, which helps
-    skewed groups (V) but costs one more number per group.
-    """
+    """Per token, head and group of channels; ``pack`` is notebook 03's task. Asymmetric groups (a zero
+    point) help skewed V but cost one more number per group."""
     check_finite(x, "x")
     if not isinstance(symmetric, bool):
         raise TypeError(f"symmetric must be True or False, got {symmetric!r}")
@@ -189,8 +178,7 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def channel_spread(x: torch.Tensor) -> float:
-    """How much one scale per head must stretch for its outlier channels: for x (T, H, D), the largest
-    channel's abs-max over the median channel's, per head, averaged over heads (1.0: no outliers)."""
+    """How far one scale per head stretches for outliers: max over median channel abs-max (1.0: none)."""
     per_channel = x.float().abs().amax(dim=0)  # (H, D)
     return float((per_channel.amax(-1) / per_channel.median(-1).values.clamp(min=1e-12)).mean())
 

@@ -1,10 +1,7 @@
 """Hadamard rotation of keys (and queries) before low-bit quantization (notebook 03).
 
-A few channels of K carry most of its magnitude (outliers), so one scale per group must stretch
-to cover them and every other channel gets coarse steps. Multiplying by an orthonormal Hadamard
-matrix H spreads each outlier over all channels. Attention is unchanged, because
-``(q H) . (k H) = q H H^T k = q . k`` for orthonormal H: rotate K when storing it and Q when
-attending, and never rotate back.
+It spreads K's outlier channels over all channels, so one scale no longer stretches for them; attention
+is unchanged since ``(q H) . (k H) = q . k``, so rotate K when storing, Q when attending, never back.
 """
 
 from __future__ import annotations
