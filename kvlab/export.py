@@ -1,17 +1,9 @@
 """The bridge to production: kvlab's calibrated FP8 scales in vLLM's checkpoint form (notebook 06).
 
-vLLM (and llm-compressor, which writes such checkpoints) keep one dequantization scale per attention
-layer for K and one for V, ``model.layers.{i}.self_attn.k_scale`` / ``.v_scale``: float32 of shape
-``[1]`` (strategy "tensor") or ``[num_kv_heads]`` ("attn_head"), declared in ``config.json`` under
-``quantization_config`` (compressed-tensors format, ``kv_cache_scheme``). A stored value is
-``fp8_e4m3(clamp(x / scale, -448, 448))``, so the scale that uses the whole range without clipping is
-``absmax / 448``: exactly the scale of kvlab's own static FP8 cache (``named_config("fp8")``). A
-checkpoint with a ``kv_cache_scheme`` turns vLLM's ``kv_cache_dtype="auto"`` into "fp8"; vLLM's docs
-say per-head scales need its FlashAttention backend (its 0.32 CPU build loads them too).
-
-Sources: vLLM docs "Quantized KV Cache" (docs/features/quantization/quantized_kvcache.md), vLLM's
-attention layer, compressed-tensors ``quantization/quant_config.py`` and intel/auto-round's exports;
-and vLLM itself where ``make peer`` installed it (:func:`bridge_in_vllm`, tests/test_peer_vllm.py).
+vLLM keeps ``model.layers.{i}.self_attn.k_scale`` / ``.v_scale``, float32 ``[1]`` ("tensor") or
+``[num_kv_heads]`` ("attn_head"), declared under ``kv_cache_scheme`` in ``config.json``; ``absmax / 448``
+is exactly kvlab's own static FP8 scale. Per-head scales need vLLM's FlashAttention backend (per its docs).
+Sources: vLLM's "Quantized KV Cache" docs, compressed-tensors, and vLLM itself (tests/test_peer_vllm.py).
 """
 
 from __future__ import annotations
@@ -73,9 +65,8 @@ def fp8_scales(absmax: torch.Tensor, strategy: str) -> torch.Tensor:
 
 
 def vllm_scales(calibration, strategy: str = "tensor", stat: str = "absmax", scales=None) -> dict[str, torch.Tensor]:
-    """``{name: float32 scale}`` for every layer's K and V, ``stat / 448``, from :meth:`Calibration.scales`
-    (the very call kvlab's FP8 cache makes). ``scales(absmax, strategy)`` replaces :func:`fp8_scales`
-    (notebook 06 plugs the participant's in)."""
+    """``{name: float32 scale}`` for every layer's K and V, by the very call kvlab's FP8 cache makes;
+    ``scales`` replaces :func:`fp8_scales` (notebook 06 plugs the participant's in)."""
     gran = _GRANULARITY[_check_strategy(strategy)]
     out = {}
     if scales is not None:
@@ -111,12 +102,8 @@ def _model_config(model) -> dict | None:
 
 def export_vllm(out_dir, calibration=None, *, strategy: str = "tensor", stat: str = "absmax", model=None,
                 tokenizer=None, model_name: str = "smollm2-135m", scales=None) -> dict:
-    """Write ``out_dir/kv_cache_scales.safetensors`` and ``out_dir/config.json`` for vLLM; returns a summary.
-    ``calibration``: a :class:`Calibration`; None calibrates ``model`` on the default text (needs
-    ``tokenizer``). ``model`` (a model, its HF config or a dict) makes ``config.json`` the model's own with
-    ``quantization_config`` added; without it, a fragment to merge. To serve, copy the model folder and add
-    both files (a sharded checkpoint also needs the names in its ``weight_map``). Both are written under
-    temporary names and renamed: a failed export leaves no half-written file."""
+    """Write ``kv_cache_scales.safetensors`` and ``config.json`` (the model's own, or a fragment to merge)
+    atomically; a sharded checkpoint also needs the names in its ``weight_map``."""
     _check_strategy(strategy)
     if calibration is None:
         if model is None or tokenizer is None:
@@ -174,8 +161,7 @@ def export_vllm(out_dir, calibration=None, *, strategy: str = "tensor", stat: st
 
 def servable_folder(out_dir, model_dir, calibration=None, *, strategy: str = "tensor", model=None,
                     tokenizer=None) -> Path:
-    """A folder vLLM can open: ``model_dir``'s files (linked, or copied where links fail) with
-    :func:`export_vllm`'s ``config.json`` and scales file in place of the model's config."""
+    """A folder vLLM can open: ``model_dir``'s files, linked or copied, plus :func:`export_vllm`'s two."""
     src, out = Path(model_dir), Path(out_dir)
     if not (src / CONFIG_FILE).is_file():
         raise ValueError(f"model_dir {str(src)!r} has no {CONFIG_FILE}: not a model folder")
@@ -192,10 +178,8 @@ def servable_folder(out_dir, model_dir, calibration=None, *, strategy: str = "te
 
 def bridge_in_vllm(model, tokenizer, out_dir, *, strategy: str = "tensor", prompts=("The capital of France is",),
                    max_tokens: int = 8, calibration=None) -> dict:
-    """Export ``model``'s scales, open the folder in the peer vLLM (``kv_cache_dtype="auto"``) and compare
-    what it holds and decodes with kvlab's own FP8 cache. ``vllm`` is ``{"layers", "token_ids"}``,
-    ``{"refused": why}`` or ``{"skipped": why}`` (this CPU cannot hold vLLM's FP8 cache); raises
-    :class:`kvlab.bench.vllm_peer.PeerError` without the peer."""
+    """Open the exported folder in the peer vLLM and compare what it holds and decodes with kvlab's own
+    FP8 cache; raises :class:`kvlab.bench.vllm_peer.PeerError` without the peer."""
     from safetensors.torch import load_file  # the exported scales, as written
     from_dir = getattr(model.config, "_name_or_path", "")
     folder = servable_folder(out_dir, from_dir, calibration, strategy=strategy, model=model, tokenizer=tokenizer)

@@ -1,8 +1,7 @@
-"""Greedy decode loops, one explicit step at a time, through any kvlab cache (notebooks 01, 02), and
-eviction's textbook form (notebook 07: :func:`textbook_eviction`).
+"""Greedy decode loops, one explicit step at a time, through any kvlab cache (notebooks 01, 02, 07).
 
-Every loop here must reproduce HF's own ``generate()`` token for token in fp32: that is the test
-that anchors each new cache to the previous one.
+Every loop must reproduce HF's own ``generate()`` token for token in fp32: the test that anchors
+each new cache to the previous one.
 """
 
 from __future__ import annotations
@@ -22,9 +21,8 @@ from kvlab.validate import cdiv, check_int, is_int
 
 
 def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists into ``input_ids`` and ``attention_mask``, both (B, T_max).
-    Left padding keeps every row's last prompt token in the last column, so one decode step can
-    append a token to all rows at the same cache position."""
+    """``input_ids`` and ``attention_mask`` (B, T_max), left-padded so every row's last prompt token is in
+    the last column and one decode step appends to all rows at the same cache position."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -97,12 +95,8 @@ def _validate(prompts, max_new_tokens: int, model=None) -> list[list[int]]:
 def greedy_generate(model, prompts, max_new_tokens: int, cache="dynamic", eos_token_id: int | None = None,
                     pad_token_id: int = 0, max_seq_len: int | None = None, block_size: int = 16,
                     num_blocks: int | None = None) -> Generation:
-    """Greedy decoding, one explicit step at a time, through a chosen cache.
-    ``cache`` is "none" (recompute the whole prefix every step), "dynamic" (a growing
-    :class:`ContiguousCache`), "static" (a :class:`StaticCache` of ``max_seq_len`` slots, default
-    longest prompt + ``max_new_tokens``), "paged" (:func:`paged_generate`, ``block_size`` /
-    ``num_blocks``), or a store object. With greedy fp32 decoding every cache must give the tokens
-    of HF's own ``generate()``: the tests hold us to that."""
+    """Greedy decoding, one explicit step at a time, through ``cache`` ("none" recomputes the whole
+    prefix every step); in fp32 every cache must give HF's own ``generate()`` tokens."""
     if cache == "paged":
         return paged_generate(model, prompts, max_new_tokens, block_size=block_size, num_blocks=num_blocks,
                               eos_token_id=eos_token_id)
@@ -183,11 +177,8 @@ def _greedy_loop(model, prompts, max_new_tokens, store, kind, ids, mask, eos_tok
 
 
 class Stepper:
-    """One model step through a kvlab store, for one sequence (notebook 01, Task 2).
-    ``step(token_ids) -> logits`` (vocab,) of the last token fed: the tokens go in at the next
-    positions and the model attends over them and over everything the store already holds. The
-    decode loop is the caller's: prefill the prompt once, then feed one token a step. Counts the
-    calls and the token positions fed (``calls``, ``forwards``)."""
+    """One model step through a kvlab store, for one sequence (notebook 01, Task 2): ``step(token_ids)``
+    -> (vocab,) logits of the last token fed; the decode loop is the caller's."""
 
     def __init__(self, model, store):
         if not all(hasattr(store, a) for a in ("update", "seq_len", "reset", "num_layers")):
@@ -231,9 +222,7 @@ def cached_generate(step, prompt_ids, new_tokens: int) -> list[int]:
 @torch.inference_mode()
 def hf_generate(model, prompts, max_new_tokens: int, eos_token_id: int | None = None, pad_token_id: int = 0,
                 cache=None) -> list[list[int]]:
-    """The reference: HF's own ``model.generate`` (greedy, its DynamicCache unless ``cache`` is given).
-
-    Returns the generated ids per row, cut after EOS like :func:`greedy_generate`."""
+    """The reference: HF's own greedy ``model.generate``, ids cut after EOS like :func:`greedy_generate`."""
     prompts = _validate(prompts, max_new_tokens, model)
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_token_id)
@@ -275,17 +264,9 @@ def pool_for(prompts: list[list[int]], max_new_tokens: int, block_size: int) -> 
 def paged_generate(model, prompts, max_new_tokens: int, block_size: int = 16, num_blocks: int | None = None,
                    eos_token_id: int | None = None, manager=None, cache=None, enable_prefix_caching: bool = True,
                    attn_backend: str = "reference") -> Generation:
-    """Greedy decoding through a paged cache, sequences packed side by side (no padding at all).
-    A thin use of the serving engine (:class:`kvlab.engine.LLM`, notebook 04): every prompt is
-    admitted at once and prefilled in one forward, then all decode together; each stops on its own
-    (EOS or ``max_new_tokens``) and frees its blocks at once. Pass ``manager`` (a
-    :class:`~kvlab.cache.BlockManager`) and ``cache`` (its :class:`~kvlab.cache.PagedKVCache`, or a
-    :class:`~kvlab.cache.QuantizedPagedKVCache` to decode from INT8/INT4/FP8 blocks) to keep state
-    across calls: a later request then finds an earlier one's prompt blocks in the prefix cache.
-    ``cache_stats`` is the block manager's ``stats()`` at the step that held the most blocks, with
-    the prefix counters at the end. A model the paged attention cannot run faithfully (a feature it
-    does not honour, :func:`kvlab.probe.paged_attention_spec`) is refused with an
-    :class:`~kvlab.hf.UnsupportedModelError` before any pool is allocated or any token computed."""
+    """Greedy decoding through a paged cache, sequences packed side by side with no padding, on the
+    serving engine (notebook 04). Pass ``manager`` and ``cache`` to keep prefix blocks across calls;
+    ``cache_stats`` is taken at the step that held the most blocks."""
     prompts = _validate(prompts, max_new_tokens, model)
     if num_blocks is not None and (not is_int(num_blocks) or num_blocks < 1):
         raise ValueError(f"num_blocks must be a positive integer or None (enough for every prompt), got {num_blocks!r}")
@@ -325,16 +306,9 @@ def paged_generate(model, prompts, max_new_tokens: int, block_size: int = 16, nu
 @torch.inference_mode()
 def textbook_eviction(model, prompt_ids, max_new_tokens: int, policy: EvictionPolicy, group: int = 1,
                       forced=None) -> dict:
-    """Greedy generation (or scoring, with ``forced`` next tokens) on the unmodified HF model with a
-    dense ``DynamicCache`` that keeps every token, where eviction is a mask: an evicted position is
-    masked out of every later query's softmax (which is what dropping it from the cache does). The
-    policy's :meth:`~EvictionPolicy.textbook_keep` decides over dense position masks, ``group``
-    positions at a time. Scores are the eager attention probabilities (``output_attentions``) summed
-    over heads and layers, from the queries at positions ``>= policy.observe_from(prompt_len)``.
-
-    Returns ``tokens`` (the generated ids), ``logits`` (the (V,) row each was chosen from, float32) and
-    ``kept``: after each step but the last, the positions kept (ascending), as the engine's block
-    tables would hold them."""
+    """Eviction as a mask on the unmodified HF model (notebook 07): an evicted position is masked out of
+    every later softmax, which is what dropping it does; scores are the eager attention probabilities.
+    ``kept`` is the positions kept after each step, as the engine's block tables would hold them."""
     prompt = list(prompt_ids)
     P = len(prompt)
     steps = max_new_tokens if forced is None else len(forced)
@@ -382,9 +356,8 @@ def textbook_eviction(model, prompt_ids, max_new_tokens: int, policy: EvictionPo
 
 def engine_vs_textbook(model, prompt_ids, policy: EvictionPolicy, max_new_tokens: int = 8, block_size: int = 16,
                        book: dict | None = None) -> dict:
-    """One prompt through the engine with an eviction ``policy``, against the policy's textbook form
-    (:func:`textbook_eviction`, whole blocks; pass ``book`` to reuse one): whether the tokens and the kept
-    positions after every step are identical (notebook 07 runs its participant's policies through it)."""
+    """Whether the engine and :func:`textbook_eviction` keep the same positions and give the same tokens
+    (notebook 07 runs its participant's policies through it)."""
     book = book or textbook_eviction(model, prompt_ids, max_new_tokens, policy, group=block_size)
     blocks = cdiv(len(prompt_ids) + max_new_tokens, block_size) + 1
     eng = LLM(model, None, num_blocks=blocks, block_size=block_size, max_num_seqs=1,
