@@ -1,16 +1,8 @@
-"""What a KV format is, declared once (notebooks 00, 03, 05).
+"""What a KV format is, declared once (notebooks 00, 03, 05): every other part reads these registries.
 
-Two registries, read by sizing, the quantized pool, the engine, the command line, the kernels'
-byte model and the widgets:
-
-* :data:`ELEMENT_FORMATS`: how ONE tensor (the keys or the values of a layer) is stored: its
-  element bits, the torch dtype of its pages, how values become codes (``kind``), the largest code
-  (``qmax``), which scale granularities it takes, and whether the Triton kernels read it;
-* :data:`KV_CACHE_DTYPES`: the names ``kv_cache_dtype=`` / ``--kv-cache-dtype`` take, each a pair of
-  element formats for K and V (``k8v4``: K INT8, V INT4).
-
-Adding a format: one :func:`register` call here (or in your own code), a quantizer in
-:mod:`kvlab.quant.core` only if its ``kind`` is new, and a test. Everything else reads the tables.
+:data:`ELEMENT_FORMATS` says how one tensor (K or V of a layer) is stored; :data:`KV_CACHE_DTYPES` names
+the (K, V) pairs ``kv_cache_dtype=`` takes (``k8v4``: K INT8, V INT4). Adding a format is one
+:func:`register` call, a quantizer only if its ``kind`` is new, and a test.
 
 | kind       | codes                                                         | formats          |
 |------------|---------------------------------------------------------------|------------------|
@@ -36,11 +28,9 @@ GRANULARITIES = STATIC_GRANULARITIES + TOKEN_GRANULARITIES
 
 @dataclass(frozen=True)
 class ElementFormat:
-    """How one of K or V is stored. ``bits`` per element (sizing); ``storage`` the page dtype
-    (``packed`` formats hold ``8 // bits`` codes per byte); ``qmax`` the largest code magnitude and
-    ``clip_slack`` how far past it a value may land and still round to it (half a step: 0.5 for
-    integers, 16 for e4m3 near 448); ``granularities`` the scale layouts it takes (packed formats use
-    per-token-head groups, ``group-<g>`` in sizing)."""
+    """How one of K or V is stored. ``clip_slack``: how far past ``qmax`` a value may land and still
+    round to it (half a step: 0.5 for integers, 16 for e4m3 near 448); packed formats hold ``8 // bits``
+    codes per byte."""
 
     name: str
     bits: int
@@ -88,8 +78,7 @@ KV_CACHE_DTYPES: dict[str, tuple[str, str]] = {}
 
 
 def register(fmt: ElementFormat, kv_cache_dtype: bool = True) -> ElementFormat:
-    """Add an element format (and, unless ``kv_cache_dtype=False``, a kv_cache_dtype of the same name
-    storing K and V in it). A name already taken is an error: formats are declared once."""
+    """Add an element format (and a kv_cache_dtype of the same name); a name already taken is an error."""
     if not isinstance(fmt, ElementFormat):
         raise TypeError(f"fmt must be an ElementFormat, got {type(fmt).__name__}")
     if fmt.name in ELEMENT_FORMATS or fmt.name in KV_CACHE_DTYPES:

