@@ -1,13 +1,8 @@
 """The whole system on one workload, in four configurations (notebook 06).
 
-One KV byte budget, one ShareGPT-like workload with a shared system prompt, served by the engine of
-notebook 04 as ``static FP16`` (every request gets a ``max_len`` slab when admitted, like HF's
-``StaticCache`` or the PagedAttention paper's Orca (Max): a pool with ``budget // slab`` seats, prefix
-caching off), ``paged FP16`` (a request holds only the blocks its tokens fill; the shared prompt's
-full blocks are stored once), ``paged INT8`` (calibrated per-head scales: ~2x the blocks) and ``paged
-INT8 + Triton`` (notebook 05's kernels; in the interpreter on a CPU it is a correctness check, not a
-speed; :func:`skip_reason` says why it cannot run without triton). Everything measured comes from
-the engine's own counters and a hook recording the context each decoding request reads per step.
+One KV byte budget and a shared-prompt workload, served by the engine as ``static FP16`` (a ``max_len``
+slab per request, the paper's Orca (Max)), ``paged FP16``, ``paged INT8`` (~2x the blocks) and ``paged
+INT8 + Triton`` (on a CPU's interpreter a correctness check, not a speed); all from the engine's counters.
 """
 
 from __future__ import annotations
@@ -42,15 +37,13 @@ def _check_config(name: str) -> tuple[str, str, str]:
 
 
 def skip_reason(name: str) -> str | None:
-    """Why configuration ``name`` cannot run on this machine, or None when it can: the Triton one needs
-    triton, which installs on Linux only."""
+    """Why configuration ``name`` cannot run here, or None: the Triton one needs triton (Linux only)."""
     _, backend, _ = _check_config(name)
     return kernels.WHY_NO_TRITON if backend == "triton" and not kernels.available() else None
 
 
 def block_bytes(model, kv_cache_dtype: str, block_size: int = 16, calibration=None) -> tuple[int, int]:
-    """(bytes per block, fixed bytes) of a ``kv_cache_dtype`` pool for ``model``: pages and per-slot scales grow
-    with the blocks; static scale tables (notebook 03) do not."""
+    """(bytes per block, fixed bytes) of a pool: static scale tables (notebook 03) do not grow with blocks."""
     probe = make_cache(model, None, 1, block_size, kv_cache_dtype, None, calibration, "smollm2-135m")
     return probe.bytes_per_block, probe.fixed_bytes
 
@@ -196,8 +189,7 @@ def limit(row: dict) -> str:
 
 
 def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict:
-    """Greedy agreement with a reference run: requests identical, and the share of each answer generated
-    before its first difference (positions after a divergence are not compared: the contexts differ)."""
+    """Agreement with a reference run, up to each answer's first difference (the contexts differ after)."""
     same, shares = 0, []
     for a, b in zip(tokens, reference):
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -207,9 +199,8 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict:
 
 
 def served_agreement(model, tokenizer, calibration, max_len: int = 256, n: int = 48) -> dict:
-    """Notebook 06's run in one call: its workload served in the budget of four FP16 slabs of
-    ``max_len`` by paged FP16 and by paged INT8; :func:`agreement` of INT8's answers with FP16's
-    (the claims table's generation picture when the notebook has not passed its own)."""
+    """Notebook 06's run in one call, paged INT8 against paged FP16 in four slabs' budget (for the claims
+    table when the notebook has not passed its own)."""
     wl = make_workload(tokenizer, n=n, scale=0.15, seed=0, max_len=1500)
     budget = 4 * (max_len // 16) * block_bytes(model, "fp16")[0]
     tokens = {}
@@ -221,8 +212,7 @@ def served_agreement(model, tokenizer, calibration, max_len: int = 256, n: int =
 
 @torch.inference_mode()
 def count_step_bytes(llm) -> dict:
-    """Bytes the Triton kernels really load and store in ONE engine step (interpreter only), and the
-    decode contexts of that step: the measured side of the byte model."""
+    """Bytes the Triton kernels really move in ONE engine step (interpreter only), to check the byte model."""
     reads = DecodeReads(llm)
     with count_traffic() as n:
         llm.step()

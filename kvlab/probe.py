@@ -1,11 +1,7 @@
 """Which models kvlab's paged path can run, found out before the first paged forward (notebook 02).
 
-The paged attention function (:mod:`kvlab.hf`) replaces HF's, so whatever a model's layers hand it
-must be honoured or the model refused, never silently dropped. :func:`paged_attention_spec` runs the
-model once on 3 tokens with a recording attention function and checks every layer's arguments and
-every mask it builds (through ``masking_utils``' mask-function hook): causal attention with the
-score scale, a sliding window, a soft cap and sinks pass; anything else is one
-:class:`~kvlab.hf.UnsupportedModelError` line naming the model and the feature.
+The paged attention replaces HF's, so whatever a model's layers hand it must be honoured or the model
+refused, never silently dropped; one recorded 3-token forward checks every layer's arguments and masks.
 """
 
 from __future__ import annotations
@@ -57,10 +53,8 @@ def _probe_mask(*args, mask_function=None, **kwargs):
 
 @functools.cache
 def _mask_grid(window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(query, key) absolute positions to read a mask function at: every pair below 256; around powers
-    of two up to 2**20 (window and chunk edges) for the long contexts; and, for a layer told a sliding
-    ``window``, keys at distance window - 1, window and window + 1 from queries beyond it (an off-by-one
-    between the mask and the argument shows there, whatever the window's size)."""
+    """(query, key) positions to probe a mask at: all pairs below 256, around powers of two up to 2**20,
+    and keys window +- 1 away, where an off-by-one between mask and argument shows whatever the window."""
     dense = torch.arange(256)
     q_big = {b + d for k in range(8, 21) for b in (2 ** k, 3 * 2 ** (k - 1)) for d in (-1, 0, 1)}
     offsets = {-1, 0} | {2 ** j + d for j in range(21) for d in (-1, 0, 1)}
@@ -112,11 +106,9 @@ def _fingerprint(model) -> str:
 
 
 def paged_attention_spec(model) -> tuple[LayerAttention, ...]:
-    """What each layer of ``model`` hands its attention function, checked to be something kvlab's paged
-    attention honours: causal attention with the score ``scaling``, a per-layer ``sliding_window``,
-    ``softcap`` and attention sinks. Anything else is an :class:`UnsupportedModelError` (one line naming
-    the model and the feature). One 3-token forward, remembered per model until its config changes (a
-    forward that fails is not remembered: it may be an out-of-memory error or a bug, not the model)."""
+    """What each layer hands its attention function, if kvlab honours it (causal, scaling, window, softcap,
+    sinks), else a one-line :class:`UnsupportedModelError`. Remembered per model until its config changes;
+    a failed forward is not remembered (it may be out of memory or a bug, not the model)."""
     key = _fingerprint(model)
     hit = _SPECS.get(model)
     if hit is not None and hit[0] == key:

@@ -82,8 +82,8 @@ class KVConfig:
 
 
 def mla_token_bytes(num_layers: int, kv_lora_rank: int, rope_dim: int, bytes_per_element: float) -> int:
-    """Bytes one token adds to an MLA cache: per layer one latent (``kv_lora_rank``) from which every
-    head's K and V are re-created, plus one RoPE key (``rope_dim``) shared by all heads. No factor 2."""
+    """Bytes one token adds to an MLA cache: per layer one latent that every head's K and V are re-created
+    from, plus one RoPE key shared by all heads; no factor 2."""
     return int(num_layers * (kv_lora_rank + rope_dim) * bytes_per_element)
 
 
@@ -205,10 +205,8 @@ class KVSize:
 
 def kv_size(model: Any, dtype: str = "fp16", tokens: int = 1, batch: int = 1, scales: str | None = None,
             scale_dtype: str = "fp32", zero_points: bool = False) -> KVSize:
-    """Exact bytes of a KV cache holding ``tokens`` tokens for each of ``batch`` sequences.
-    ``scales`` is the quantization granularity (default: none for float dtypes, per-head for int8,
-    per-tensor for fp8, group-32 for int4). ``zero_points`` adds one zero point per scale
-    (asymmetric quantization), stored in ``scale_dtype`` too."""
+    """Exact bytes of a KV cache of ``tokens`` tokens x ``batch`` sequences; ``scales`` (the granularity)
+    defaults per dtype, and ``zero_points`` adds one per scale (asymmetric)."""
     cfg = kv_config(model)
     _check_dtype(dtype)
     if not is_int(tokens) or not 0 <= tokens <= MAX_COUNT:
@@ -246,9 +244,7 @@ def _param_bytes(num_params: float, dtype: str) -> int:
 
 def decode_step_bytes(model: Any, context: int, batch: int = 1, kv_cache_dtype: str = "fp16",
                       weight_dtype: str = "fp16") -> dict:
-    """Bytes one decode step must read: all weights once, plus every sequence's whole KV cache.
-    The new token's query attends to all ``context`` cached tokens, so the cache is read in full on
-    every step; the weights are shared by the batch."""
+    """Bytes one decode step reads: the weights once for the batch, and every sequence's whole KV cache."""
     if not is_int(context) or context < 0:
         raise ValueError(f"context must be an integer >= 0 (cached tokens), got {context!r}")
     w = weight_read_bytes(model, batch, weight_dtype)
@@ -257,10 +253,8 @@ def decode_step_bytes(model: Any, context: int, batch: int = 1, kv_cache_dtype: 
 
 
 def weight_read_bytes(model: Any, batch: int = 1, dtype: str = "fp16") -> int:
-    """Weight bytes one decode step reads. A dense model reads all of them once, for the whole batch.
-    A mixture of experts (``active_params`` set) reads each token's active parameters: we count
-    ``active x batch``, capped at all of them, an upper bound (tokens that pick the same experts
-    share those reads)."""
+    """Weight bytes one decode step reads: all of them once, or for a mixture of experts ``active x batch``
+    capped at all, an upper bound (tokens that pick the same experts share those reads)."""
     cfg = kv_config(model)
     total = weight_bytes(model, dtype)
     if not cfg.active_params:
@@ -275,9 +269,7 @@ def crossover_context(model: Any, batch: int = 1, kv_cache_dtype: str = "fp16", 
 
 
 def fmt_bytes(n: float) -> str:
-    """Binary units, the way GPU memory is sold and reported, to two decimals without trailing zeros:
-    512 KiB, 2.5 GiB, 74.51 GiB (and 128 GiB for 128 GiB + 2 KiB of scales: the 2 KiB is below the
-    last digit)."""
+    """Binary units, as GPU memory is sold, to two decimals without trailing zeros: 512 KiB, 74.51 GiB."""
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
             return f"{n / size:.2f}".rstrip("0").rstrip(".") + f" {unit}"
