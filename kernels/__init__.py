@@ -41,9 +41,8 @@ def _triton_imports() -> bool:
     return True
 
 
-#: below this compute capability Triton's ``tl.dot`` has no tensor-core path: since Triton 3.2 it falls back
-#: to FMA (correct, slower; triton-lang/triton#5066). Triton supports 8.0+ officially; Colab's free T4 (7.5)
-#: runs the kernels unofficially.
+#: below this compute capability ``tl.dot`` falls back to FMA (Triton 3.2+, triton-lang/triton#5066): correct,
+#: slower; Triton supports 8.0+ officially, Colab's free T4 (7.5) runs the kernels unofficially
 TENSOR_CORES = (8, 0)
 
 
@@ -151,8 +150,7 @@ def skip_cells_without_triton(shell=None) -> bool:
     return True
 
 
-# The kernels import triton; the byte model (``traffic``) and the operand descriptions do not, so a
-# machine without triton (macOS) can still draw the bandwidth story. Kernel names load on first use.
+# kernel names load on first use: without triton (macOS) the byte model still draws the bandwidth story
 _LAZY = {
     "paged_decode": "decode", "online_softmax_update": "decode", "convert_all_values": "decode",
     "write_kv": "write", "round_half_even": "write", "cast_demo": "write",

@@ -25,8 +25,7 @@ from kvlab.kernels import pool as O
 from kvlab.kernels import triton_mode
 from kvlab.kernels.pool import Operand
 
-# the codes of kvlab.kernels.pool and .convert as compile-time constants (a @triton.jit function reads globals
-# only as tl.constexpr)
+# pool's and convert's codes as tl.constexpr: the only globals a @triton.jit function reads
 FLOAT, INT8, INT4 = tl.constexpr(O.FLOAT), tl.constexpr(O.INT8), tl.constexpr(O.INT4)
 NO_SCALE, STATIC, PER_SLOT = tl.constexpr(O.NO_SCALE), tl.constexpr(O.STATIC), tl.constexpr(O.PER_SLOT)
 CAST, MAGIC, PRMT, RAW = tl.constexpr(C.CAST), tl.constexpr(C.MAGIC), tl.constexpr(C.PRMT), tl.constexpr(C.RAW)
@@ -160,7 +159,6 @@ def paged_decode_kernel(
     offs_t = tl.arange(0, BLOCK_SIZE)
     offs_p = tl.arange(0, PAGES)
     N: tl.constexpr = PAGES * BLOCK_SIZE
-
     q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + offs_d[None, :], mask=g_mask[:, None], other=0.0)
     q = q.to(tl.float32)  # (QPP_PAD, D)
     q_pool = q * sm_scale
@@ -170,7 +168,6 @@ def paged_decode_kernel(
         q_amax = tl.max(tl.abs(q_pool), axis=1)
         q_sc = tl.where(q_amax > 0, q_amax / 127.0, 1.0)
         q_pool = tl.minimum(tl.maximum(tl.floor(q_pool / q_sc[:, None] + 0.5), -127.0), 127.0).to(tl.int8)
-
     ctx = tl.load(ctx_ptr + b).to(tl.int32)
     n_pool = ctx - HAS_OWN  # tokens read from the pool
     n_iters = tl.cdiv(n_pool, N)
@@ -179,7 +176,6 @@ def paged_decode_kernel(
     it_end = tl.minimum(it_start + iters_per_split, n_iters)
     it_start = tl.maximum(it_start, lo // N)  # tiles wholly before the window are never loaded
     it_end = tl.where(lo < n_pool, it_end, it_start)  # the window holds only the own token: no tile at all
-
     m = tl.full((QPP_PAD,), float("-inf"), tl.float32)
     l = tl.zeros((QPP_PAD,), tl.float32)
     acc = tl.zeros((QPP_PAD, HEAD_DIM), tl.float32)
@@ -204,7 +200,6 @@ def paged_decode_kernel(
             s = soft_cap(s, softcap)
         s = tl.where(tl.reshape(tok_mask, (N,))[None, :], s, float("-inf"))
         m, l, acc = online_softmax_update(m, l, acc, s, v, v_sc)  # a per-slot V scale is folded into P
-
     if V_SCALE == STATIC:  # the static V scale multiplies the output once, not every tile
         acc = acc * tl.load(vs_ptr + kv_head * HEAD_DIM + offs_d)[None, :]
     if HAS_OWN:
@@ -228,7 +223,6 @@ def paged_decode_kernel(
             l = l * alpha + tl.exp(sink - m_new)
             acc = acc * alpha[:, None]
             m = m_new
-
     if SPLIT:
         # normalized partial output + log-sum-exp; an empty split has l = 0: lse -inf, output 0
         safe_l = tl.where(l > 0, l, 1.0)

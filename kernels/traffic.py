@@ -155,7 +155,6 @@ def count_traffic():
     if triton_mode() != "interpreter":
         raise RuntimeError("count_traffic counts through Triton's interpreter; run with TRITON_INTERPRET=1")
     from triton.runtime import interpreter as I  # triton is Linux-only: imported where it is needed
-
     b = I.interpreter_builder
     counts = {"read": 0, "write": 0}
     load, store = b.create_masked_load, b.create_masked_store

@@ -287,8 +287,7 @@ def bench_engine(model, tokenizer, wl: Workload, max_num_seqs: int = 32, systems
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     tokens: dict[str, list[list[int]]] = {}
     with ExitStack() as stack:
-        # each peer engine starts once (its start-up is not timed) and then serves on command, so that
-        # with repeat > 1 the systems alternate run by run and a drifting machine slows them alike
+        # each peer engine starts once (not timed) and serves on command: the systems alternate run by run
         sessions = {name: stack.enter_context(vllm_peer.PeerSession(
             _peer_job(model, wl, max_num_seqs, engine_kw.get("max_num_batched_tokens", 512),
                       engine_kw.get("enable_prefix_caching", True), eager=name == "vllm_eager"),

@@ -112,7 +112,6 @@ def check_sweep(device, converts=CONVERSIONS) -> list[dict]:
 def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
     """Device-to-device copy, bytes read + written per second (the achievable ceiling)."""
     from triton.testing import do_bench  # triton: Linux only, and only a GPU run times anything
-
     x = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
     y = torch.empty_like(x)
     ms = do_bench(lambda: y.copy_(x))
@@ -127,9 +126,7 @@ def time_case(shape: str, batch: int, context: int, device, converts=CONVERSIONS
     """One (shape, batch, context) point: microseconds and GB/s per format (its fastest variant, each the
     best over :data:`STAGES`), beside the operations model's bound (``model_us``)."""
     from triton.testing import do_bench  # triton: Linux only, and only a GPU run times anything
-
     decode = kernels.decode
-
     layers, h_q, h_kv, d = SHAPES[shape]
     n_blocks = batch * cdiv(context, BLOCK_SIZE)
     table, ctx = _tables(batch, context, n_blocks, device)

@@ -70,8 +70,7 @@ class Lab:
 
     @cached_property
     def calibration(self):
-        # notebook 03's calibration (1,024 tokens in chunks of 512) and its 384 held-out tokens: where the
-        # table re-measures 03 (KL, perplexity, K vs V), it measures the same thing and gets the same number
+        # notebook 03's calibration (1,024 tokens in chunks of 512) and its 384 held-out tokens
         return self._timed("calibration", lambda: default_calibration(self.model, self.tokenizer, "smollm2-135m",
                                                                       tokens=1024, progress=False))
 
