@@ -293,7 +293,7 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
 
     q (B, H_q, D); k, v a pool's ``kernel_operands(layer)``; block_tables (B, max_blocks); seq_lens (B,)
     tokens INCLUDING the new one (checked only on the CPU: a GPU check would synchronize every layer);
-    ``k_own, v_own`` (B, H_kv, D): the new token, attended at full precision.
+    ``k_own, v_own`` (B, H_kv, D): the new token, attended at full precision; ``sinks`` (H_q,).
     """
     C.check_convert(convert)
     if triton_mode() == "interpreter" and convert in C.NOT_INTERPRETABLE:

@@ -80,8 +80,8 @@ def skeleton_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tab
                     seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None, walk=block_walk, update=online_softmax_update,
                     dequant=dequant_int8) -> torch.Tensor:
-    """q (B, H_q, D); k, v (num_blocks, block_size, H_kv, D), float or int8 with per-head scales (H_kv,).
-    Returns (B, H_q, D) fp32, NaN where a program wrote nothing."""
+    """q (B, H_q, D); k, v (num_blocks, block_size, H_kv, D), float or int8 with per-head scales (H_kv,);
+    block_tables (B, max_blocks) int32; seq_lens (B,). Returns (B, H_q, D) fp32, NaN where unwritten."""
     b, h_q, d = q.shape
     nb, bs, h_kv, d2 = k.shape
     quant = k.dtype == torch.int8
