@@ -1,21 +1,9 @@
-"""kvlab.kernels: the lab's Triton kernels (notebook 05). The folder ships as ``kvlab.kernels``
-(pyproject's ``package-dir``): a bare ``import kernels`` would shadow Hugging Face's ``kernels`` package.
-
-| file          | what                                                                        |
-|---------------|-----------------------------------------------------------------------------|
-| `pool.py`     | a pool's K or V as the kernels see it; the table of kernel formats (KERNEL_KINDS) |
-| `write.py`    | quantize-on-write: new K/V -> their slots, round half to even, counters     |
-| `decode.py`   | paged decode attention: block-table walk, online softmax, GQA, fused dequant, split-KV |
-| `skeleton.py` | the decode kernel stripped to its three ideas (walk, online softmax, dequant): notebook 05's build tasks run inside it |
-| `convert.py`  | the conversion variants (cast, magic number, prmt, bf16, int8 dot) and their bit-exact Python replicas |
-| `traffic.py`  | bytes per launch, predicted and counted; operations per launch by pipe; projections per GPU |
-| `ptx.py`      | the decode kernel compiled for sm_90 without a GPU: the instructions each variant becomes |
-| `bench_h200.json` | one ``kvlab bench kernels`` run on an H200 (the benchmark: `kvlab/bench/kernels.py`) |
-
-Every kernel runs compiled on a GPU and interpreted on the CPU (``TRITON_INTERPRET=1``). PyPI has triton
-for Linux only: elsewhere :func:`available` is False, the kernels say why (:data:`WHY_NO_TRITON`), and the
-rest of kvlab (the byte model, the recorded H200 run) runs as usual.
-"""
+"""kvlab.kernels: the lab's Triton kernels (notebook 05), shipped as ``kvlab.kernels`` so that a bare
+``import kernels`` does not shadow Hugging Face's ``kernels``. Files: ``pool`` (K/V as the kernels see them),
+``write`` (quantize-on-write), ``decode`` (paged decode attention), ``skeleton`` (the build tasks),
+``convert`` (conversion variants), ``traffic`` (bytes per launch), ``ptx`` (sm_90 instructions, no GPU).
+Every kernel runs compiled on a GPU and interpreted on a CPU; without triton (Linux only) :func:`available`
+is False and the rest of kvlab runs as usual."""
 
 from __future__ import annotations
 
@@ -53,9 +41,8 @@ def _triton_imports() -> bool:
     return True
 
 
-#: below this compute capability Triton's ``tl.dot`` has no tensor-core path: since Triton 3.2 it falls back
-#: to FMA (correct, slower; triton-lang/triton#5066). Triton supports 8.0+ officially; Colab's free T4 (7.5)
-#: runs the kernels unofficially.
+#: below this compute capability ``tl.dot`` falls back to FMA (Triton 3.2+, triton-lang/triton#5066): correct,
+#: slower; Triton supports 8.0+ officially, Colab's free T4 (7.5) runs the kernels unofficially
 TENSOR_CORES = (8, 0)
 
 
@@ -72,8 +59,7 @@ def _capability(capability) -> tuple[int, int] | None:
 
 
 def why_not(fmt: str, capability: tuple[int, int] | None = None) -> str | None:
-    """None when the kernels run element format ``fmt`` here (or on a GPU of ``capability``); else one line
-    saying why not: no triton, a format the kernels do not read, or a GPU older than it needs."""
+    """None when the kernels run ``fmt`` here (or on ``capability``), else one line saying why not."""
     if fmt not in ELEMENT_FORMATS:
         raise ValueError(f"fmt must be one of {tuple(ELEMENT_FORMATS)}, got {fmt!r}")
     if not _triton_imports():
@@ -90,8 +76,7 @@ def why_not(fmt: str, capability: tuple[int, int] | None = None) -> str | None:
 
 
 def available(fmt: str | None = None, capability: tuple[int, int] | None = None) -> bool:
-    """Whether triton imports here (no wheel for macOS, Windows); with ``fmt``, whether the kernels run that
-    element format here (or on a GPU of ``capability``): :func:`why_not`."""
+    """Whether triton imports here; with ``fmt``, whether the kernels run that format (:func:`why_not`)."""
     if fmt is None and capability is None:
         return _triton_imports()
     if fmt is None:
@@ -100,8 +85,7 @@ def available(fmt: str | None = None, capability: tuple[int, int] | None = None)
 
 
 def formats_available(capability: tuple[int, int] | None = None) -> dict[str, str]:
-    """Every element format and what the kernels do with it here (or on a GPU of ``capability``):
-    "runs", "runs, without tensor cores (...)", or the one line of :func:`why_not`."""
+    """Each element format -> "runs", "runs, without tensor cores (...)" or :func:`why_not`'s line."""
     cap = _capability(capability)
     out = {}
     for name in ELEMENT_FORMATS:
@@ -123,8 +107,7 @@ def require_triton(what: str) -> None:
 
 
 def triton_mode() -> str:
-    """``"interpreter"`` when kernels run through Triton's interpreter (``import kvlab`` sets
-    ``TRITON_INTERPRET=1`` without a GPU), else ``"compiled"``."""
+    """"interpreter" under ``TRITON_INTERPRET=1`` (kvlab sets it without a GPU), else "compiled"."""
     return "interpreter" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "compiled"
 
 
@@ -137,8 +120,7 @@ def triton_version() -> str | None:
 
 
 def _skip_if_marked(lines: list[str]) -> list[str]:
-    """IPython input transformer: a cell whose leading comments hold a marker prints why it is skipped
-    instead of running, where that marker's need is not met."""
+    """IPython input transformer: a marked cell whose need is unmet prints why it is skipped instead."""
     for line in lines:
         text = line.strip().lower()
         if text and not text.startswith("#"):
@@ -151,9 +133,8 @@ def _skip_if_marked(lines: list[str]) -> list[str]:
 
 
 def skip_cells_without_triton(shell=None) -> bool:
-    """Where triton is missing, make every notebook cell marked ``# needs triton`` print why it is skipped
-    instead of failing (the other cells run as usual); where the kernels run compiled, the same for cells
-    marked ``# needs triton's interpreter``. ``kvlab.setup()`` calls this; returns whether it is on."""
+    """Make marked notebook cells print why they are skipped instead of failing (``kvlab.setup()`` calls
+    this); returns whether it is on."""
     if available() and triton_mode() == "interpreter":
         return False
     if shell is None:
@@ -169,8 +150,7 @@ def skip_cells_without_triton(shell=None) -> bool:
     return True
 
 
-# The kernels import triton; the byte model (``traffic``) and the operand descriptions do not, so a
-# machine without triton (macOS) can still draw the bandwidth story. Kernel names load on first use.
+# kernel names load on first use: without triton (macOS) the byte model still draws the bandwidth story
 _LAZY = {
     "paged_decode": "decode", "online_softmax_update": "decode", "convert_all_values": "decode",
     "write_kv": "write", "round_half_even": "write", "cast_demo": "write",
@@ -180,7 +160,6 @@ _LAZY = {
 
 def __getattr__(name):
     import importlib  # the kernel modules import triton: loaded on first use, where it exists
-
     if name in _LAZY:
         return getattr(importlib.import_module(f"kvlab.kernels.{_LAZY[name]}"), name)
     if name in ("traffic", "decode", "write", "pool", "convert", "ptx", "skeleton"):

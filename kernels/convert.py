@@ -1,10 +1,8 @@
 """From stored bytes to the numbers a matmul takes: the decode kernel's conversion variants (notebook 05).
 
-On Hopper a plain ``int8.to(tl.float16)`` is one ``cvt.rn.f16.s8`` per value, and the conversion pipe
-runs 16 results per clock per SM against 256 for fp16 arithmetic (CUDA C++ Programming Guide,
-compute capability 9.0): at batch 32 x 16K tokens that costs about as long as reading the bytes.
-:mod:`kvlab.kernels.traffic` counts it (``decode_ops``); each way round it is a ``convert=`` variant
-of :func:`~kvlab.kernels.decode.paged_decode`:
+On Hopper ``int8.to(tl.float16)`` is one ``cvt`` per value, on a pipe of 16 results per clock per SM
+against 256 for fp16 arithmetic: at batch 32 x 16K tokens as long as reading the bytes. Each way round
+is a ``convert=`` variant of :func:`~kvlab.kernels.decode.paged_decode`:
 
 | variant | int8 value -> fp16                                                    | runs under the interpreter |
 |---------|-----------------------------------------------------------------------|----------------------------|
@@ -74,8 +72,7 @@ def magic_int4_replica(n) -> np.ndarray:
 
 
 def prmt(a: int, b: int, selector: int) -> int:
-    """PTX ``prmt.b32 d, a, b, c`` (default mode): byte i of d is byte ``c[4i+2:4i]`` of the eight
-    bytes {b, a} (a = bytes 0-3, b = bytes 4-7), or that byte's sign replicated when bit 4i+3 is set."""
+    """PTX ``prmt.b32 d, a, b, c``: byte i of d is byte ``c[4i+2:4i]`` of {b, a}, or its sign if bit 4i+3."""
     pool = (a & 0xFFFFFFFF) | ((b & 0xFFFFFFFF) << 32)
     d = 0
     for i in range(4):
@@ -96,8 +93,7 @@ def _sub_f16x2(a: int, b: int) -> int:
 
 
 def prmt_replica(word: int) -> np.ndarray:
-    """The `prmt` variant's instructions (:data:`PRMT_ASM`) replayed on one 32-bit word of four int8
-    values (value 0 in the low byte): returns the four fp16 values it produces."""
+    """:data:`PRMT_ASM` replayed on one 32-bit word of four int8 values: their four fp16 values."""
     t = (word ^ 0x80808080) & 0xFFFFFFFF
     m = 0x64806480
     r0 = _sub_f16x2(prmt(t, 0x64646464, 0x7170), m)
@@ -106,8 +102,7 @@ def prmt_replica(word: int) -> np.ndarray:
 
 
 def quantize_rows_replica(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The `dot8` variant's q: each row to int8 with scale max|row| / 127 (an all-zero row gets scale 1),
-    rounded half up as the kernel's ``floor(x + 0.5)`` does. Returns (int8 rows, fp32 scales)."""
+    """`dot8`'s q: rows to int8 at max|row| / 127 (zero rows: 1), rounded half up as the kernel does."""
     q = np.asarray(q, dtype=np.float32)
     amax = np.abs(q).max(axis=-1)
     scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)

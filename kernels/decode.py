@@ -1,21 +1,9 @@
-"""Paged decode attention in Triton, with the dequantization fused in (notebook 05).
-
-One query token per sequence attends over its cache, read through its block table straight from
-the pool; the specification is :mod:`kvlab.attention` (``paged_attention``,
-``quantized_batched_decode_attention``). One program = one sequence x one KV head (x one split):
-
-1. **GQA grouping**: the G query heads of a KV head ride in one program, so each K/V byte is loaded
-   once for all of them, padded to 16 rows (the smallest ``tl.dot``): QK and P.V are two small matmuls.
-2. **Block-table walk**: ``PAGES`` block ids at a time; positions past the context are masked.
-3. **Online softmax** in fp32 (:func:`online_softmax_update`): running max, sum and output.
-4. **Fused dequantization**: int8/int4 pages are widened in registers; scales are folded where they
-   cost least (a static K scale into q, per-slot scales into the scores and P, a static V scale into
-   the output). No dequantized copy of the cache exists anywhere.
-5. **Split-KV** (flash-decoding): few sequences with long contexts are cut into ``num_splits``
-   ranges; :func:`_merge_kernel` combines their partial outputs exactly through their log-sum-exp.
-6. **What the model asks for**: a sliding ``window`` (tiles before it are not read), ``softcap``,
-   ``sinks`` (a key of value zero, in the last split). A quantized pool's own new token is attended
-   at full precision (``k_own``, ``v_own``), as the reference does.
+"""Paged decode attention in Triton, with the dequantization fused in (notebook 05); the specification is
+:mod:`kvlab.attention`. One program = one sequence x one KV head (x one split): its G query heads share
+each K/V load (GQA, padded to 16 rows for ``tl.dot``), it walks the block table ``PAGES`` blocks at a time
+with an fp32 online softmax, and widens int8/int4 pages in registers with the scales folded where they
+cost least, so no dequantized copy of the cache exists. Split-KV (flash-decoding) merges partial outputs
+exactly through their log-sum-exp; ``window``, ``softcap`` and ``sinks`` are what models ask for.
 """
 
 from __future__ import annotations
@@ -37,8 +25,7 @@ from kvlab.kernels import pool as O
 from kvlab.kernels import triton_mode
 from kvlab.kernels.pool import Operand
 
-# the codes of kvlab.kernels.pool and .convert as compile-time constants (a @triton.jit function reads globals
-# only as tl.constexpr)
+# pool's and convert's codes as tl.constexpr: the only globals a @triton.jit function reads
 FLOAT, INT8, INT4 = tl.constexpr(O.FLOAT), tl.constexpr(O.INT8), tl.constexpr(O.INT4)
 NO_SCALE, STATIC, PER_SLOT = tl.constexpr(O.NO_SCALE), tl.constexpr(O.STATIC), tl.constexpr(O.PER_SLOT)
 CAST, MAGIC, PRMT, RAW = tl.constexpr(C.CAST), tl.constexpr(C.MAGIC), tl.constexpr(C.PRMT), tl.constexpr(C.RAW)
@@ -46,8 +33,7 @@ CAST, MAGIC, PRMT, RAW = tl.constexpr(C.CAST), tl.constexpr(C.MAGIC), tl.constex
 
 @triton.jit
 def int8_magic(u):
-    """int8 values stored as bytes ``u`` (a uint8 view) -> fp16 without a conversion instruction: the
-    byte ``u ^ 0x80`` (= x + 128) becomes the low mantissa byte of 1024.0 (0x6400), then 1152 goes."""
+    """int8 bytes ``u`` (uint8 view) -> fp16 with no ``cvt``: 1024 + (x + 128) through bits, minus 1152."""
     h = ((u ^ 0x80).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)  # 1024 + x + 128, exact
     return h - 1152.0  # stays fp16: x exactly
 
@@ -66,8 +52,7 @@ def int4_magic(n):
 
 @triton.jit
 def dot(a, b):
-    """a @ b with fp32 accumulation, in b's dtype: fp16/bf16 operands run on tensor cores, fp32 operands
-    stay exact (IEEE, not TF32) so the fp32 engine reproduces the PyTorch reference."""
+    """a @ b accumulated in fp32; fp32 operands stay IEEE (not TF32) so the fp32 engine matches PyTorch."""
     if b.dtype == tl.float32:
         return tl.dot(a.to(tl.float32), b, input_precision="ieee")
     else:
@@ -104,10 +89,8 @@ def _load_pages(ptr, scale_ptr, blk, offs_t, tok_mask, head,
                 s_blk, s_tok, s_head, c_blk, c_tok, c_head, c_grp,
                 FMT: tl.constexpr, SCALE: tl.constexpr, PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, DTYPE: tl.constexpr, CONVERT: tl.constexpr):
-    """PAGES pages of one KV head -> (N, D) values in DTYPE (the matmul dtype) and (N,) fp32 per-slot
-    scales still to apply (1.0 if none). int8 becomes DTYPE as CONVERT says (CAST widens, MAGIC/PRMT go
-    through fp16 bits, RAW stays int8 for an integer dot); int4: CAST widens through fp32, MAGIC/PRMT go
-    through fp16 bits with fp16 group scales. blk (PAGES,) int64 ids; tok_mask (PAGES, BLOCK_SIZE)."""
+    """PAGES pages of one KV head -> (N, D) values in DTYPE, converted as CONVERT says (RAW stays int8),
+    and (N,) fp32 per-slot scales still to apply (1.0 if none). blk (PAGES,) int64; tok_mask (PAGES, BS)."""
     N: tl.constexpr = PAGES * BLOCK_SIZE
     base = blk[:, None] * s_blk + offs_t[None, :] * s_tok + head * s_head  # (PAGES, BS) int64 element offsets
     sc = tl.full((N,), 1.0, tl.float32)
@@ -176,7 +159,6 @@ def paged_decode_kernel(
     offs_t = tl.arange(0, BLOCK_SIZE)
     offs_p = tl.arange(0, PAGES)
     N: tl.constexpr = PAGES * BLOCK_SIZE
-
     q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + offs_d[None, :], mask=g_mask[:, None], other=0.0)
     q = q.to(tl.float32)  # (QPP_PAD, D)
     q_pool = q * sm_scale
@@ -186,7 +168,6 @@ def paged_decode_kernel(
         q_amax = tl.max(tl.abs(q_pool), axis=1)
         q_sc = tl.where(q_amax > 0, q_amax / 127.0, 1.0)
         q_pool = tl.minimum(tl.maximum(tl.floor(q_pool / q_sc[:, None] + 0.5), -127.0), 127.0).to(tl.int8)
-
     ctx = tl.load(ctx_ptr + b).to(tl.int32)
     n_pool = ctx - HAS_OWN  # tokens read from the pool
     n_iters = tl.cdiv(n_pool, N)
@@ -195,7 +176,6 @@ def paged_decode_kernel(
     it_end = tl.minimum(it_start + iters_per_split, n_iters)
     it_start = tl.maximum(it_start, lo // N)  # tiles wholly before the window are never loaded
     it_end = tl.where(lo < n_pool, it_end, it_start)  # the window holds only the own token: no tile at all
-
     m = tl.full((QPP_PAD,), float("-inf"), tl.float32)
     l = tl.zeros((QPP_PAD,), tl.float32)
     acc = tl.zeros((QPP_PAD, HEAD_DIM), tl.float32)
@@ -220,7 +200,6 @@ def paged_decode_kernel(
             s = soft_cap(s, softcap)
         s = tl.where(tl.reshape(tok_mask, (N,))[None, :], s, float("-inf"))
         m, l, acc = online_softmax_update(m, l, acc, s, v, v_sc)  # a per-slot V scale is folded into P
-
     if V_SCALE == STATIC:  # the static V scale multiplies the output once, not every tile
         acc = acc * tl.load(vs_ptr + kv_head * HEAD_DIM + offs_d)[None, :]
     if HAS_OWN:
@@ -244,7 +223,6 @@ def paged_decode_kernel(
             l = l * alpha + tl.exp(sink - m_new)
             acc = acc * alpha[:, None]
             m = m_new
-
     if SPLIT:
         # normalized partial output + log-sum-exp; an empty split has l = 0: lse -inf, output 0
         safe_l = tl.where(l > 0, l, 1.0)
@@ -281,8 +259,7 @@ _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.flo
 
 
 def check_interpretable(*tensors: torch.Tensor) -> None:
-    """Triton's interpreter keeps bf16 as raw 16-bit integers (its dots and casts on them are wrong), so
-    bf16 tensors are refused there; on a CPU use fp32 or fp16 pools and models."""
+    """Refuse bf16 under the interpreter, which keeps it as raw 16-bit integers (wrong dots and casts)."""
     if triton_mode() == "interpreter" and any(t.dtype == torch.bfloat16 for t in tensors):
         raise ValueError("bf16 tensors cannot run in Triton's interpreter (CPU); use fp32 or fp16")
 
@@ -293,14 +270,12 @@ def pow2(n: int) -> int:
 
 
 def default_pages(block_size: int) -> int:
-    """Pages per loop iteration: 128 tokens per tile, the best of 32/64/128 for FP16, INT8 and K8V4 at
-    batch 32 x 16K tokens on an H200 (fewer, larger loads; also fewer interpreted steps on a CPU)."""
+    """Pages per iteration: 128-token tiles, the best of 32/64/128 tokens at batch 32 x 16K on an H200."""
     return max(1, 128 // block_size)
 
 
 def default_splits(programs_per_split: int, max_blocks: int, pages: int) -> int:
-    """Split the context only when there are too few programs to fill the GPU (flash-decoding); never
-    under the interpreter, where more programs only cost time."""
+    """Split only when too few programs fill the GPU (flash-decoding); never under the interpreter."""
     if triton_mode() == "interpreter" or not torch.cuda.is_available():
         return 1
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
@@ -316,11 +291,9 @@ def paged_decode(q: torch.Tensor, k: Operand, v: Operand, block_tables: torch.Te
                  num_stages: int | None = None) -> torch.Tensor:
     """Decode attention of one query token per sequence over a paged pool: (B, H_q, D) in q's dtype.
 
-    q (B, H_q, D); k, v a pool's ``kernel_operands(layer)``; block_tables (B, max_blocks) block ids;
-    seq_lens (B,) tokens INCLUDING the new one (range-checked where they are on the CPU: on a GPU the
-    check would synchronize every layer). ``k_own, v_own`` (B, H_kv, D): the new token, attended at
-    full precision. ``window``, ``softcap``, ``sinks`` (H_q,): as in :mod:`kvlab.attention`.
-    ``convert``: one of :data:`kvlab.kernels.convert.CONVERSIONS`. ``num_stages``: Triton's launch option.
+    q (B, H_q, D); k, v a pool's ``kernel_operands(layer)``; block_tables (B, max_blocks); seq_lens (B,)
+    tokens INCLUDING the new one (checked only on the CPU: a GPU check would synchronize every layer);
+    ``k_own, v_own`` (B, H_kv, D): the new token, attended at full precision; ``sinks`` (H_q,).
     """
     C.check_convert(convert)
     if triton_mode() == "interpreter" and convert in C.NOT_INTERPRETABLE:
@@ -432,8 +405,7 @@ def _convert_all_kernel(x_ptr, u_ptr, cast_ptr, magic_ptr, int4_ptr, prmt_ptr, P
 
 
 def convert_all_values(device="cpu") -> dict[str, bool]:
-    """Which of the kernel's conversions give exactly ``x.half()`` for all 256 int8 values (and their low
-    nibbles as int4): "cast", "magic", "int4 magic", and "prmt" where the kernels run compiled."""
+    """Which conversions give exactly ``x.half()`` for all 256 int8 values (and their nibbles as int4)."""
     x = torch.arange(-128, 128, dtype=torch.int8, device=device)
     outs = [torch.full((256,), float("nan"), dtype=torch.float16, device=device) for _ in range(4)]
     prmt_too = triton_mode() == "compiled"

@@ -29,9 +29,8 @@ class KernelKind:
 
     code: int  # the format code the kernels branch on (a tl.constexpr)
     words: str  # what of it they take, for error messages
-    #: instructions per stored value by conversion variant (kvlab.kernels.convert) and pipe, as the kernel is
-    #: written for fp16 matmuls: "cvt" conversions, "int" integer/logic ops, "fp16"/"fp32" arithmetic results
-    #: (16-bit covers bf16). The byte shuffles the compiler adds to pack loaded bytes (prmt) are not counted.
+    #: instructions per stored value by conversion variant and pipe ("cvt", "int", "fp16" incl. bf16, "fp32")
+    #: for fp16 matmuls; the compiler's byte shuffles (prmt) when packing loaded bytes are not counted
     cost: dict
 
 

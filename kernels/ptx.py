@@ -1,10 +1,6 @@
-"""The decode kernel compiled for a Hopper GPU on a machine without one: what each variant becomes.
-
-Triton ships its own PTX assembler, so :func:`compile_variants` compiles the decode kernel for sm_90
-on any Linux machine and counts the instructions each conversion variant turns into (notebook 05):
-``cast`` leaves one ``cvt`` per int8 value in the loop, ``magic`` and ``prmt`` none. It proves the
-GPU-only variants compile before a GPU is borrowed; it is not a timing. Kernels under the interpreter
-cannot compile, so it runs ``python -m kvlab.kernels.ptx`` in a child process with the interpreter off.
+"""The decode kernel compiled for sm_90 without a GPU (Triton ships its own PTX assembler), counting the
+instructions each conversion variant becomes (notebook 05): ``cast`` leaves one ``cvt`` per int8 value,
+``magic`` and ``prmt`` none. It proves the GPU-only variants compile before a GPU is borrowed; not a timing.
 """
 
 from __future__ import annotations
@@ -95,9 +91,8 @@ ARCH = 90  # Hopper: the H200 the recorded run measured
 
 
 def compile_variants(converts=CONVERSIONS, formats=("int8",)) -> list[dict]:
-    """Compile the decode kernel for ``sm_90`` once per (variant, format) and count its PTX
-    instructions; runs in a child process with the interpreter off (Linux, triton installed; no GPU
-    needed). ``dot8`` is skipped for fp16 pools (it needs int8 K). Returns one dict per compile."""
+    """PTX instruction counts per (variant, format) for ``sm_90``, compiled in a child process with the
+    interpreter off (a kernel under the interpreter cannot compile); ``dot8`` needs int8 K."""
     for c in converts:
         check_convert(c)
     for f in formats:

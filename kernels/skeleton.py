@@ -1,10 +1,8 @@
 """The decode kernel stripped to its three ideas, for notebook 05's build tasks.
 
-:mod:`kvlab.kernels.decode` carries what a real engine needs (splits, windows, soft-caps, sinks, five
-conversion variants, GQA padding rules: 41 parameters). This kernel keeps only what a participant
-writes: one program per sequence x KV head walks the block table one page at a time, dequantizes
-the page in registers, and folds it into the online softmax. Each idea is a ``@triton.jit`` function
-passed in as a compile-time constant, so the participant's own runs inside it:
+:mod:`kvlab.kernels.decode` has 41 parameters; this keeps what a participant writes: one program per
+sequence x KV head walks the block table a page at a time, dequantizes it in registers and folds it into
+the online softmax. Each idea is a ``@triton.jit`` function passed in as a constant, so theirs runs inside:
 
 * ``walk(table_ptr, seq, page, seq_len, s_table, s_blk, s_tok, head, s_head, BLOCK_SIZE)`` ->
   ``(offsets, mask)``: the element offsets (int64) of that page's token slots for this KV head, and
@@ -82,9 +80,8 @@ def skeleton_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tab
                     seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None, walk=block_walk, update=online_softmax_update,
                     dequant=dequant_int8) -> torch.Tensor:
-    """q (B, H_q, D), one query token per sequence; k, v the pool's pages (num_blocks, block_size, H_kv, D),
-    float or int8 with per-head ``k_scale``/``v_scale`` (H_kv,); block_tables (B, max_blocks) int32;
-    seq_lens (B,). Returns (B, H_q, D) fp32, NaN where a program wrote nothing."""
+    """q (B, H_q, D); k, v (num_blocks, block_size, H_kv, D), float or int8 with per-head scales (H_kv,);
+    block_tables (B, max_blocks) int32; seq_lens (B,). Returns (B, H_q, D) fp32, NaN where unwritten."""
     b, h_q, d = q.shape
     nb, bs, h_kv, d2 = k.shape
     quant = k.dtype == torch.int8
@@ -160,8 +157,7 @@ def _softmax_harness_kernel(s_ptr, v_ptr, vs_ptr, out_ptr, num_tiles, UPDATE: tl
 
 
 def run_online_softmax(update, s: torch.Tensor, v: torch.Tensor, v_scale: torch.Tensor, tile: int) -> torch.Tensor:
-    """Run a ``@triton.jit`` update function (the signature of :func:`online_softmax_update`) over the
-    scores ``s`` (G, N) in tiles of ``tile`` positions; v (N, D), v_scale (N,). Returns (G, D)."""
+    """Run a ``@triton.jit`` :func:`online_softmax_update` over s (G, N) in tiles; v (N, D) -> (G, D)."""
     g, n = s.shape
     if n % tile or v.shape[0] != n or v_scale.shape != (n,):
         raise ValueError(f"need N a multiple of tile and v (N, D), v_scale (N,): got s {tuple(s.shape)}, "

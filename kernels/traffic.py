@@ -53,8 +53,7 @@ def spec_of_format(fmt: TensorFormat) -> Spec:
 
 
 def format_specs() -> dict[str, tuple[Spec, Spec]]:
-    """(K, V) specs of every kv_cache_dtype the kernels read (:func:`kvlab.formats.kernel_names`: int8 =
-    per-head static scales, k8v4 = K int8 per-head, V int4 g32), plus int8 with per-token-head scales."""
+    """(K, V) specs of every kv_cache_dtype the kernels read, plus int8 with per-token-head scales."""
     specs = {name: tuple(spec_of_format(f) for f in named_config(name).formats(0)) for name in kernel_names()}
     specs["int8-per-token-head"] = tuple(spec_of_format(f) for f in
                                          named_config("int8", granularity="per-token-head").formats(0))
@@ -73,9 +72,8 @@ def spec_of(op) -> Spec:
 def decode_traffic(seq_lens, h_q: int, h_kv: int, d: int, k: Spec, v: Spec, *, block_size: int = 16,
                    num_splits: int = 1, group_heads: bool = True, has_own: bool = False,
                    q_bytes: int = 2, own_bytes: int | None = None, table_bytes: int = 8, ctx_bytes: int = 8) -> dict:
-    """``{"read": {part: bytes}, "write": {part: bytes}, "total": n}`` of one ``paged_decode`` launch, as the
-    kernel loads them (masked lanes move nothing). seq_lens: tokens per sequence including the new one;
-    ``*_bytes``: element sizes of q (and out), the own token's k/v (default: q's), block ids, lengths."""
+    """``{"read": {part: bytes}, "write": {part: bytes}, "total": n}`` of one ``paged_decode`` launch (masked
+    lanes move nothing); seq_lens include the new token, ``*_bytes`` are element sizes."""
     g = h_q // h_kv
     qpp = g if group_heads else 1
     programs_per_seq = h_q // qpp  # head groups per sequence
@@ -152,13 +150,11 @@ def project(shape: str, batch: int, context: int, gpu: str = "H100", fused: bool
 
 @contextmanager
 def count_traffic():
-    """Count the bytes every ``tl.load`` / ``tl.store`` really touches (masked-off lanes excluded) while
-    kernels run under ``TRITON_INTERPRET=1``. Yields a dict with running totals "read" and "write"."""
+    """Yield running "read"/"write" byte totals of every ``tl.load``/``tl.store`` under the interpreter."""
     require_triton("count_traffic")
     if triton_mode() != "interpreter":
         raise RuntimeError("count_traffic counts through Triton's interpreter; run with TRITON_INTERPRET=1")
     from triton.runtime import interpreter as I  # triton is Linux-only: imported where it is needed
-
     b = I.interpreter_builder
     counts = {"read": 0, "write": 0}
     load, store = b.create_masked_load, b.create_masked_store
@@ -201,11 +197,9 @@ GPU_CORES = {"A100": (108, 1.41e9, 312e12, 624e12), "H100": (132, 1.98e9, 989e12
 
 def decode_ops(seq_lens, h_q: int, h_kv: int, d: int, k: Spec, v: Spec, *, convert: str = "cast",
                block_size: int = 16, pages: int | None = None, group_heads: bool = True) -> dict:
-    """Operations one ``paged_decode`` launch executes: ``{"tiles", "values", "pipes": {cvt, int, fp16, fp32,
-    sfu}, "mma_flops": {"fp16", "int8"}, "modelled"}``, counted as the kernel is written (whole tiles, masked
-    lanes included; query heads padded to 16 rows). Per tile: each value's conversion (``KERNEL_KINDS``
-    costs), per-slot scale multiplies, one exp per padded row and slot (the rescaling exps left out), the
-    two matmuls, and for ``dot8`` each score's int32 -> fp32 conversion and row-scale multiply."""
+    """Operations of one ``paged_decode`` launch per pipe (cvt, int, fp16, fp32, sfu) and MMA flops, counted
+    as the kernel is written: whole tiles, masked lanes included, query heads padded to 16 rows, the
+    rescaling exps left out."""
     check_convert(convert)
     pages = pages or max(1, 128 // block_size)
     pages = max(pages, 16 // block_size)

@@ -1,10 +1,7 @@
 """Quantize-on-write in Triton: new K/V -> their slots in the pool, in the pool's format (notebook 05).
 
-One program per tile of up to 16 new tokens computes the per-token scales (absmax per token-head, per
-token, or per int4 group), rounds half to even, clamps, packs and scatters to ``slot_mapping[t]``
-(-1: padding, skipped); for int8 it also counts clipped and +-127 values per token and head. Triton's
-``x.to(tl.int8)`` truncates and wraps (:func:`cast_demo`), so the kernel rounds and clamps first: the
-same bytes as :mod:`kvlab.quant.core`, bit for bit.
+Triton's ``x.to(tl.int8)`` truncates and wraps (:func:`cast_demo`), so the kernel rounds half to even and
+clamps first: the same bytes as :mod:`kvlab.quant.core`, bit for bit. Slot -1 is padding, skipped.
 """
 
 from __future__ import annotations
@@ -29,8 +26,7 @@ ZERO_GUARD = tl.constexpr(_ZERO_GUARD)  # an all-zero group gets scale 1.0, as i
 
 @triton.jit
 def round_half_even(x):
-    """Round to the nearest integer, ties to even, as torch.round does (libdevice's rint is not
-    available under the interpreter). x - floor(x) is exact in floating point."""
+    """Ties to even, as torch.round does: libdevice's rint is missing under the interpreter."""
     f = tl.floor(x)
     diff = x - f
     odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0  # floor is odd: a tie goes up to the even neighbour
@@ -119,8 +115,7 @@ def _write_kv_kernel(k_ptr, v_ptr, slot_ptr, num_tokens,
 
 
 def check_slots(slot_mapping: torch.Tensor, n_slots: int) -> None:
-    """ValueError unless every slot is in 0..n_slots-1 or -1, where the slots are on the CPU (on a GPU the
-    check would synchronize every layer; the engine's slot mappings are valid by construction)."""
+    """Slots in 0..n_slots-1 or -1, checked on the CPU only: on a GPU it would synchronize every layer."""
     if slot_mapping.device.type == "cpu" and slot_mapping.numel():
         lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
         if lo < -1 or hi >= n_slots:
@@ -137,8 +132,7 @@ def _slot_strides(op: Operand) -> tuple[int, int, int]:
 
 
 def check_write(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, h: int, d: int, n_slots: int) -> None:
-    """ValueError unless k, v are (T, h, d), slot_mapping (T,) holds valid slots, and the interpreter can
-    run them: everything a write is checked for, before anything (scales included) changes."""
+    """Everything a write is checked for, before anything (scales included) changes."""
     if k.dim() != 3 or k.shape != v.shape or k.shape[1:] != (h, d):
         raise ValueError(f"k and v must both be (T, {h}, {d}), got {tuple(k.shape)} and {tuple(v.shape)}")
     if slot_mapping.shape != (k.shape[0],):
@@ -150,9 +144,8 @@ def check_write(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, h:
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_op: Operand, v_op: Operand):
-    """Write new K/V (T, H, D) to ``slot_mapping`` (T,) of the pools behind ``k_op`` / ``v_op`` (static
-    scales already in the operands); returns (k_stats, v_stats): (T, H, 2) int32 [clipped, at +-qmax]
-    counts for int8 operands, else None."""
+    """Write new K/V (T, H, D) to ``slot_mapping`` (T,); returns (k_stats, v_stats): (T, H, 2) int32
+    [clipped, at +-qmax] counts for int8 operands, else None."""
     n_blocks, bs, h = k_op.data.shape[:3]
     for op in (k_op, v_op):  # what a pool's kernel_operands guarantee
         assert op.data.shape[:3] == (n_blocks, bs, h) and op.head_dim == k_op.head_dim, "K and V pages differ"

@@ -1,9 +1,5 @@
-"""Calibration runs: a model over calibration text, its K and V summarised as a Calibration (notebook 03).
-
-Run the model over token chunks through a kvlab cache, keep the post-RoPE K and V of every layer
-(and K after the Hadamard rotation), and summarise |x| with
-:func:`kvlab.quant.calibration.summarize`. What a calibration holds, and how it is saved, loaded
-and turned into scales, needs no model: :mod:`kvlab.quant.calibration`.
+"""Calibration runs (notebook 03): a model over calibration text, its post-RoPE K and V (and K after the
+Hadamard rotation) summarised as a Calibration. What needs no model is :mod:`kvlab.quant.calibration`.
 """
 
 from __future__ import annotations

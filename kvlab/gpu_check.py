@@ -9,11 +9,9 @@ a summary an instructor can read (``DIR/summary.md``, also printed).
 | `bench-engine-torch`  | the same on the torch backend                                             |  40 s |
 | `notebooks`           | ``pytest notebooks --nbval-lax`` (nbval, as ``make test`` runs them)      | 190 s |
 
-GPU time comes in short loans: the limits add up to 470 s, under 8 minutes, so a failed first run
-leaves room for a second (``--only STEP,STEP`` redoes some). A step that fails or reaches its limit
-is recorded with its log's last line and the rest go on; every step's output is in ``DIR/logs``.
-``--dry-run`` runs the same commands on a CPU at their smallest settings, the notebooks collected
-but not executed, so ``tests/test_gpu_check.py`` tries the plan before a GPU does.
+GPU time comes in short loans: the limits add up to under 8 minutes, so a failed first run leaves room
+for a second (``--only STEP,STEP``). A failing step is recorded with its log's last line (logs in
+``DIR/logs``) and the rest go on; ``--dry-run`` tries the plan on a CPU at the smallest settings.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Grading a course: every submitted notebook executed, every task graded by kvlab's own checker
 (``kvlab grade``, docs/COURSE.md).
 
-Each submission runs headless (nbclient) in its own worker process, on a scratch copy, with its own
-progress file, a time limit and (on Linux) a memory limit. After its last cell the worker drops every
-``kvlab`` module the notebook imported, imports kvlab afresh from the installed package, switches off
-the notebook's IPython hooks and calls each task's checker on the participant's function from the
-kernel's namespace. What the notebook printed is never read, so editing the checker call, printing
-``[ok]`` or patching ``kvlab.check`` gains nothing; a submission that misbehaves costs only its own
-row, which says what went wrong. This runs participants' code with your rights (use a container or a
-throwaway account) and stops the plain ways of faking a pass, not a determined attacker.
+Each submission runs headless in its own worker process; after its last cell the worker re-imports kvlab
+afresh and calls each task's checker on the participant's function, never reading what the notebook
+printed, so patching ``kvlab.check`` or printing ``[ok]`` gains nothing. It runs participants' code with
+your rights (use a container) and stops the plain ways of faking a pass, not a determined attacker.
 """
 
 from __future__ import annotations
@@ -83,8 +79,7 @@ class Row:
 
 
 def who_of(path: Path, roots: list[Path]) -> str:
-    """The participant: the submission's folder under the folder given (``alice/02_paged_blocks.ipynb``),
-    else the file's name without its notebook part."""
+    """The submission's folder under the one given (``alice/02_paged_blocks.ipynb``), else the file's name."""
     for root in roots:
         try:
             rel = path.resolve().relative_to(root.resolve())
@@ -160,8 +155,8 @@ def __kvlab_grade(tasks, token, package):
 
 
 def _limit_memory(gb: float) -> None:
-    """The worker's data segment (and so its kernel's, inherited) capped at ``gb`` GiB; Linux only.
-    RLIMIT_DATA, not RLIMIT_AS: a GPU's driver reserves address space it never fills."""
+    """Cap the worker's (and its kernel's) data segment at ``gb`` GiB on Linux. RLIMIT_DATA, not RLIMIT_AS:
+    a GPU's driver reserves address space it never fills."""
     if not sys.platform.startswith("linux"):
         return
     import resource  # Unix only: the memory limit applies on Linux
@@ -176,8 +171,7 @@ def _package_dir() -> str:
 
 
 def run_one(path, notebook: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
-    """Execute one submission and grade it, in this process (the worker). Returns
-    ``{"tasks": {...}, "error": str, "seconds": float}``."""
+    """Execute and grade one submission in this process (the worker)."""
     import nbformat  # the notebook runner loads in the worker only (nbformat, nbclient: the test tools)
     from nbclient import NotebookClient  # as above
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError  # as above
@@ -255,9 +249,8 @@ def _kill_tree(pid: int) -> None:
 
 def grade_one(path, notebook: str, timeout_s: float = DEFAULT_TIMEOUT_S, memory_gb: float | None = DEFAULT_MEMORY_GB,
               python: str | None = None) -> dict:
-    """Grade one submission in a worker process of its own: a scratch copy of the file, a fresh progress
-    file, the time limit (plus 6 minutes to start the kernel and run the checkers), the memory limit on
-    Linux. Its result counts only when the worker itself ends well."""
+    """Grade one submission in a worker process of its own (time limit plus 6 minutes to start the kernel
+    and run the checkers); its result counts only when the worker itself ends well."""
     scratch = Path(tempfile.mkdtemp(prefix="kvlab-grade-"))
     work = scratch / "work"  # the kernel's folder: the worker's files stay one level up
     work.mkdir()
@@ -291,9 +284,8 @@ def grade_one(path, notebook: str, timeout_s: float = DEFAULT_TIMEOUT_S, memory_
 
 def grade(submissions, notebook: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, jobs: int = 1,
           points: dict | None = None, memory_gb: float | None = DEFAULT_MEMORY_GB, progress=None) -> list[Row]:
-    """Grade every ``.ipynb`` among ``submissions`` (files or folders, searched recursively): one
-    :class:`Row` each, in the order found. ``notebook`` forces which lab notebook they answer (else the
-    file name says); ``jobs`` submissions run at once; ``progress``: called with each finished row."""
+    """One :class:`Row` per ``.ipynb`` among ``submissions`` (searched recursively), in the order found;
+    ``notebook`` forces which lab notebook they answer (else the file name says)."""
     if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
         raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
     if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
@@ -363,8 +355,7 @@ NBGRADER_COLUMNS = ("assignment", "duedate", "timestamp", "student_id", "last_na
 
 
 def write_nbgrader_csv(rows: list[Row], path) -> Path:
-    """The same grades in the columns ``nbgrader export`` writes (assignment = the notebook), so a course
-    on nbgrader can merge them into its gradebook's export."""
+    """The grades in ``nbgrader export``'s columns, for a course on nbgrader to merge into its gradebook."""
     path = Path(path)
     with path.open("w", newline="") as f:
         w = csv.writer(f)

@@ -1,7 +1,5 @@
-"""Argument checks shared by every part of kvlab, and the one ceiling division.
-
-A bad argument gets a ValueError (or TypeError) that names it, shows the value and says what is
-allowed, before anything changes. These helpers are that sentence, written once.
+"""Argument checks shared by every part of kvlab, and the one ceiling division: a bad argument gets a
+ValueError that names it, shows the value and says what is allowed, before anything changes.
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ def is_int(value) -> bool:
 
 
 def check_int(name: str, value, minimum: int | None = 1, maximum: int | None = None, what: str = "") -> int:
-    """``value`` as an int, or a ValueError naming ``name``: an int (not a bool), ``>= minimum`` and
-    ``<= maximum`` where given. ``what`` adds the unit to the message ("tokens", "blocks")."""
+    """``value`` as an int (not a bool) within the bounds given; ``what`` is the unit ("tokens", "blocks")."""
     if not is_int(value) or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         if minimum is not None and maximum is not None:
             allowed = f"an integer from {minimum} to {maximum}"
@@ -46,10 +43,8 @@ def check_power_of_two(name: str, value, minimum: int = 1, maximum: int | None =
 
 
 def check_attention_features(h_q: int, window=None, softcap=None, sinks=None) -> None:
-    """A ValueError naming the argument unless ``window`` is a positive int, ``softcap`` a positive
-    number and ``sinks`` one logit per query head (H_q,), each or None: what an HF model may hand its
-    attention function besides Q, K and V (sliding windows, Gemma-2's soft cap, gpt-oss's sinks).
-    Shared by the PyTorch specification (:mod:`kvlab.attention`) and the Triton kernels."""
+    """What an HF model may hand its attention besides Q, K and V (sliding windows, Gemma-2's soft cap,
+    gpt-oss's sinks (H_q,)), checked once for the PyTorch specification and the Triton kernels."""
     if window is not None and (not is_int(window) or window < 1):
         raise ValueError(f"window must be a positive int (the keys a query sees, itself included) or None, "
                          f"got {window!r}")

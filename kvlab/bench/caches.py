@@ -1,7 +1,5 @@
 """Measurements of the caches that notebooks 00-03 and ``kvlab bench recompute | static | quant`` share.
-
-Every ratio is taken against a baseline run in the same process, on the same machine, a moment
-before: never against a remembered number.
+Every ratio is against a baseline run a moment before in the same process, never a remembered number.
 """
 
 from __future__ import annotations
@@ -21,9 +19,7 @@ from kvlab.validate import is_int
 
 
 def memory_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
-    """Bytes per second this device streams through a reduction (best of ``repeats``).
-    A sum reads every byte once and writes almost nothing: the same access pattern as a decode
-    step reading weights and KV cache."""
+    """Bytes/s this device streams through a sum: it reads every byte once, as a decode step does."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
     best = float("inf")
@@ -51,10 +47,8 @@ def decode_step_time(model, tokenizer, context: int, steps: int = 8) -> float:
 
 
 def token_forwards(prompt_len: int, new_tokens: int, cached: bool) -> int:
-    """Token positions pushed through the model to generate ``new_tokens`` after a prompt.
-    Without a cache step i re-runs the whole prefix (prompt_len + i positions): quadratic in
-    length. With one, the prompt goes through once and each later step feeds one token. The last
-    token is sampled, never fed back."""
+    """Token positions pushed through the model: without a cache step i re-runs the whole prefix
+    (quadratic); with one, each step after the prompt feeds one token. The last token is never fed back."""
     if cached:
         return prompt_len + new_tokens - 1
     return sum(prompt_len + i for i in range(new_tokens))
@@ -62,11 +56,8 @@ def token_forwards(prompt_len: int, new_tokens: int, cached: bool) -> int:
 
 def recompute_vs_cache(model, tokenizer, prompt_lens=(16, 128, 512), new_tokens: int = 16,
                        repeats: int = 3) -> list[dict]:
-    """Generate ``new_tokens`` greedily after prompts of several lengths, without and with a cache.
-    Each pair runs ``repeats`` times, the two back to back, so a drifting machine moves both alike.
-    Returns one row per prompt length: the median seconds of each, the speed-up (the median of the
-    runs' ratios, with every run's in ``speedups``, their spread in ``speedup_min``/``speedup_max``),
-    and whether the tokens agree (they must: the cache is an optimisation, not an approximation)."""
+    """Greedy generation without and with a cache per prompt length, back to back so a drifting machine moves
+    both alike; the speed-up is the median of the runs' ratios. The tokens must agree: a cache is exact."""
     if not is_int(repeats) or repeats < 1:
         raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
     rows = []
@@ -96,9 +87,7 @@ def recompute_vs_cache(model, tokenizer, prompt_lens=(16, 128, 512), new_tokens:
 
 def static_vs_paged(model, tokenizer, max_new_tokens: int = 64, block_size: int = 16,
                     loose_max_seq_len: int = 2048) -> dict:
-    """The chat workload of notebooks 01/02 through a loose static cache, a tight one and a paged one.
-
-    Returns each cache's stats; all three must produce the same tokens (checked)."""
+    """Notebooks 01/02's chat through a loose static, a tight static and a paged cache (same tokens)."""
     prompts = chat_prompts(tokenizer)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id or 0
     out, tokens = {}, None

@@ -1,15 +1,10 @@
 """``kvlab bench engine``: the engine against Hugging Face, side by side in ONE process (notebook 04).
 
-One workload (ShareGPT- or Alpaca-like lengths from :mod:`kvlab.cache.simulate`, scaled down for a
-CPU; real text; an optional shared system prompt; all at once or Poisson arrivals) served by
-``kvlab_continuous`` (:class:`~kvlab.engine.LLM`), ``kvlab_static`` (``policy="static"``),
-``hf_generate`` (left-padded batches of ``max_num_seqs`` in arrival order; a streamer times each
-request's own tokens, so HF is not charged for waiting on its batch) and ``hf_generate_batch`` (HF's
-continuous batching with the same seats and token budget); and, where ``make peer`` installed it, by
-vLLM's CPU build in a subprocess (:mod:`kvlab.bench.vllm_peer`): ``vllm`` (compiled) and
-``vllm_eager``, on identical token ids, lengths and arrivals (pages of 32 tokens: its CPU attention
-needs them), each row saying whether vLLM's greedy tokens equal kvlab's. Every request asks for
-exactly its output length (EOS ignored); ratios are against ``kvlab_continuous`` of the same run.
+One workload (ShareGPT- or Alpaca-like lengths, real text, all at once or Poisson arrivals) served by
+kvlab (continuous, static), HF ``generate`` (a streamer times each request's own tokens, so HF is not
+charged for waiting on its batch), HF's continuous batching and, with ``make peer``, vLLM's CPU build on
+identical token ids (pages of 32 tokens: its CPU attention needs them). Every request asks for exactly
+its output length (EOS ignored); ratios are against ``kvlab_continuous`` of the same run.
 """
 
 from __future__ import annotations
@@ -62,8 +57,7 @@ def check_workload_args(scale: float, arrival: str = "all", rate: float = 4.0) -
 def make_workload(tokenizer, n: int = 32, shape: str = "sharegpt", scale: float = 0.25, seed: int = 0,
                   arrival: str = "all", rate: float = 4.0, shared_prefix: bool = True,
                   max_len: int = 1024) -> Workload:
-    """``n`` requests: lengths drawn from ``shape`` (means x ``scale``), text slices of Hamlet after
-    a shared system prompt, arrivals all at 0 or Poisson at ``rate`` requests/s."""
+    """``n`` requests: lengths from ``shape`` (x ``scale``), Hamlet's text, Poisson at ``rate`` req/s or 0."""
     check_workload_args(scale, arrival, rate)
     reqs = workload(shape, n, seed=seed, max_seq_len=max_len)
     text = tokenizer.encode(play_text("hamlet"))
@@ -188,8 +182,7 @@ def run_hf_generate(model, tokenizer, wl: Workload, max_num_seqs: int = 32, prog
 @torch.inference_mode()
 def run_hf_generate_batch(model, wl: Workload, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
                           progress=None) -> dict:
-    # transformers' continuous batching: only this system needs it
-    from transformers import GenerationConfig  # heavy: imported when this system runs
+    from transformers import GenerationConfig  # heavy: only this system (HF's continuous batching) needs it
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     gc = GenerationConfig(max_new_tokens=max(wl.output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0)
     # the same limits as kvlab's engine: requests per step and tokens per step
@@ -261,8 +254,7 @@ def _warm_up(model, tokenizer, wl: Workload, systems) -> None:
 
 
 def _median_run(rows: list[dict]) -> dict:
-    """Of several runs of one system, the one with the median throughput (its latencies with it);
-    with ``output_tok_s_runs`` listing every run's throughput when there was more than one."""
+    """The run with the median throughput (its latencies with it), every run's in ``output_tok_s_runs``."""
     row = dict(sorted(rows, key=lambda r: r["output_tok_s"])[(len(rows) - 1) // 2])
     if len(rows) > 1:
         row["output_tok_s_runs"] = [r["output_tok_s"] for r in rows]
@@ -271,11 +263,8 @@ def _median_run(rows: list[dict]) -> dict:
 
 def bench_engine(model, tokenizer, wl: Workload, max_num_seqs: int = 32, systems=SYSTEMS, progress: bool = True,
                  repeat: int = 1, **engine_kw) -> dict:
-    """Serve ``wl`` with each of ``systems`` in turn; the JSON of ``kvlab bench engine``.
-    ``systems`` may name the peer's (:data:`PEER_SYSTEMS`); without the peer they are skipped, and
-    ``res["skipped"]`` says why and how to get it. ``repeat``: serve the workload that many times with
-    every system, the systems taking turns run by run; each row is its median run, and
-    ``throughput_vs_kvlab_paired`` compares every run with the kvlab continuous run beside it."""
+    """The JSON of ``kvlab bench engine``: systems take turns run by run, each row is its median run, and
+    ``throughput_vs_kvlab_paired`` pairs runs; a missing peer's systems are skipped (``res["skipped"]``)."""
     if isinstance(systems, str) or not systems or set(systems) - set(ALL_SYSTEMS):
         raise ValueError(f"systems must be a non-empty subset of {ALL_SYSTEMS}, got {systems!r}")
     skipped = {}
@@ -298,8 +287,7 @@ def bench_engine(model, tokenizer, wl: Workload, max_num_seqs: int = 32, systems
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     tokens: dict[str, list[list[int]]] = {}
     with ExitStack() as stack:
-        # each peer engine starts once (its start-up is not timed) and then serves on command, so that
-        # with repeat > 1 the systems alternate run by run and a drifting machine slows them alike
+        # each peer engine starts once (not timed) and serves on command: the systems alternate run by run
         sessions = {name: stack.enter_context(vllm_peer.PeerSession(
             _peer_job(model, wl, max_num_seqs, engine_kw.get("max_num_batched_tokens", 512),
                       engine_kw.get("enable_prefix_caching", True), eager=name == "vllm_eager"),

@@ -1,10 +1,8 @@
 """``kvlab bench kernels``: the decode kernel's bytes and speed by format (notebook 05).
 
-On a GPU: a correctness sweep (kernel vs PyTorch reference), then one layer of SmolLM2's and a
-Llama-3-8B-like attention shape per batch x context: ``triton.testing.do_bench`` means for the
-compared formats (``traffic.COMPARED``), INT8 through a dequantized FP16 copy, and torch SDPA over a
-contiguous FP16 cache; GB/s against a device-to-device copy. On a CPU: the sweep under the
-interpreter and the byte-based projection per GPU. Without triton: the projection only.
+On a GPU: a correctness sweep, then timings per batch x context of the compared formats, INT8 through a
+dequantized FP16 copy and torch SDPA, GB/s against a device-to-device copy. On a CPU: the sweep under the
+interpreter and the projection per GPU; without triton, the projection only.
 """
 
 from __future__ import annotations
@@ -82,15 +80,13 @@ CHECK_CASES = [  # (h_q, h_kv, d, batch, context, num_splits)
 
 
 def check_sweep(device, converts=CONVERSIONS) -> list[dict]:
-    """Kernel vs the float reference over the dequantized pool, per format, case and conversion variant that
-    runs here; dot8 (q quantized per row) gets a bound 10x the float one (q's rounding, ~0.4 % of a score)."""
+    """Kernel vs the float reference per format, case and variant; dot8's bound is 10x (q's rounding)."""
     rows = []
     runnable = [c for c in converts if kernels.triton_mode() == "compiled" or c not in NOT_INTERPRETABLE]
     for h_q, h_kv, d, batch, context, splits in CHECK_CASES:
         n_blocks = batch * cdiv(context, BLOCK_SIZE) + 2
         table, ctx = _tables(batch, context, n_blocks, device, seed=d)
-        # seeded like the pages: the sweep checks the same numbers on every run (an unseeded q made the
-        # tolerance a draw, and a run under a busy test suite once drew 2 of 21 cases past it)
+        # seeded like the pages: the sweep checks the same numbers on every run (else the tolerance is a draw)
         q = torch.randn(batch, h_q, d, device=device, dtype=torch.float16,
                         generator=torch.Generator(device=device).manual_seed(1000 * h_q + d))
         for fmt in COMPARED:
@@ -116,7 +112,6 @@ def check_sweep(device, converts=CONVERSIONS) -> list[dict]:
 def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
     """Device-to-device copy, bytes read + written per second (the achievable ceiling)."""
     from triton.testing import do_bench  # triton: Linux only, and only a GPU run times anything
-
     x = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
     y = torch.empty_like(x)
     ms = do_bench(lambda: y.copy_(x))
@@ -128,14 +123,10 @@ STAGES = (None, 3)
 
 
 def time_case(shape: str, batch: int, context: int, device, converts=CONVERSIONS) -> dict:
-    """One (shape, batch, context) point on the GPU: ``do_bench`` microseconds and GB/s per format, the unfused
-    INT8 path and torch SDPA. A quantized format's entry is the fastest of its conversion variants (``variants``
-    holds each, ``best_convert`` the winner), each the best over :data:`STAGES`; ``model_us``: the operations
-    model's bound per format and variant, beside the measurement."""
+    """One (shape, batch, context) point: microseconds and GB/s per format (its fastest variant, each the
+    best over :data:`STAGES`), beside the operations model's bound (``model_us``)."""
     from triton.testing import do_bench  # triton: Linux only, and only a GPU run times anything
-
     decode = kernels.decode
-
     layers, h_q, h_kv, d = SHAPES[shape]
     n_blocks = batch * cdiv(context, BLOCK_SIZE)
     table, ctx = _tables(batch, context, n_blocks, device)
@@ -191,8 +182,7 @@ def time_case(shape: str, batch: int, context: int, device, converts=CONVERSIONS
 
 def run(shapes=None, batches=BATCHES, contexts=CONTEXTS, gpu: str = "H100", progress=print,
         converts=CONVERSIONS) -> dict:
-    """What ``kvlab bench kernels`` prints (as JSON): the sweep, the projection with the operations
-    model, and, on a GPU, timings of every conversion variant in ``converts``."""
+    """``kvlab bench kernels``'s JSON: the sweep, the projection and, on a GPU, timings of ``converts``."""
     shapes = list(shapes or SHAPES)
     converts = [check_convert(c) for c in converts]
     if "cast" not in converts:
@@ -308,7 +298,5 @@ def format_table(result: dict) -> str:
 
 
 def recorded_h200() -> dict:
-    """The result of one ``kvlab bench kernels`` run on an NVIDIA H200 (2026-11-30: triton 3.6.0, torch
-    2.11.0), shipped so that machines without a GPU can set measured points beside the projection
-    (``kernels/bench_h200.json``, package data of ``kvlab.kernels``)."""
+    """One ``kvlab bench kernels`` run on an H200 (triton 3.6.0, torch 2.11.0), for machines without a GPU."""
     return json.loads(files("kvlab.kernels").joinpath("bench_h200.json").read_text())

@@ -1,10 +1,8 @@
 """Where an engine step's milliseconds go (``kvlab bench engine --profile``, notebook 04).
 
-The engine serves a workload under ``torch.profiler`` for a window of steady steps, and each
-operator's own time goes to one part: model GEMMs, norms, other model ops, attention (write,
-gather/copy, compute); packing, scheduling and sampling come from the engine's step clock
-(:class:`StepStats`), and the forward's wall time is split in proportion to the operator times. The
-profiler adds its own cost to every operator: the shares, not the absolute times, are the finding.
+Each operator's own time under ``torch.profiler`` goes to one part (GEMMs, norms, attention ...); packing,
+scheduling and sampling come from the engine's step clock. The profiler slows every operator: the
+shares, not the absolute times, are the finding.
 """
 
 from __future__ import annotations
@@ -93,10 +91,8 @@ def _part(evt) -> str | None:
 
 
 def profile_steps(llm, steps: int = 40, skip: int = 10) -> dict:
-    """Run ``llm`` (requests already queued) for ``skip`` steps, then profile the next ``steps``.
-    Returns ``{"ms_per_step": {part: ms}, "share": {part: fraction}, "outside_model_math_share",
-    "engine_share", "steps"}``; ``engine_share`` is everything but the unmodified model (attention,
-    packing, scheduling, sampling)."""
+    """Profile ``steps`` steps after ``skip``: ms per step and share per part; ``engine_share`` is everything
+    but the unmodified model (attention, packing, scheduling, sampling)."""
     for _ in range(skip):
         if not llm.has_unfinished():
             break
@@ -145,8 +141,7 @@ def profile_steps(llm, steps: int = 40, skip: int = 10) -> dict:
 
 def profile_engine(model, tokenizer, wl, max_num_seqs: int = 16, steps: int = 40, skip: int | None = None,
                    **engine_kw) -> dict:
-    """Queue ``wl`` (all at once) in a fresh kvlab continuous engine and profile ``steps`` steady steps
-    after ``skip`` (default: as many steps as it takes to fill the seats)."""
+    """Profile a fresh continuous engine on ``wl``, after ``skip`` steps (default: until the seats fill)."""
     # the engine's sizing rule of run_kvlab: room for the max_num_seqs longest requests at once
     bs = engine_kw.pop("block_size", 16)
     need = sorted((-(-(len(p) + o) // bs) for p, o in zip(wl.prompts, wl.output_lens)), reverse=True)

@@ -1,10 +1,6 @@
-"""vLLM's CPU build as a peer (``make peer``): kvlab's half of the conversation.
-
-kvlab never imports vLLM (it pins another transformers): ``make peer`` puts it in ``.venv-vllm`` (or
-``$KVLAB_VLLM_PYTHON``) and this module runs :mod:`kvlab.bench.vllm_worker` there as a subprocess.
-:class:`PeerSession` serves the ``vllm`` / ``vllm_eager`` systems of ``kvlab bench engine``;
-:func:`read_scales` is the bridge (notebook 06). Without a peer :func:`peer_python` returns None and
-:data:`HOW_TO_GET` says how to get one; a recorded run ships as ``kvlab/bench/vllm_recorded.json``.
+"""vLLM's CPU build as a peer (``make peer``): kvlab's half of the conversation. kvlab never imports vLLM
+(it pins another transformers); it runs :mod:`kvlab.bench.vllm_worker` in the peer's Python instead.
+:class:`PeerSession` serves ``kvlab bench engine``, :func:`read_scales` is notebook 06's bridge.
 """
 
 from __future__ import annotations
@@ -31,8 +27,7 @@ def _project_root() -> Path:
 
 
 def peer_python() -> Path | None:
-    """The peer environment's Python: ``$KVLAB_VLLM_PYTHON``, else ``.venv-vllm/bin/python`` in the
-    project (where ``make peer`` puts it), else None."""
+    """``$KVLAB_VLLM_PYTHON``, else ``.venv-vllm/bin/python`` (where ``make peer`` puts it), else None."""
     env = os.environ.get("KVLAB_VLLM_PYTHON")
     candidates = [Path(env)] if env else [_project_root() / ".venv-vllm" / "bin" / "python"]
     for p in candidates:
@@ -42,10 +37,8 @@ def peer_python() -> Path | None:
 
 
 def fp8_kv_unsupported(cpuinfo: str | None = None) -> str | None:
-    """Why vLLM's CPU build cannot hold an FP8 KV cache on this machine, or None where it can. Its
-    engine refuses one ("FP8 KV cache on CPU requires x86 with AVX-512 or AMX") on CPUs without
-    AVX-512 or AMX, e.g. AVX2-only ones; read from /proc/cpuinfo (the peer runs on Linux only), or
-    from ``cpuinfo``, that file's text."""
+    """Why vLLM's CPU build refuses an FP8 KV cache here (it needs AVX-512 or AMX), or None; read from
+    /proc/cpuinfo (the peer runs on Linux only) or ``cpuinfo``, that file's text."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -68,9 +61,8 @@ class PeerError(RuntimeError):
 
 
 def _peer_env(threads: int | None) -> dict:
-    """The peer's environment: nothing of kvlab's Python settings, offline, and ``threads`` CPU threads
-    (kvlab's own ``torch.get_num_threads()`` for a fair race): all of the machine's -> vLLM's own default
-    (threads bound to the cores); fewer -> unbound, that many."""
+    """Offline, none of kvlab's Python settings, and kvlab's own thread count for a fair race (all cores:
+    vLLM's default, bound to the cores; fewer: unbound, that many)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env.update(HF_HUB_OFFLINE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", TOKENIZERS_PARALLELISM="false")
     if threads is not None and threads < (os.cpu_count() or threads):
@@ -114,10 +106,8 @@ def serve_job(model_dir, prompts, output_lens, arrivals, *, max_num_seqs: int, m
 
 
 class PeerSession:
-    """One vLLM engine started once and kept, serving the workload each time :meth:`serve` is called,
-    so kvlab can alternate its own runs with vLLM's in one benchmark (``kvlab bench engine --repeat``):
-    a machine whose speed drifts between minutes then slows both sides alike. Idle between calls
-    (vLLM's engine waits on its input queue). Use as a context manager."""
+    """One vLLM engine started once and kept, so kvlab's runs alternate with vLLM's (``--repeat``) and a
+    drifting machine slows both alike. A context manager."""
 
     def __init__(self, job: dict, threads: int | None = None):
         python = _python()
@@ -143,8 +133,7 @@ class PeerSession:
         raise PeerError(f"vLLM peer stopped (exit {self._proc.returncode}):\n" + "\n".join(self._tail))
 
     def serve(self) -> dict:
-        """Serve the workload once more: per request its arrival, first-token and finish clock (seconds on
-        the peer's ``perf_counter``, ``t0`` its start) and greedy token ids."""
+        """Per request: arrival, first-token and finish clock (seconds on the peer's clock) and token ids."""
         self._proc.stdin.write("serve\n")
         self._proc.stdin.flush()
         self._wait(f"KVLAB-DONE {self._n}")
@@ -171,9 +160,8 @@ class PeerSession:
 
 
 def read_scales(model_dir, prompts=(), max_tokens: int = 8, kv_cache_dtype: str = "auto") -> dict:
-    """Open ``model_dir`` in vLLM; each attention layer's ``kv_cache_dtype``, ``k_scale`` and ``v_scale``
-    as vLLM holds them, and the greedy tokens of ``prompts`` (token-id lists). ``{"refused": why}``
-    when vLLM refuses the folder."""
+    """Each attention layer's dtype and scales as vLLM holds them, and greedy tokens of ``prompts``;
+    ``{"refused": why}`` when vLLM refuses the folder."""
     job = {"model": str(model_dir), "prompts": [list(p) for p in prompts], "max_tokens": max_tokens,
            "kv_cache_dtype": kv_cache_dtype, "dtype": "float32", "max_num_seqs": 4, "block_size": VLLM_BLOCK_SIZE,
            "enforce_eager": True, "max_model_len": 512, "kv_cache_memory_bytes": 64 * 2**20}
@@ -181,8 +169,7 @@ def read_scales(model_dir, prompts=(), max_tokens: int = 8, kv_cache_dtype: str 
 
 
 def recorded() -> dict:
-    """The ``kvlab bench engine`` run with the vLLM peer recorded on the 2-core machine (its CPU named
-    inside), for notebooks on machines without the peer."""
+    """A ``kvlab bench engine`` run with the peer on a 2-core machine, for notebooks without one."""
     return json.loads(RECORDED.read_text())
 
 

@@ -5,10 +5,7 @@ peer has vLLM's own transformers) and talks through JSON files::
     .venv-vllm/bin/python kvlab/bench/vllm_worker.py session job.json out_dir   # serves on "serve" lines
     .venv-vllm/bin/python kvlab/bench/vllm_worker.py scales  job.json result.json
 
-``session`` starts vLLM once and serves each "serve" line's workload (token ids, output lengths,
-arrivals) by stepping its engine by hand, writing back every request's tokens and clock. ``scales``
-reads every attention layer's ``kv_cache_dtype`` / ``_k_scale`` / ``_v_scale`` inside vLLM's worker
-and greedy-decodes a few prompts. :mod:`kvlab.bench.vllm_peer` is kvlab's half.
+:mod:`kvlab.bench.vllm_peer` is kvlab's half.
 """
 
 import json
@@ -102,9 +99,7 @@ def _serve_once(engine, job, tag=""):
 
 
 def session(job, out_dir):
-    """Start vLLM once, then serve the workload each time a line "serve" arrives on stdin (the result
-    into out_dir/result-N.json, then "KVLAB-DONE N" on stdout); "quit" or the end of stdin stops it.
-    kvlab alternates its own runs with these (``kvlab bench engine --repeat``)."""
+    """Start vLLM once; each "serve" line on stdin writes out_dir/result-N.json, then "KVLAB-DONE N"."""
     engine = _llm(job).llm_engine
     _warm(engine, job["prompts"], job.get("warm_up", 2))
     print("KVLAB-READY", flush=True)
@@ -120,8 +115,7 @@ def session(job, out_dir):
 
 
 def scales(job):
-    """Open job["model"] (a folder with kvlab export-vllm's config.json and scales), read back what its
-    attention layers hold, and greedy-decode job["prompts"] (token ids) for job["max_tokens"] tokens."""
+    """What job["model"]'s attention layers hold in vLLM, and greedy tokens of job["prompts"]."""
     layer_scales = _probe()  # before the engine starts its worker, which inherits PYTHONPATH
     try:
         llm = _llm(job)

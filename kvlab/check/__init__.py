@@ -1,11 +1,8 @@
 """Exercise checkers for the notebooks (Tensor-Puzzles style): ``kvlab.check.<exercise>(your_function)``.
 
-A checker runs the learner's function on fixed cases against kvlab's own answer and prints ONE line:
-``[ok]``, ``[todo]`` (the stub still raises ``NotImplementedError``: shows the target, so the notebook
-runs top to bottom) or ``[fail]`` (yours vs expected for the first mismatch); it returns True only on
-``[ok]``. ``use(name, fn)`` plugs ``fn`` into the real system once it passes; ``solution(name)`` prints
-kvlab's answer. One module per notebook (``sizing`` 00 ... ``evict`` 07), shared machinery in ``core``,
-passed exercises in ``progress``.
+A checker runs the learner's function on fixed cases against kvlab's answer and prints ONE line, ``[ok]``,
+``[todo]`` (a stub: the notebook still runs top to bottom) or ``[fail]``; it returns True only on ``[ok]``.
+One module per notebook (``sizing`` 00 ... ``evict`` 07).
 """
 
 from kvlab.check.capstone import fp8_scales, max_held

@@ -67,8 +67,7 @@ def max_held(fn: Callable[[list, int, int, int], int]) -> bool:
 
 
 def fp8_scales(fn: Callable) -> bool:
-    """``fn(absmax, strategy) -> vLLM's FP8 scales``: (L, H) abs-max per layer x KV head -> (L, 1) for
-    "tensor", (L, H) for "attn_head", absmax / 448 with the zero guard."""
+    """``fn(absmax (L, H), strategy)``: absmax / 448, zero-guarded; (L, 1) "tensor", (L, H) "attn_head"."""
     g = torch.Generator().manual_seed(6)
     table = torch.rand(5, 3, generator=g) * 20
     table[2, 1] = 0.0  # a head that never saw a value above zero

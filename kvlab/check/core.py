@@ -1,5 +1,4 @@
-"""What every checker shares: run the learner's function on the cases, print one stable line
-([ok] / [todo] / [fail] with yours vs expected and a hint), record a pass (:mod:`kvlab.check.progress`)."""
+"""What every checker shares: run the cases, print one stable line (with a hint on [fail]), record a pass."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Notebook 04's build tasks: the scheduler's three rules - admission, decodes first with preemption,
-chunked prefill - each then run by the real engine (``LLM(..., admission_rule=..., schedule_decodes=...,
-chunk_prefills=...)``)."""
+"""Notebook 04's build tasks: the scheduler's three rules (admission, decodes first with preemption,
+chunked prefill), each then run by the real engine."""
 
 from __future__ import annotations
 
@@ -16,11 +15,8 @@ from kvlab.check.progress import record
 
 def admission_rule(fn: Callable[[int, int, int, int, int, int], "str | None"]) -> bool:
     """``fn(num_running, max_num_seqs, budget_left, blocks_needed, blocks_free, watermark_blocks)`` ->
-    the reason the head of the queue waits ("token budget", "seq limit", "no blocks"), or None to admit.
-
-    Checked on single decisions first (shown with argument names), then plugged into a real
-    scheduler: the trace of a whole dry run (kvlab.engine.dry_run) must equal the one kvlab's own
-    rule produces."""
+    why the queue's head waits ("token budget", "seq limit", "no blocks"), or None; then a whole dry run's
+    trace must equal the one kvlab's own rule produces."""
     if not callable(fn):
         raise TypeError(f"admission_rule: pass your function itself, got {type(fn).__name__}")
     names = ("num_running", "max_num_seqs", "budget_left", "blocks_needed", "blocks_free", "watermark_blocks")

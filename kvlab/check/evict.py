@@ -16,8 +16,7 @@ from kvlab.validate import cdiv
 
 
 def kept_after(num_tokens: int, block_size: int, budget: int, sinks: int) -> list[int]:
-    """The answer, by driving the real block manager: a sequence grows one token at a time from its
-    first, and after every token the policy drops what it must (as the engine does after each step)."""
+    """The answer from the real block manager, the policy dropping blocks after every token."""
     policy = SinksWindow(budget, sinks=sinks)
     bm = BlockManager(cdiv(num_tokens, block_size) + 1, block_size, enable_prefix_caching=False)
     bm.allocate(0, [7])
@@ -40,8 +39,7 @@ _SHAPES = [(200, 16, 64, 4),  # 13 blocks, 4 kept: the sink block + the last 3 (
 
 
 def sinks_window_blocks(fn: Callable[[int, int, int, int], list]) -> bool:
-    """``fn(num_tokens, block_size, budget, sinks)`` -> the logical blocks (ascending) that sinks + window
-    keeps once the sequence holds ``num_tokens`` tokens, the policy acting after every token."""
+    """``fn(num_tokens, block_size, budget, sinks)`` -> the logical blocks sinks + window keeps, ascending."""
     cases = [(a, kept_after(*a)) for a in _SHAPES]
     def rule(sink_blocks, budget_blocks, window_adjust=0, blocks=True, span=cdiv):
         def f(n, bs, budget, sinks):
@@ -98,9 +96,8 @@ _COPY_SHAPES = [(1024, "llama-3-8b", LINKS["PCIe 4.0 x16"]),  # GQA, 8 KV heads:
 
 
 def copy_or_recompute(fn: Callable) -> bool:
-    """``fn(tokens, cfg, link_bytes_per_s, flops_per_s)`` -> ``(copy_seconds, recompute_seconds)`` for a
-    :class:`kvlab.sizing.KVConfig` ``cfg``: the FP16 K/V of ``tokens`` tokens over the link at its peak,
-    and their prefill again at the GPU's peak FLOP/s (2 FLOPs per parameter per token)."""
+    """``fn(tokens, cfg, link_bytes_per_s, flops_per_s)`` -> ``(copy_seconds, recompute_seconds)``: FP16 K/V
+    over the link, or a prefill at 2 FLOPs per parameter per token, both at peak."""
     cases = [((n, kv_config(m), bw, GPU_FLOPS[1]), copy_and_recompute(n, kv_config(m), bw, GPU_FLOPS[1]))
              for n, m, bw in _COPY_SHAPES]
     def close(a, b):
@@ -147,8 +144,8 @@ _H2O_CASES = [([0, 1, 2, 3, 4, 5, 6, 7], 4, 2, {0: 9.0, 1: 1.0, 2: 5.0, 3: 0.5, 
 
 
 def h2o_keep(fn: Callable) -> bool:
-    """``fn(logical, budget, recent, scores) -> the blocks H2O keeps``: the ``recent`` newest, then the
-    older blocks with the most attention received (ties to the earlier block), ``budget`` in all."""
+    """``fn(logical, budget, recent, scores)``: the ``recent`` newest, then the most-attended older blocks
+    (ties to the earlier), ``budget`` in all."""
     cases = [(a, ref_h2o_keep(*a)) for a in _H2O_CASES]
     def run(logical, budget, recent, scores):
         got = fn(list(logical), budget, recent, dict(scores))

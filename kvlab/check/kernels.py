@@ -1,6 +1,5 @@
-"""Notebook 05's build tasks, each a ``@triton.jit`` function run inside a kernel under the interpreter:
-the block-table walk, the online-softmax update, the in-register INT8 dequantization. The skeleton
-decode kernel (:mod:`kvlab.kernels.skeleton`) then runs them together on a real pool."""
+"""Notebook 05's build tasks, each a ``@triton.jit`` function run inside a kernel under the interpreter;
+the skeleton decode kernel (:mod:`kvlab.kernels.skeleton`) then runs them together on a real pool."""
 
 from __future__ import annotations
 
@@ -11,9 +10,8 @@ from kvlab.check.core import run_task, tensor_same
 
 
 def _softmax_cases():
-    """(s, v, v_scale, tile): scores with masked (-inf) tails, a later tile with a larger max (the old
-    state must shrink), scores near 100 (exp without subtracting the max overflows fp32), and a later
-    tile with a much smaller max (the running max must keep the old one)."""
+    """(s, v, v_scale, tile): masked tails, a later larger max (the state shrinks), scores near 100 (exp
+    overflows fp32 without the max), and a later much smaller max (the running max keeps the old one)."""
     g = torch.Generator().manual_seed(5)
     cases = []
     for n, tile, big in ((64, 32, 1.0), (96, 32, 30.0), (128, 64, 100.0)):
@@ -32,10 +30,8 @@ def _softmax_cases():
 
 
 def _simulate(s, v, v_scale, tile, mistake=None):
-    """The tile-by-tile recurrence in PyTorch, right or with one classic mistake, to name what a wrong
-    answer did: "no max" (exp of the raw scores), "old state not rescaled" (neither l nor acc shrinks
-    when the max grows), "acc not rescaled", "l not rescaled", "v_scale in l"
-    (the sum of P scaled too), "no v_scale"."""
+    """The tile-by-tile recurrence in PyTorch, right or with one classic mistake (``mistake``), to name what
+    a wrong answer did."""
     g, d = s.shape[0], v.shape[1]
     m = torch.full((g,), float("-inf"))
     l, acc = torch.zeros(g), torch.zeros(g, d)
@@ -109,10 +105,8 @@ def _raised_todo(call):
 
 
 def online_softmax_update(fn) -> bool:
-    """``fn`` a ``@triton.jit`` function ``(m, l, acc, s, v, v_scale) -> (m, l, acc)``: fold one tile of
-    scores s (G, N) and values v (N, D), each value row scaled by v_scale (N,), into the running max m
-    (G,), running sum l (G,) and running output acc (G, D). Run by the decode kernel's loop under the
-    interpreter; compared with softmax(s) @ (v * v_scale) over all tiles."""
+    """``fn(m (G,), l (G,), acc (G, D), s (G, N), v (N, D), v_scale (N,)) -> (m, l, acc)``, a ``@triton.jit``
+    function run by the decode loop, compared with softmax(s) @ (v * v_scale) over all tiles."""
     if not _jitted_or_say("online_softmax_update", fn):  # the interpreter would run a plain function; a GPU not
         return False
     cases = [((s, v, v_scale, tile), torch.softmax(s, dim=-1) @ (v * v_scale[:, None]))
@@ -139,9 +133,8 @@ def _walk_expected(seq, page, seq_len, s_blk, s_tok, head, s_head, bs, blk=None)
 
 
 def block_walk(fn) -> bool:
-    """``fn`` a ``@triton.jit`` function ``(table_ptr, seq, page, seq_len, s_table, s_blk, s_tok, head, s_head,
-    BLOCK_SIZE) -> (offsets, mask)``: the int64 element offsets of page ``page`` of sequence ``seq``'s
-    token slots for KV head ``head``, found through its block table, and which slots hold a token."""
+    """``fn(table_ptr, seq, page, seq_len, s_table, s_blk, s_tok, head, s_head, BLOCK_SIZE)``, @triton.jit
+    -> (a page's int64 slot offsets for one KV head, which slots hold a token)."""
     if not _jitted_or_say("block_walk", fn):
         return False
     cases = [(a, _walk_expected(*a)) for a in _WALKS]
@@ -170,8 +163,7 @@ def block_walk(fn) -> bool:
 
 
 def dequant_int8(fn) -> bool:
-    """``fn`` a ``@triton.jit`` function ``(codes, scale) -> values``: int8 codes (N, D) and the KV head's
-    fp32 scale -> the fp32 values they stand for, in registers."""
+    """``fn(codes (N, D) int8, scale fp32) -> fp32 values``, a ``@triton.jit`` function, in registers."""
     if not _jitted_or_say("dequant_int8", fn):
         return False
     g = torch.Generator().manual_seed(3)

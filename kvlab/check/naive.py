@@ -1,5 +1,4 @@
-"""Notebook 01's build tasks: the growing cache's append, the decode loop that uses a cache, and the
-static cache's write. Each is then plugged into the real cache and an unmodified HF model."""
+"""Notebook 01's build tasks, each then plugged into the real cache and an unmodified HF model."""
 
 from __future__ import annotations
 
@@ -54,9 +53,8 @@ def grow(fn: Callable) -> bool:
 
 
 class _ToyModel:
-    """A stand-in for ``Stepper`` with a cache: it keeps every token it was fed (its "cache") and returns
-    logits that depend on that whole history, so feeding a token twice or skipping the prompt changes
-    the next token, as it would in the real model."""
+    """A stand-in model whose logits depend on every token it was fed, so feeding a token twice or skipping
+    the prompt changes the next token, as in the real model."""
 
     def __init__(self, vocab: int = 64):
         self.vocab, self.history, self.calls = vocab, [], []
@@ -74,8 +72,7 @@ class _ToyModel:
 
 
 def decode_loop(fn: Callable) -> bool:
-    """``fn(step, prompt_ids, new_tokens) -> the new token ids``, greedy, where ``step(tokens)`` feeds
-    tokens through the model with its cache and returns the last one's logits."""
+    """``fn(step, prompt_ids, new_tokens) -> new ids``, greedy; ``step(tokens)`` gives the last logits."""
     shapes = [([5, 9, 2], 1), ([3, 1, 4, 1, 5], 4), ([7], 6), (list(range(20)), 3)]
     cases = [((p, n), (cached_generate(toy := _ToyModel(), p, n), toy.calls)) for p, n in shapes]  # kvlab's loop
     def run(prompt, n):

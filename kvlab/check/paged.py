@@ -1,5 +1,4 @@
-"""Notebook 02's build tasks: block table -> slots, a block table's growth with copy-on-write, the prefix
-hash chain's lookup; and blocks held by forked samples."""
+"""Notebook 02's build tasks: slots, growth with copy-on-write, the prefix lookup, forked samples' blocks."""
 
 from __future__ import annotations
 
@@ -47,8 +46,8 @@ def slot_mapping(fn: Callable[[Sequence[int], int, int, int], list]) -> bool:
 
 
 def blocks_after_fork(fn: Callable[[int, int, int, int], int]) -> bool:
-    """``fn(prompt_len, block_size, n, steps)``: physical blocks held after a prompt is forked into
-    ``n`` samples (the original counts as one) and each sample writes ``steps`` new tokens."""
+    """``fn(prompt_len, block_size, n, steps)``: physical blocks held after ``n`` samples (the original
+    counts as one) write ``steps`` tokens each."""
     shapes = [(37, 16, 4, 20), (10, 4, 3, 1), (8, 4, 2, 5), (5, 16, 6, 11), (5, 16, 6, 12), (32, 16, 3, 1),
               (100, 16, 1, 30), (10, 4, 3, 0)]
     cases = [(a, fork_blocks(*a)) for a in shapes]

@@ -39,8 +39,7 @@ EXERCISES = {
 
 
 def progress_file():
-    """Where passed exercises are kept: ``$KVLAB_PROGRESS``, else ``progress.json`` in the kvlab cache
-    folder (``$KVLAB_CACHE`` or ``~/.cache/kvlab``)."""
+    """``$KVLAB_PROGRESS``, else ``progress.json`` in ``$KVLAB_CACHE`` or ``~/.cache/kvlab``."""
     return Path(os.environ.get("KVLAB_PROGRESS") or cache_dir() / "progress.json")
 
 
@@ -76,8 +75,7 @@ def record(exercise: str, fn) -> None:
 
 
 def progress(reset: bool = False) -> dict:
-    """Print which exercises across notebooks 00-05 you have passed (with your own function), and
-    return ``{exercise: date or None}``. ``reset=True`` forgets them all first."""
+    """Print and return ``{exercise: date or None}`` of what you passed with your own function."""
     path = progress_file()
     if reset:
         try:

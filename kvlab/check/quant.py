@@ -47,9 +47,8 @@ def quantize_per_head(fn: Callable) -> bool:
 
 
 def quantize_static(fn: Callable) -> bool:
-    """``fn(x, scale) -> q``: x (T, H, D) float, scale (1, H, 1) from a calibration run (not from x);
-    q int8 = x / scale rounded half to even, clamped to +-127. Here values beyond the calibrated range
-    occur, so the clamp fires."""
+    """``fn(x (T, H, D), scale (1, H, 1)) -> q``: int8, half to even, clamped to +-127; the scale comes from a
+    calibration, not from x, so the clamp fires."""
     g = torch.Generator().manual_seed(2)
     x1 = torch.randn(6, 2, 8, generator=g)
     s1 = torch.tensor([0.02, 0.01]).view(1, 2, 1)  # calibrated on smaller values: many clip

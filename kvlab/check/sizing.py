@@ -9,9 +9,8 @@ from kvlab.check.core import run_task
 
 
 def _kv_bytes_cases():
-    """(num_layers, num_heads, num_kv_heads, head_dim, hidden_size, bytes_per_element) -> bytes. The first
-    case (Llama-3-8B in FP32: 32 layers and query heads, 8 KV heads, 4 bytes) keeps the factors a mistake
-    drops or adds (2, layers, KV heads, bytes, heads / KV heads) apart, so each gives its own number."""
+    """The first case (Llama-3-8B in FP32) keeps the factors a mistake drops or adds apart, so each mistake
+    gives its own number."""
     cases = []
     for name in ("llama-3-8b", "qwen2.5-7b", "llama-2-70b", "llama-2-7b", "smollm2-135m"):
         c = sizing.kv_config(name)
@@ -46,9 +45,8 @@ def kv_token_bytes(fn: Callable[[int, int, int, int, int, int], int]) -> bool:
 
 
 def mla_bytes_per_token(fn: Callable[[int, int, int, int, int], int]) -> bool:
-    """``fn(num_layers, num_heads, kv_lora_rank, rope_dim, bytes_per_element)``: bytes one token adds
-    to an MLA model's cache (DeepSeek-V2/V3): one latent of ``kv_lora_rank`` plus one RoPE key of
-    ``rope_dim`` per layer, shared by all heads and by K and V."""
+    """``fn(num_layers, num_heads, kv_lora_rank, rope_dim, bytes_per_element)``: bytes per token of an MLA
+    cache (DeepSeek-V2/V3): a latent and a RoPE key per layer, shared by all heads and by K and V."""
     shapes = [(2, 3, 8, 4, 4),  # a toy first
               (61, 128, 512, 64, 2),  # DeepSeek-V3 (and R1), fp16
               (27, 16, 512, 64, 2),  # DeepSeek-V2-Lite

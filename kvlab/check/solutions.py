@@ -1,10 +1,6 @@
-"""The reference answers to every build task, and the switch that plugs a participant's function into
-the real system (Triton-Puzzles style: the notebook runs top to bottom whether or not a task is done).
-
-* :func:`use` returns the participant's function once its checker passes, else kvlab's own, and says
-  which one runs. The notebooks call it right before plugging a task into a cache, engine or kernel.
-* :func:`solution` prints kvlab's own implementation of a task: for instructors, and for a participant
-  who is stuck and wants to read the answer before moving on.
+"""The reference answers to every build task, and the switch that plugs a participant's function into the
+real system once it passes (Triton-Puzzles style: the notebook runs top to bottom whether or not a task is
+done); :func:`solution` prints kvlab's own, for instructors and for a participant who is stuck.
 """
 
 from __future__ import annotations
@@ -19,8 +15,7 @@ from kvlab.check import capstone, engine, evict, kernels, naive, paged, quant, s
 
 _CHECKERS = (sizing, naive, paged, quant, engine, kernels, capstone, evict)  # one module per notebook
 
-# exercise -> "module:function", kvlab's own implementation with the task's signature; the code the
-# system runs where the task is a layer of it
+# exercise -> "module:function", kvlab's own implementation with the task's signature
 REFERENCES = {
     "grow": "kvlab.cache.naive:grow", "decode_loop": "kvlab.generate:cached_generate",
     "static_write": "kvlab.cache.naive:static_write", "slot_mapping": "kvlab.cache.paged:BlockManager.slot_mapping_of",

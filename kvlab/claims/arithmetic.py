@@ -1,10 +1,7 @@
 """Claims that arithmetic on sizes settles, and claims that reasoning settles (notebook 06).
 
-The articles state many things that need no model run: what fits where, what a policy can save at
-most, whether a formula or a command is consistent with itself. Each ``c_...`` function computes
-its measurement from :mod:`kvlab.sizing` (the same presets the notebooks use) and judges it by one
-of the rules; its keyword arguments are the quantities it measures, so a test can plant other
-values and see the verdict flip (``tests/test_06_claims.py``). Each returns ``(measured, verdict, why)``.
+Each ``c_...`` function measures from :mod:`kvlab.sizing` and returns ``(measured, verdict, why)``; its
+keyword arguments are the quantities it measures, so a test can plant others and see the verdict flip.
 """
 
 from __future__ import annotations
@@ -153,8 +150,7 @@ def c_70b_needs_tp(lab, weights: int | None = None, hbm: float = 80 * GiB, utili
 
 
 def c_pool_bytes_fixed(lab, budget: int = 16 * GiB, block_tokens: int = 16, sized_by: str = "bytes"):
-    """vLLM sizes the pool by bytes (gpu_memory_utilization); ``sized_by="tokens"`` plants a pool sized
-    for a fixed number of tokens, where INT8 would halve the bytes."""
+    """vLLM sizes the pool by bytes; ``sized_by="tokens"`` plants a pool of fixed tokens (INT8 halves it)."""
     per_block = {d: block_tokens * sizing.kv_bytes_per_token(_7B, d) for d in ("fp16", "int8")}
     fp16 = budget // per_block["fp16"]
     int8 = budget // per_block["int8"] if sized_by == "bytes" else fp16

@@ -1,10 +1,7 @@
 """The catalog of claims (notebook 06): every numeric claim of the three source articles, in table order.
 
-One :class:`Claim` per sentence: which article says it and where, in English, the notebook section
-that measures it at full size, and the function that measures it now. The measuring functions live
-by topic: :mod:`kvlab.claims.memory` (byte arithmetic), :mod:`kvlab.claims.serving` (paged blocks and
-batching), :mod:`kvlab.claims.quality` (INT8 quantization quality) and :mod:`kvlab.claims.arithmetic`
-(sizes, datasheets, documented defaults and reasoning).
+One :class:`Claim` per sentence, with the notebook section that measures it at full size; the measuring
+functions live by topic in ``memory``, ``serving``, ``quality`` and ``arithmetic``.
 """
 
 from __future__ import annotations

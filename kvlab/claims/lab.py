@@ -1,9 +1,5 @@
-"""The measuring lab of the claims table (notebook 06): what the SmolLM2 claims measure, made once.
-
-:class:`Lab` loads SmolLM2-135M on first use and caches each measurement (calibration, K/V
-tensors, quality of four INT8/INT4 formats, saturated scales, per-layer sensitivity, recompute vs
-cache, engine step times, notebook 02's slot breakdowns over seeds), so that the claims needing the same
-numbers share one run. ``Lab.seconds`` says what each cost.
+"""The measuring lab of the claims table (notebook 06): SmolLM2 measurements made once and shared by the
+claims that need the same numbers; ``Lab.seconds`` says what each cost.
 """
 
 from __future__ import annotations
@@ -27,11 +23,8 @@ from kvlab.quant import KVQuantConfig, TensorFormat, named_config
 
 
 class Lab:
-    """Measurements on SmolLM2, made once on first use and shared by the claims that need them.
-    Small on purpose (a few hundred tokens each) so the whole table runs in about a minute on two CPU
-    cores; the notebooks named by each claim measure at full size. The quality measurements use
-    notebook 03's settings (its 1,024-token calibration, its 384 held-out tokens), so a number the
-    table shares with 03 is the same number."""
+    """Small on purpose (a few hundred tokens each) so the table runs in about a minute on two CPU cores;
+    the quality measurements use notebook 03's settings, so a number shared with 03 is the same number."""
 
     def __init__(self, model=None, tokenizer=None, held_out_tokens: int = 384, answers: dict | None = None,
                  passkey: dict | None = None):
@@ -66,21 +59,18 @@ class Lab:
 
     @cached_property
     def passkey(self) -> dict:
-        """Notebook 07's retrieval task, small: 4 pass keys hidden early in ~540-token prompts, the full
-        cache against a 256-token sliding window (``kvlab.eval.passkey``)."""
+        """Notebook 07's pass keys in ~540-token prompts: the full cache against a 256-token window."""
         return self._timed("passkey", lambda: passkey(self.model, self.tokenizer,
                                                      {"full": None, "window": SlidingWindow(256)}, n=4))
 
     @cached_property
     def seed_shares(self) -> dict:
-        """Token-state shares per policy over random seeds 0-4, ShareGPT-like and Alpaca-like batches
-        (notebook 02's verdicts near a threshold are read over these; no model)."""
+        """Token-state shares per policy over seeds 0-4 (notebook 02's verdicts near a threshold)."""
         return {name: simulate.over_seeds(name) for name in ("sharegpt", "alpaca")}
 
     @cached_property
     def calibration(self):
-        # notebook 03's calibration (1,024 tokens in chunks of 512) and its 384 held-out tokens: where the
-        # table re-measures 03 (KL, perplexity, K vs V), it measures the same thing and gets the same number
+        # notebook 03's calibration (1,024 tokens in chunks of 512) and its 384 held-out tokens
         return self._timed("calibration", lambda: default_calibration(self.model, self.tokenizer, "smollm2-135m",
                                                                       tokens=1024, progress=False))
 
@@ -96,8 +86,7 @@ class Lab:
 
     @cached_property
     def quality(self) -> dict:
-        """Perplexity, KL and top-1 of FP16, INT8 (abs-max, p99.9), K8V4 and K4V8 against the FP cache
-        (notebook 06's quality columns read the FP16 and INT8 rows)."""
+        """Perplexity, KL and top-1 of FP16, INT8 (abs-max, p99.9), K8V4 and K4V8 against the FP cache."""
         formats = {"fp16": named_config("fp16"), "int8": named_config("int8"), "int8 p99.9": named_config("int8", stat="p99.9"),
                    "k8v4": named_config("k8v4"), "k4v8": KVQuantConfig(TensorFormat("int4"), TensorFormat("int8"))}
         n = len(self.held_out)
@@ -106,15 +95,13 @@ class Lab:
 
     @cached_property
     def answers(self) -> dict:
-        """The generation picture beside the per-token one: notebook 06's workload (48 requests) served
-        in its budget from a paged FP16 and a paged INT8 pool (:func:`kvlab.capstone.served_agreement`),
-        INT8's greedy answers against FP16's. Notebook 06 passes the run it made (``Lab(answers=...)``)."""
+        """INT8's greedy answers against FP16's on notebook 06's 48-request workload, which notebook 06
+        passes in (``Lab(answers=...)``)."""
         return self._timed("answers", lambda: served_agreement(self.model, self.tokenizer, self.calibration))
 
     @cached_property
     def saturation(self) -> dict:
-        """Static INT8 scales calibrated on 16 tokens of the play's title page (notebook 03 section 4),
-        on the same held-out text: plain, and with the 1.2x correction."""
+        """Static INT8 scales calibrated on 16 title-page tokens (notebook 03 §4), plain and widened 1.2x."""
         def run():
             tiny = calibrate(self.model, [text_tokens(self.tokenizer, 16, play="twelfth-night")], progress=False)
             n = len(self.held_out)
@@ -125,8 +112,7 @@ class Lab:
 
     @cached_property
     def sensitivity(self) -> list[float]:
-        """KL when only one layer's cache is INT4, for every layer: notebook 03's setting (128 tokens of
-        calibration text, chunks of 64, so the second chunk reads the first through the cache)."""
+        """KL with only one layer's cache INT4, per layer, in notebook 03's setting."""
         tokens = text_tokens(self.tokenizer, 128, play="twelfth-night", offset=1024)
         return self._timed("sensitivity", lambda: layer_sensitivity(self.model, tokens, self.calibration, chunk=64))
 
@@ -138,8 +124,7 @@ class Lab:
 
     @cached_property
     def step_ms(self) -> dict[tuple[str, int], float]:
-        """Median decode-step time of the engine at batch 1 and 16, with short chat prompts and with
-        1,000-token contexts (one shared text: the prefix cache prefills it once), ms. Notebook 04 §5."""
+        """Median decode-step ms at batch 1 and 16, short and 1,000-token contexts (notebook 04 §5)."""
         def run():
             prompts = chat_prompts(self.tokenizer)
             long_text = text_tokens(self.tokenizer, 1000, offset=4000)

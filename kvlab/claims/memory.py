@@ -1,9 +1,7 @@
 """The claims about memory and bandwidth (notebooks 00, 03 §1 and 05): byte arithmetic, no model.
 
-Bytes per token, per request and per decode step of Llama-2-7B/70B, what fits an A100 80GB, the
-milliseconds a decode step needs at least to read them, and what INT8/INT4 saves; the INT8 speed-up
-is judged against the recorded H200 kernel run (notebook 05). Each ``c_...`` function takes the
-:class:`~kvlab.claims.lab.Lab` (unused here) and returns ``(measured, verdict, why)``.
+The INT8 speed-up is judged against the recorded H200 kernel run (notebook 05). Each ``c_...`` function
+takes the :class:`~kvlab.claims.lab.Lab` (unused here) and returns ``(measured, verdict, why)``.
 """
 
 from __future__ import annotations
@@ -72,8 +70,7 @@ def c_int8_half(lab, scales: str = "per-head"):
 
 
 def c_int4_quarter(lab, group: int = 32, scale_dtype: str = "fp32"):
-    """kvlab's own INT4 (one fp32 scale per group of 32 values, notebook 03) against the claimed 1/4;
-    ``group``/``scale_dtype`` plant another layout."""
+    """kvlab's INT4 (an fp32 scale per 32 values) against the claimed 1/4; ``group`` etc. plant others."""
     ours = sizing.kv_size("llama-2-7b", "int4", tokens=4096, scales=f"group-{group}", scale_dtype=scale_dtype).total_bytes
     lean = sizing.kv_size("llama-2-7b", "int4", tokens=4096, scales="group-128", scale_dtype="fp16").total_bytes
     share = ours / _kv7b(4096)
@@ -122,9 +119,8 @@ def c_12_7ms(lab, bandwidth: float = A100_BW):
 
 def c_39pct(lab, context: int = 16384, batch: int = 32, hbm: int = A100_BYTES,
             attention_speedup: float | None = None):
-    """The +39 % as stated: at 32 x 16K on an 80 GB A100. That setting cannot fit (b32-16k-fits), so
-    the claim as made is wrong; where a setting fits, the bytes bound it and only a measured run could
-    confirm it (``attention_speedup``: a kernel's INT8/FP16 ratio, mixed into the step by Amdahl's law)."""
+    """The +39 % at 32 x 16K on an 80 GB A100, a setting that cannot fit (b32-16k-fits); where one fits the
+    bytes bound it and only a run confirms it (``attention_speedup``, mixed in by Amdahl's law)."""
     claimed = 2020 / 1450
     need = sizing.weight_bytes("llama-2-7b") + batch * _kv7b(context)
     fits = need <= hbm

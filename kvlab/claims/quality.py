@@ -1,9 +1,5 @@
-"""The claims about INT8 quantization quality (notebook 03): the quantizer and SmolLM2's cache.
-
-The per-head quantizer's zero guard and rounding, granularities and effective bits on SmolLM2's
-keys and values, and the quality claims (perplexity, KL, top-1, K vs V, sensitive layers,
-saturated static scales) from the measurements the :class:`~kvlab.claims.lab.Lab` shares. Each
-``c_...`` function returns ``(measured, verdict, why)``.
+"""The claims about INT8 quantization quality (notebook 03): the quantizer and SmolLM2's cache, from the
+measurements the :class:`~kvlab.claims.lab.Lab` shares. Each ``c_...`` returns ``(measured, verdict, why)``.
 """
 
 from __future__ import annotations
@@ -18,9 +14,8 @@ from kvlab.quant import core
 
 
 def c_zero_guard(lab, threshold: float = 1e-6):
-    """The article's guard, not kvlab's quantizer: an all-zero head must round-trip to zeros (without a
-    guard it is 0/0 = NaN), and a head just below the threshold, quantized with scale 1.0, must lose
-    no more than the threshold itself."""
+    """The article's guard: an all-zero head round-trips to zeros (not 0/0 = NaN), and a head just below
+    the threshold, at scale 1.0, loses no more than the threshold itself."""
     heads = torch.zeros(3, 4, 8)
     heads[1] = 1e-7 * torch.linspace(-1, 1, 32).view(4, 8)  # below the threshold: all rounds to 0
     heads[2] = torch.linspace(-2, 2, 32).view(4, 8)  # an ordinary head
@@ -47,10 +42,8 @@ def _rounding_bias(x: torch.Tensor, scale: torch.Tensor, how: str) -> float:
 
 
 def c_rounding(lab, keys: torch.Tensor | None = None, tie_bias: float = 0.01):
-    """Both halves of the sentence: never truncate (truncation biases: every value moves towards zero
-    by half a step on average), and half-to-even rather than half-away-from-zero, which differ only on
-    exact ties: the second half matters only if half-away's bias exceeds half-to-even's by ``tie_bias``
-    steps."""
+    """Both halves: never truncate (it moves values half a step towards zero on average), and half-to-even
+    over half-away, which differ only on exact ties: that matters only past ``tie_bias`` steps of bias."""
     k = lab.kv[0][5] if keys is None else keys
     scale = core.scale_from_absmax(core.absmax(k, "per-head"))
     bias = {h: _rounding_bias(k, scale, h) for h in ("half-even", "half-away", "truncate")}
@@ -67,9 +60,8 @@ def c_rounding(lab, keys: torch.Tensor | None = None, tie_bias: float = 0.01):
 
 
 def c_three_bits(lab, keys=None):
-    """The article's words: how many INT8 levels the bulk of a long-tailed head keeps. With one scale per
-    head (abs-max / 127), the values within the median magnitude span 254 x median / max levels, i.e.
-    log2(254 x median / max) bits; judged on SmolLM2's most long-tailed key head."""
+    """Bits the bulk of a long-tailed head keeps at one abs-max scale: log2(254 x median / max), on
+    SmolLM2's most long-tailed key head."""
     keys = lab.kv[0] if keys is None else keys
     heads = []
     for layer, k in enumerate(keys):
@@ -157,9 +149,8 @@ def c_first_last(lab):
 
 
 def c_saturation(lab):
-    """Static scales from a calibration too small for the traffic (16 tokens, notebook 03 section 4):
-    "garbage" is read as most next tokens changing (top-1 agreement with the FP cache below 50 %);
-    "widening fixes it" as the 1.2x correction bringing KL within 2x of the calibrated scales'."""
+    """Scales from 16 calibration tokens: "garbage" reads as top-1 agreement below 50 %, "widening fixes
+    it" as the 1.2x correction bringing KL within 2x of the calibrated scales'."""
     s, good = lab.saturation["configs"], lab.quality["configs"]["int8"]
     bad, fixed = s["static"], s["corrected"]
     garbage = bad["top1"] < 0.5

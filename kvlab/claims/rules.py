@@ -1,13 +1,7 @@
 """The verdict rules of the claims table (notebook 06): a verdict is computed, never typed in.
 
-Each rule returns a :class:`Verdict`, a string equal to ``holds``, ``partly``, ``wrong`` or ``not
-checkable here`` that also carries ``detail``, the condition the row's ``why`` opens with. :func:`ratio`
-(a number within a tolerance), :func:`in_range`, :func:`truth` (a statement), :func:`cost_range` (a
-noisy cost: ``partly`` when all of it lies below the claim: real but smaller), :func:`shown` (a
-speed-up on hardware the lab cannot run: ``wrong`` when the bytes rule it out, ``holds`` only from a
-measured run, else ``not checkable here``), :func:`margin` ("it fits" against a limit), :func:`parts`
-(a sentence of two measured parts) and :func:`judged_on` (a verdict measured on what the lab runs for
-a claim about another model, GPU or workload: the one rule of :mod:`kvlab.claims`).
+Each rule returns a :class:`Verdict`, a string equal to one of the four words that also carries
+``detail``, the condition the row's ``why`` opens with.
 """
 
 from __future__ import annotations
@@ -38,8 +32,7 @@ def detail(verdict: str) -> str:
 
 
 def worst(verdicts) -> Verdict:
-    """The verdict of a claim whose figures must all hold (a table of figures): the worst of them, ``wrong``
-    before ``partly`` before ``not checkable here`` before ``holds`` (the first of equals, with its detail)."""
+    """The worst of figures that must all hold: ``wrong``, ``partly``, ``not checkable here``, ``holds``."""
     verdicts = list(verdicts) or [Verdict(HOLDS)]
     rank = {WRONG: 0, PARTLY: 1, NOT_CHECKABLE: 2, HOLDS: 3}
     return min(verdicts, key=lambda v: rank[str(v)])
@@ -47,9 +40,7 @@ def worst(verdicts) -> Verdict:
 
 @contextmanager
 def recording():
-    """Record which rules a measuring function applies, and with what tolerance or range: the table
-    puts them in every row (fields ``rule`` and ``tolerance``), so a reader sees what a verdict was
-    held to, pass or fail. Yields the list of ``{"rule", "tolerance"}`` calls."""
+    """Record the rules a measurement applies and their tolerances, so each row shows what it was held to."""
     global _calls
     outer, _calls = _calls, []
     try:
@@ -83,8 +74,7 @@ def ratio(claimed: float, measured: float, tol: float = 0.15) -> Verdict:
 
 
 def in_range(lo: float, hi: float, measured: float, tol: float = 0.0) -> Verdict:
-    """``holds`` when ``lo <= measured <= hi`` (widened by ``tol``), else ``wrong``, off by N× from the
-    nearer end (or of the wrong sign)."""
+    """``holds`` within [lo, hi] (widened by ``tol``), else ``wrong``, off by N× from the nearer end."""
     if not 0 < lo <= hi:
         raise ValueError(f"need 0 < lo <= hi, got lo={lo!r}, hi={hi!r}")
     _note("in_range", f"in [{_g(lo)}, {_g(hi)}]" + (f" ±{tol:.0%}" if tol else ""))
@@ -104,9 +94,8 @@ def truth(ok: bool) -> Verdict:
 
 
 def cost_range(lo: float, hi: float, measured: float, interval: tuple[float, float]) -> Verdict:
-    """A claimed cost (e.g. +0.5-1.5 % perplexity) against our measurement and its noise interval:
-    ``holds`` when the interval meets [lo, hi]; ``wrong`` when all of it lies above hi (a bigger cost);
-    ``partly`` when all of it lies below lo (there is a cost, and it is smaller than claimed)."""
+    """A noisy measured cost against a claimed [lo, hi]: ``wrong`` wholly above, ``partly`` wholly below
+    (real but smaller), else ``holds``."""
     if not 0 < lo <= hi:
         raise ValueError(f"need 0 < lo <= hi, got lo={lo!r}, hi={hi!r}")
     a, b = sorted(interval)
@@ -119,8 +108,7 @@ def cost_range(lo: float, hi: float, measured: float, interval: tuple[float, flo
 
 
 def shown(possible: bool, reached: bool, where: str = "the claimed GPU") -> Verdict:
-    """A claimed speed-up on hardware the lab cannot run: ``wrong`` if the bytes rule it out, ``holds``
-    if a measured run reaches it, else ``not checkable here`` (an upper bound alone never holds)."""
+    """A speed-up on hardware the lab cannot run: the bytes can refute it, only a measured run confirms it."""
     _note("shown", "allowed by the bytes, and reached by a measured run; allowed but not reached: not checkable here")
     if not possible:
         return Verdict(WRONG, "the bytes rule it out")
@@ -130,8 +118,7 @@ def shown(possible: bool, reached: bool, where: str = "the claimed GPU") -> Verd
 
 
 def margin(value: float, limit: float, slack: float = 0.10) -> Verdict:
-    """Claim "value exceeds limit": ``holds`` above it, ``wrong`` more than ``slack`` below it,
-    ``partly`` within the slack (borderline: the answer depends on what else must fit)."""
+    """"value exceeds limit"; ``partly`` within ``slack`` below: the answer depends on what else must fit."""
     _note("margin", f"above the limit; within {slack:.0%} below it: partly")
     if value > limit:
         return Verdict(HOLDS)
@@ -141,8 +128,7 @@ def margin(value: float, limit: float, slack: float = 0.10) -> Verdict:
 
 
 def parts(first: bool, second: bool, first_says: str, second_says: str) -> Verdict:
-    """A sentence of two measured parts: ``holds`` when both hold, ``wrong`` when neither does, else
-    ``partly``, naming the part that holds and the one that does not."""
+    """A sentence of two measured parts: ``partly`` when one holds, naming which."""
     _note("parts", f"both parts must hold: {first_says}; {second_says}")
     if first and second:
         return Verdict(HOLDS)
@@ -153,16 +139,14 @@ def parts(first: bool, second: bool, first_says: str, second_says: str) -> Verdi
 
 
 def judged_on(verdict: str, seen_on: str = "SmolLM2", claimed_for: str = "another model") -> Verdict:
-    """A verdict measured on ``seen_on`` for a claim made about ``claimed_for``, where arithmetic cannot
-    carry it over: the same word, with the condition in its detail (the table's one rule)."""
+    """The table's one rule: a verdict measured on ``seen_on`` for a claim about ``claimed_for``, said so."""
     _note("judged_on", f"measured on {seen_on}, claimed for {claimed_for}: judged on what the lab measures")
     said = f"on {seen_on} (claimed for {claimed_for})"
     return Verdict(str(verdict), f"{detail(verdict)}, {said}" if detail(verdict) else said)
 
 
 def summarize(calls: list[dict]) -> tuple[str, str]:
-    """(rule, tolerance) of one row from the rules its measurement applied: each distinct rule once
-    (x N when applied N times), their tolerances joined; ("none", ...) when no rule was applied."""
+    """One row's (rule, tolerance): each distinct rule once (x N), their tolerances joined."""
     if not calls:
         return "none", "no rule was applied: the verdict was not computed"
     times = Counter(c["rule"] for c in calls)  # in first-use order

@@ -1,10 +1,7 @@
 """The claims about paged blocks and batching (notebooks 01, 02 and 04): simulators and the engine.
 
-How much of a contiguous reservation holds tokens, what paged blocks and a shared system prompt save
-(the slot simulator and the block manager, no model), how busy static and continuous batching keep
-the batch (the engine's dry run), how a decode step grows with the batch, and what the KV cache
-gains over recomputing (SmolLM2, through the :class:`~kvlab.claims.lab.Lab`). Each ``c_...``
-function returns ``(measured, verdict, why)``.
+Blocks come from the slot simulator and the block manager (no model), batching from the engine's dry run,
+step times and recompute from SmolLM2. Each ``c_...`` function returns ``(measured, verdict, why)``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""Running the claims table (notebook 06, ``kvlab claims``): measure, judge, count and print.
-
-:func:`run` measures every claim of the catalog (or some of them) with one shared
-:class:`~kvlab.claims.lab.Lab`; :func:`counts` says how many rows carry each of the four verdict
-words; :func:`format_table` is the plain-text table the notebook and the CLI print,
-:func:`format_index` the same at one line per claim and :func:`format_grouped` those lines under
-their verdict words.
+"""Running the claims table (notebook 06, ``kvlab claims``): measure every claim with one shared
+:class:`~kvlab.claims.lab.Lab`, count the verdicts, and print the table in full, by line or by verdict.
 """
 
 from __future__ import annotations
@@ -54,8 +49,7 @@ MARKS = {HOLDS: "✓", PARTLY: "~", WRONG: "✗", NOT_CHECKABLE: "?"}
 
 
 def format_index(rows: list[dict], width: int = 110) -> str:
-    """One line per claim: its number, mark, article and section, the claim in English and the verdict
-    (cut to ``width``): the whole table at a glance; :func:`format_table` has every row in full."""
+    """The whole table at a glance: one line per claim, cut to ``width``."""
     out = []
     for i, r in enumerate(rows, 1):
         line = f"{i:>2}. {MARKS[r['verdict']]} {r['article']} {r['where']:<11} {r['claim']}"
@@ -67,10 +61,8 @@ def format_index(rows: list[dict], width: int = 110) -> str:
 
 
 def format_table(rows: list[dict], width: int = 64, brief: bool = False, numbers: list[int] | None = None) -> str:
-    """The table as plain text: one block per claim (the notebook and the CLI print this).
-    ``brief``: the claim, what was measured and the verdict with its reason (a notebook's own rows,
-    printed where they are checked: rule and section are then known). ``numbers``: the rows' own
-    numbers (e.g. their places in the whole table, as :func:`format_index` numbers them), else 1, 2, ..."""
+    """The table as plain text, one block per claim. ``brief`` drops rule and section (a notebook's own
+    rows, printed where they are checked); ``numbers``: the rows' places in the whole table."""
     if numbers is not None and len(numbers) != len(rows):
         raise ValueError(f"numbers must give one number per row ({len(rows)}), got {len(numbers)}")
     out = []
@@ -88,8 +80,7 @@ def format_table(rows: list[dict], width: int = 64, brief: bool = False, numbers
 
 
 def format_grouped(rows: list[dict], width: int = 110) -> str:
-    """The table at one line per claim, grouped under its verdict word with the count: what holds, what
-    holds in part, what is wrong, what the lab cannot check. Lines keep their numbers in the table."""
+    """One line per claim under its verdict word and count; lines keep their numbers in the table."""
     out = []
     for v in VERDICTS:
         group = [(i, r) for i, r in enumerate(rows, 1) if r["verdict"] == v]

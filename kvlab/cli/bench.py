@@ -1,9 +1,5 @@
-"""``kvlab bench WHAT``: the lab's measurements, one table (or one JSON object) each.
-
-``recompute`` (notebook 01: recompute vs cache), ``static`` (notebook 02: static vs paged slots),
-``memory`` (notebook 02: the PagedAttention memory breakdown, no model), ``quant`` (notebook 03: every
-KV format's perplexity, KL and top-1), ``engine`` (notebook 04: kvlab's engine vs HF generate()),
-``kernels`` (notebook 05: the Triton kernels, timed on a GPU, checked and projected on a CPU).
+"""``kvlab bench WHAT``: the lab's measurements, one table (or one JSON object) each: ``recompute`` (notebook
+01), ``static`` and ``memory`` (02), ``quant`` (03), ``engine`` (04), ``kernels`` (05).
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""``kvlab claims``: every numeric claim of the source articles, measured now, with a verdict
-(kvlab/claims/, notebook 06)."""
+"""``kvlab claims``: every numeric claim of the source articles, measured, with a verdict (notebook 06)."""
 
 from __future__ import annotations
 

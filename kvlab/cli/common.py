@@ -1,5 +1,4 @@
-"""What every ``kvlab`` command module shares: the error a handler raises for bad input, and the
-one way a result is printed (a table for people, one JSON object with ``--json``)."""
+"""What every ``kvlab`` command module shares: the bad-input error, and a table or one JSON object out."""
 
 from __future__ import annotations
 
@@ -7,8 +6,7 @@ import json
 
 
 class CLIError(Exception):
-    """Bad input the parser cannot see (a combination of options, an unknown model): ``kvlab.cli.main``
-    prints it as one ``kvlab: error: ...`` line and exits with status 2."""
+    """Bad input the parser cannot see (a combination of options): one ``kvlab: error`` line, status 2."""
 
 
 def emit(obj: dict, as_json: bool, lines: list[str]) -> None:

@@ -1,5 +1,4 @@
-"""``kvlab export-vllm``: the calibrated scales as vLLM checkpoint tensors + config (kvlab/export.py,
-notebook 06)."""
+"""``kvlab export-vllm``: the calibrated scales as vLLM checkpoint tensors + config (notebook 06)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""``kvlab generate``: greedy tokens through a chosen KV cache (notebooks 01-03), or prompts served
-concurrently by the engine with ``--engine`` (notebook 04). Every option that cannot work is refused
-before the model loads."""
+"""``kvlab generate``: greedy tokens through a chosen KV cache (notebooks 01-03), or by the engine with
+``--engine`` (04); every option that cannot work is refused before the model loads."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""``kvlab gpu-check --out DIR``: the lab's commands on one CUDA GPU (:mod:`kvlab.gpu_check`), or on a CPU
-with ``--dry-run``. Exit status 0 when every step passed, 1 when one failed, 2 for bad input and for a
-plain run without a CUDA GPU."""
+"""``kvlab gpu-check --out DIR`` (:mod:`kvlab.gpu_check`): exit status 0 when every step passed, 1 when one
+failed, 2 for bad input and for a run without a CUDA GPU (but ``--dry-run``)."""
 
 from __future__ import annotations
 

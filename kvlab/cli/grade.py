@@ -1,5 +1,4 @@
-"""``kvlab grade``: every submitted notebook executed headless and each task graded by kvlab's own
-checker (kvlab/grade.py, docs/COURSE.md)."""
+"""``kvlab grade``: submitted notebooks run headless, each task graded by kvlab's checker (docs/COURSE.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""``kvlab info``, ``kvlab size``, ``kvlab convert``: the lab itself, what a KV cache weighs, the
-bundled model. None of them runs a model (notebook 00 shows the same from Python)."""
+"""``kvlab info``, ``size``, ``convert``: none of them runs a model (notebook 00 shows the same in Python)."""
 
 from __future__ import annotations
 

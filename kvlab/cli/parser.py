@@ -1,8 +1,5 @@
-"""The ``kvlab`` parser: every subcommand, option, default and help text, and nothing that runs.
-
-Shared options are parent parsers made by small functions (help text varying per subcommand), so
-``build_parser`` reads as one line per subcommand. It imports no model code, so ``kvlab --help``
-stays fast; the handlers live in ``COMMAND_MODULES``.
+"""The ``kvlab`` parser: every subcommand, option, default and help text, and nothing that runs. It imports
+no model code, so ``kvlab --help`` stays fast; shared options are parent parsers made by small functions.
 """
 
 from __future__ import annotations
@@ -22,9 +19,8 @@ COMMAND_MODULES = {"info": "info", "size": "info", "generate": "generate", "benc
                    "convert": "info", "gpu-check": "gpu_check", "grade": "grade"}
 
 DEFAULT_MODEL = "smollm2-135m"
-# KV formats (``kvlab ppl --kv-cache-dtype``; the engine's pool also takes "auto", its model's dtype), their
-# scale granularities and the element dtypes of ``kvlab size`` come from kvlab.formats, read when the
-# parser is built, so a format registered there is a choice here too.
+# KV formats, granularities and dtypes come from kvlab.formats when the parser is built: a format
+# registered there is a choice here too ("auto": the engine's pool takes its model's dtype)
 #: calibration statistics a static scale is read from
 CALIB_STATS = ("absmax", "p99", "p99.9", "p99.99")
 ATTN_BACKENDS = BACKEND_NAMES
@@ -71,8 +67,7 @@ def calibration_options(calib_help: str) -> argparse.ArgumentParser:
 
 
 def quant_format_options() -> argparse.ArgumentParser:
-    """A quantized KV format: element type, scale granularity, policy, rotation (read by
-    ``kvlab.cli.quant.quant_config``)."""
+    """A quantized KV format: element type, scale granularity, policy, rotation (``quant.quant_config``)."""
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--kv-cache-dtype", default="int8", choices=tuple(KV_CACHE_DTYPES))
     p.add_argument("--scales", default="per-head", choices=GRANULARITIES)
@@ -234,9 +229,7 @@ def _gpu_check_options() -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The whole ``kvlab`` command line; ``args.command`` names the subcommand that was chosen.
-    A subcommand is its own options (``_<name>_options``) plus the shared parents, in the order its
-    help lists them."""
+    """The whole ``kvlab`` command line: each subcommand is its own options plus the shared parents."""
     p = argparse.ArgumentParser(prog="kvlab", description="The KV-cache lab's command line.")
     sub = p.add_subparsers(dest="command", required=True)
     model, out = model_options(), json_option()

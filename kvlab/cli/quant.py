@@ -1,6 +1,5 @@
-"""``kvlab calibrate`` and ``kvlab ppl``: the scales of a model's K and V, and what a quantized KV
-format costs in perplexity, KL and top-1 (notebook 03). The calibration helpers here also serve
-``kvlab export-vllm``."""
+"""``kvlab calibrate`` and ``kvlab ppl`` (notebook 03): the scales of a model's K and V, and what a quantized
+KV format costs in perplexity, KL and top-1; the calibration helpers also serve ``kvlab export-vllm``."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ def quant_config(args):
 
 
 def read_files_first(args):
-    """Check the files a command reads before it loads a model: a wrong path fails in a second.
-    Returns the ``--scales-file`` calibration (or None)."""
+    """Check the files read before the model loads (a wrong path fails in a second); the ``--scales-file``."""
     if getattr(args, "file", None):
         read_text(args.file, "--file")
     if getattr(args, "scales_file", None):

@@ -1,8 +1,5 @@
-"""Pictures and widgets. They only READ numbers kvlab computes or counts (sizing, ``stats()``):
-the picture and the assertion next to it come from the same numbers.
-
-Widgets are never on the correctness path: the notebooks print and assert verdicts in plain
-cells, and mark widget cells as ignored by nbval.
+"""Pictures and widgets. They only READ numbers kvlab computes or counts, so a picture and the assertion
+next to it come from the same numbers; widgets are never on the correctness path (nbval ignores them).
 """
 
 from __future__ import annotations
@@ -26,8 +23,7 @@ def _contexts(model: str) -> list[int]:
 
 
 def _dense_contexts(model: str, per_octave: int = 12) -> list[int]:
-    """Contexts spaced evenly on the log axis (``per_octave`` per doubling) up to the model's maximum:
-    a line through the powers of two alone shows kinks at each one that the arithmetic does not have."""
+    """Contexts even on the log axis: through powers of two alone a line shows kinks the arithmetic lacks."""
     marks = _contexts(model)
     lo, hi = marks[0], marks[-1]
     n = max(2, round(per_octave * math.log2(hi / lo)))
@@ -42,8 +38,7 @@ def _memory_wall_traces(model: str, batch: int, kv_cache_dtype: str, weight_dtyp
 
 
 def _memory_wall_marks(model: str, context: int, batch: int, kv_cache_dtype: str, weight_dtype: str) -> dict:
-    """The chosen context as a point on the stack, and the crossover (KV > weights) as a line when
-    it falls inside the model's context; described in a note when it does not."""
+    """The chosen context as a point, and the crossover (KV > weights) as a line, else in a note."""
     top = _contexts(model)[-1]
     step = sizing.decode_step_bytes(model, min(context, top), batch, kv_cache_dtype, weight_dtype)
     cross = sizing.crossover_context(model, batch, kv_cache_dtype, weight_dtype)
@@ -54,8 +49,7 @@ def _memory_wall_marks(model: str, context: int, batch: int, kv_cache_dtype: str
     if cross <= top:
         shapes.append(dict(type="line", xref="x", yref="paper", x0=cross, x1=cross, y0=0, y1=1,
                            line=dict(color=COLORS["kv"], width=2, dash="dot")))
-        # named in the subtitle, not on the plot: a label beside the line would cross the context line
-        # whenever the slider puts the two close together
+        # named in the subtitle: a label beside the line would cross the context line when the two are close
         where = f"red dotted line: KV > weights from {cross:,} tokens"
     else:
         where = f"KV would outweigh the weights only beyond {cross:,} tokens, past this model's {top:,}-token context"
@@ -69,16 +63,14 @@ def _memory_wall_title(model, batch, kv_cache_dtype, weight_dtype, where: str = 
 
 
 def _context_ticks(xs: list[int]) -> dict:
-    """Ticks at the plotted contexts, and a range that ends at the model's maximum context (plotly pads a
-    log axis past the last point otherwise: an octave of contexts the model cannot take)."""
+    """Ticks at the plotted contexts, the range ending at the maximum (plotly pads a log axis an octave)."""
     labels = [f"{c // 1024}K" if c >= 1024 and c % 1024 == 0 else f"{c:,}" for c in xs]
     return dict(tickvals=xs, ticktext=labels, range=[math.log10(xs[0]), math.log10(xs[-1])])
 
 
 def memory_wall_figure(model: str = "llama-2-7b", batch: int = 1, kv_cache_dtype: str = "fp16",
                        weight_dtype: str = "fp16", widget: bool = False, context: int = 4096):
-    """Bytes one decode step reads (weights once + every sequence's whole KV cache) vs context, up to
-    the model's maximum context, with the chosen context marked and the crossover drawn."""
+    """Bytes one decode step reads (weights once + every sequence's KV cache) vs context (notebook 00)."""
     xs, w, kv = _memory_wall_traces(model, batch, kv_cache_dtype, weight_dtype)
     m = _memory_wall_marks(model, context, batch, kv_cache_dtype, weight_dtype)
     fig = go.Figure(
@@ -96,8 +88,7 @@ def memory_wall_figure(model: str = "llama-2-7b", batch: int = 1, kv_cache_dtype
 
 
 def memory_wall_widget(model: str = "llama-2-7b"):
-    """Model / context / batch / dtype controls over :func:`memory_wall_figure`, plus the time floor at a
-    bandwidth. The context slider stops at the chosen model's maximum context."""
+    """Controls over :func:`memory_wall_figure`, plus the time floor at a bandwidth."""
     import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
     fig = memory_wall_figure(model, batch=8, widget=True, context=2048)
     w_model = W.Dropdown(options=sorted(sizing.PRESETS), value=model, description="model")

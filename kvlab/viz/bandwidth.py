@@ -1,6 +1,5 @@
-"""Bandwidth savings, made visible (notebook 05): bytes one decode step moves by KV format and context,
-the step time they imply on a GPU (:mod:`kvlab.kernels.traffic`), and measured kernel times beside them
-(the JSON of ``kvlab bench kernels``).
+"""Bandwidth savings, made visible (notebook 05): bytes one decode step moves by KV format and context, the
+step time they imply on a GPU, and measured kernel times (``kvlab bench kernels``) beside them.
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ def _bytes(shape: str, fmt: str, batch: int, context: int) -> int:
 
 
 def measured_points(bench: dict | None, shape: str, batch: int, fmt: str) -> tuple[list, list]:
-    """(contexts, whole-model step ms) measured by ``kvlab bench kernels`` on a GPU for one batch and
-    format: per-layer kernel time x layers. Empty when there is no GPU result."""
+    """(contexts, whole-model step ms = per-layer kernel time x layers) from a GPU run; empty without one."""
     if not bench or "measured" not in bench:
         return [], []
     layers = SHAPES[shape][0]
@@ -40,8 +38,7 @@ def measured_points(bench: dict | None, shape: str, batch: int, fmt: str) -> tup
 
 def bandwidth_figure(shape: str = "llama-3-8b", batch: int = 32, context: int = 16384, gpu: str = "H100",
                      bench: dict | None = None, widget: bool = False):
-    """Left: bytes per whole-model decode step (attention only) by format at one context. Right: the step
-    time those bytes take at the GPU's peak bandwidth, by context, with measured points."""
+    """Bytes per decode step (attention only) by format, and their time at the GPU's peak bandwidth."""
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
     if gpu not in GPU_BANDWIDTH:
@@ -67,8 +64,7 @@ def bandwidth_figure(shape: str = "llama-3-8b", batch: int = 32, context: int = 
                      ticktext=[f"{c // 1024}K" if c >= 1024 else str(c) for c in CONTEXTS], row=1, col=2)
     fig.update_yaxes(title_text="ms per decode step", type="log", dtick=1, row=1, col=2)
     update_bandwidth_figure(fig, shape, batch, context, gpu, bench)
-    # a FigureWidget built from the finished figure: traces added to a live FigureWidget one by one lose
-    # their x values in the browser (plotly 7 + anywidget), later updates of existing traces do not
+    # built from the finished figure: traces added one by one to a live FigureWidget lose their x (plotly 7)
     return live(fig) if widget else fig
 
 

@@ -1,7 +1,5 @@
-"""One dashboard for a running engine (notebook 06): the block pool, the queues, the bytes each decode
-step reads and, for a quantized pool, the saturation counters per layer x head. It only reads the
-frames an :class:`~kvlab.viz.engine.EngineRecorder` copies off the engine; live while the engine
-runs, afterwards the step slider replays any step.
+"""One dashboard for a running engine (notebook 06): pool, queues, bytes read per step and saturation per
+layer x head. It only reads an :class:`~kvlab.viz.engine.EngineRecorder`'s frames; a slider replays them.
 """
 
 from __future__ import annotations
@@ -158,17 +156,14 @@ class Dashboard:
 
 
 def engine_dashboard(llm, columns: int = 32, title: str = ""):
-    """Display this, then run the engine (``llm.step()`` / ``iter_steps`` / ``generate``): it follows
-    every step; afterwards move the slider to replay. ``widget.dashboard`` holds the numbers."""
+    """Display this, then run the engine: it follows every step. ``widget.dashboard`` holds the numbers."""
     return Dashboard(llm, columns, title).widget
 
 
 def comparison_figure(rows: dict[str, dict], title: str = "", modelled: tuple[str, ...] = ("static FP16",),
                       bounds: dict[str, int] | None = None):
-    """The configurations side by side (notebook 06): requests held at once, output tokens/s, KV KiB read
-    per generated token. Bars in ``modelled`` for the KV read are hatched and say so: the static cache's
-    read is computed from its slab (every row, whole length), not counted by the engine. ``bounds``: each
-    configuration's to-completion bound (notebook 06, section 1), drawn as a marker over its held bar."""
+    """Configurations side by side: requests held, tokens/s, KV KiB read per token. ``modelled`` bars are
+    hatched: the static cache's read is computed from its slab, not counted by the engine."""
     names = [n for n in CONFIGS if n in rows]
     colors = ["#7f8c8d", "#2980b9", "#27ae60", "#16a085"][:len(names)]
     fig = make_subplots(rows=1, cols=3, subplot_titles=("requests held at once (where the budget limits)", "output tokens / s",
@@ -195,9 +190,8 @@ def comparison_figure(rows: dict[str, dict], title: str = "", modelled: tuple[st
 
 
 def held_figure(rows: dict[str, dict], title: str = ""):
-    """Requests holding KV memory after each step's scheduling, one line per configuration (notebook 06).
-    Thick markers: the steps in which the budget turned a request away; the dotted line at their
-    average is the table's "held"."""
+    """Requests holding KV memory per step, per configuration; thick markers where the budget turned one
+    away, whose average (dotted) is the table's "held"."""
     names = [n for n in CONFIGS if n in rows and "running" in rows[n]]
     colors = dict(zip(CONFIGS, ["#7f8c8d", "#2980b9", "#27ae60", "#16a085"]))
     fig = go.Figure()

@@ -1,9 +1,6 @@
-"""The serving engine, made visible (notebook 04): who waits, who runs, with how many tokens, and
-what that costs in blocks and milliseconds, step by step, so the scheduler's rules can be watched
-instead of believed.
-
-Only reads the engine: :class:`EngineRecorder` copies plain-data frames off ``LLM.on_scheduled``;
-the timeline and the step-time chart read ``llm.trace``, ``llm.seqs`` and ``llm.step_stats``.
+"""The serving engine, made visible (notebook 04): who waits, who runs, with how many tokens and at what
+cost in blocks and milliseconds, step by step, so the scheduler's rules can be watched, not believed.
+It only reads the engine (frames off ``LLM.on_scheduled``, ``llm.trace``, ``llm.step_stats``).
 """
 
 from __future__ import annotations
@@ -29,13 +26,9 @@ PART_COLORS = {"schedule_s": COLORS["padding"], "packing_s": PALETTE[2], "forwar
 # ---- recording ------------------------------------------------------------------------------------
 
 class EngineRecorder:
-    """Plain-data frames of an :class:`~kvlab.engine.LLM`, one per step, as its forward sees them.
-    Attaches to ``llm.on_scheduled`` (chaining any callback already there). A frame holds the step,
-    the pool (:func:`kvlab.viz.paged.snapshot`, without the per-sequence tables), the waiting /
-    running / finished seq ids, the scheduled seqs with their new tokens, and the step's trace
-    events (its ``finished`` events, logged after the forward, join it through ``llm.on_step``).
-    ``listeners`` are called with
-    ``(frame index, is_new)`` whenever a frame is added or gains events."""
+    """Plain-data frames of an :class:`~kvlab.engine.LLM`, one per step, as its forward sees them (off
+    ``llm.on_scheduled``, chained); ``finished`` events, logged after the forward, join via ``llm.on_step``.
+    ``listeners`` get ``(frame index, is_new)`` whenever a frame is added or gains events."""
 
     def __init__(self, llm):
         self.llm = llm
@@ -188,9 +181,7 @@ def frame_html(frame: dict) -> str:
 
 
 def scheduler_widget(recorder: EngineRecorder, columns: int = 16):
-    """Step (or play) through a recorded run: queues, this step's tokens and events, and the block pool.
-    Follows the recorder: frames added later (a run in progress) extend the slider and move it to the
-    newest step. With no frames yet, records the engine as it is now."""
+    """Step through a recorded run: queues, tokens, events and the pool; a run in progress moves it along."""
     import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
     if not recorder.frames:
         recorder.capture()
@@ -226,20 +217,17 @@ def scheduler_widget(recorder: EngineRecorder, columns: int = 16):
 
 
 def live_scheduler_widget(llm, columns: int = 16):
-    """:func:`scheduler_widget` that records ``llm`` from now on: display it, then run
-    ``for _ in llm.iter_steps(): ...`` and it moves to each new step. ``widget.recorder`` holds the
-    frames; call ``widget.recorder.sync()`` after the run to show the last step's ``finished`` events."""
+    """:func:`scheduler_widget` recording ``llm`` from now on; ``widget.recorder.sync()`` after the run shows
+    the last step's ``finished`` events."""
     return scheduler_widget(EngineRecorder(llm), columns)
 
 
 # ---- the request timeline -------------------------------------------------------------------------
 
 def request_states(llm, seq_ids=None) -> dict[int, list[tuple[int, str]]]:
-    """Per request, ``(step, state)`` for every step from its arrival to its end, from the trace alone.
-    States: queued (waiting, never run), prefill (running, prompt not all computed: a chunk this step,
-    or waiting for token budget), decode, preempted (waiting to be readmitted). The trace logs a
-    prompt's chunks but not its last one: prefill ends the first step after the last ``chunked``
-    in which the request was not ``deferred``."""
+    """Per request, ``(step, state)`` from arrival to end, from the trace alone: queued, prefill, decode,
+    preempted. The trace logs a prompt's chunks but not its last: prefill ends the first step after the
+    last ``chunked`` in which the request was not ``deferred``."""
     by_seq: dict[int, dict[int, list]] = {}
     for ev in llm.trace:
         by_seq.setdefault(ev.seq_id, {}).setdefault(ev.step, []).append(ev)
@@ -278,8 +266,7 @@ def _segments(states: list[tuple[int, str]]) -> list[tuple[str, int, int]]:
 
 
 def request_timeline(llm, seq_ids=None):
-    """Gantt chart of a run in engine steps: per request, queued -> prefill chunks -> decode, and
-    preempted from preemption to readmission. One row per request, top to bottom in seq id order."""
+    """Gantt chart in engine steps: per request, queued -> prefill chunks -> decode, and preempted spans."""
     states = request_states(llm, seq_ids)
     rows = {sid: f"seq {sid}" for sid in states}
     bars = {s: dict(y=[], x=[], base=[], text=[]) for s in STATES}

@@ -47,11 +47,8 @@ def _spans(marks: dict) -> list[tuple[int, int, str]]:
 
 def eviction_explorer(runs: dict, marks: dict | None = None, prompt_tokens: int | None = None, block_size: int = 16,
                       start: int | None = None):
-    """A budget slider over :func:`kvlab.eval.kept_blocks`' runs: one row per policy, one cell per
-    logical block of the sequence (kept, dropped, the newest); ``marks``: block index -> label drawn
-    above the grid (e.g. where the pass key sits; consecutive blocks with one label share it);
-    ``prompt_tokens``: a line where the prompt ends and the answer begins; ``start``: the budget the slider opens at
-    (the smallest by default)."""
+    """A budget slider over :func:`kvlab.eval.kept_blocks`' runs: per policy, each logical block kept or
+    dropped; ``marks`` labels blocks above the grid (e.g. where the pass key sits)."""
     import ipywidgets as W  # ipywidgets loads only when a widget is built
     budgets = sorted(runs)
     if start is not None and start not in budgets:
@@ -102,8 +99,7 @@ def eviction_explorer(runs: dict, marks: dict | None = None, prompt_tokens: int 
 
 
 def quantize_or_evict_figure(q: dict):
-    """Next-token KL against the bytes a cache holds at the end of the text (share of the full FP16
-    cache): a marker per quantized format, a line per eviction policy over its budgets."""
+    """Next-token KL against bytes held (share of FP16): a marker per format, a line per eviction policy."""
     cs = q["result"]["configs"]
     fig = go.Figure()
     policies = sorted({c["policy"] for c in cs.values() if c["policy"]})
@@ -136,9 +132,7 @@ def quantize_or_evict_figure(q: dict):
 
 
 def fleet_figure(rows: list[dict]):
-    """Prefix hit rate, TTFT p50 and TTFT p99 (log scale) against the number of replicas, one panel each: a
-    colour and a marker per router (where round-robin equals least-loaded, the two markers stay visible;
-    at one replica every router sends everything to the same engine, so the three coincide)."""
+    """Prefix hit rate, TTFT p50 and p99 against replicas, a marker per router (they coincide at one)."""
     fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.08,
                         subplot_titles=("prefix hit rate (blocks found cached)", "TTFT p50, simulated (s)",
                                         "TTFT p99, simulated (s)"))

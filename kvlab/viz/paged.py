@@ -1,7 +1,5 @@
-"""The block table, made visible (notebook 02): a grid of physical blocks coloured by owner,
-replayed step by step from snapshots of a real :class:`~kvlab.cache.paged.BlockManager`.
-
-Only reads the manager's public state; a :class:`Trace` records what the notebook did to it.
+"""The block table, made visible (notebook 02): physical blocks coloured by owner, replayed from snapshots
+of a real :class:`~kvlab.cache.paged.BlockManager`'s public state.
 """
 
 from __future__ import annotations
@@ -26,8 +24,7 @@ def seq_color(seq_id: int) -> str:
 
 
 def snapshot(bm, note: str = "", names: dict | None = None) -> dict:
-    """A plain-data picture of the pool: per block its state, owners, refcount and fill.
-    ``names`` maps sequence ids to the labels a story uses for them ("A", "B", ...)."""
+    """Per block its state, owners, refcount and fill; ``names`` maps seq ids to labels ("A", "B", ...)."""
     owners: dict[int, list[int]] = {}
     for sid, seq in bm.seqs.items():
         for bid in seq.block_table:
@@ -49,8 +46,7 @@ def _name(frame: dict, sid: int) -> str:
 
 
 class Trace:
-    """Snapshots of a block manager after each operation, for :func:`block_table_widget`.
-    ``names``: labels for sequence ids, shown in the grid and the tables instead of "seq <id>"."""
+    """Snapshots of a block manager after each operation, for :func:`block_table_widget`."""
 
     def __init__(self, bm, names: dict | None = None):
         self.bm = bm
@@ -122,8 +118,7 @@ def block_table_figure(frame: dict, columns: int = 8, widget: bool = False):
 
 
 def block_table_widget(trace: Trace, columns: int = 8, start: int = 0):
-    """Step (or play) through a trace: the block grid and the per-sequence tables update together.
-    It opens at frame ``start`` (a frame worth seeing before anyone moves the slider)."""
+    """Step through a trace: the block grid and the per-sequence tables update together."""
     import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
     if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < len(trace.frames):
         raise ValueError(f"start must be a frame index in 0..{len(trace.frames) - 1}, got {start!r}")
@@ -144,8 +139,7 @@ def block_table_widget(trace: Trace, columns: int = 8, start: int = 0):
 
 
 def fragmentation_figure(results: list[dict], title: str = ""):
-    """Stacked bars: where reserved KV slots go under each allocation policy (paper Fig. 2 style),
-    averaged over the decode steps."""
+    """Where reserved KV slots go per allocation policy, averaged over decode steps (paper Fig. 2 style)."""
     names = [r["policy"] if r["policy"] != "paged" else f"paged ({r['block_size']})" for r in results]
     fig = go.Figure()
     for key, label, color in (("token_states", "token states", COLORS["tokens"]),
@@ -162,8 +156,7 @@ def fragmentation_figure(results: list[dict], title: str = ""):
 
 
 def block_size_figure(rows: list[dict], title: str = "The block-size trade-off"):
-    """Slots wasted at completion (bars, left axis) vs block-table entries per sequence (line, right
-    axis, log scale with plain-number ticks) across block sizes."""
+    """Slots wasted at completion vs block-table entries per sequence, across block sizes."""
     x = [str(r["block_size"]) for r in rows]
     waste = [100 * r["waste_at_completion"] for r in rows]
     entries = [r["table_entries_per_seq"] for r in rows]

@@ -52,9 +52,8 @@ def value_histogram(values, clip_lines: dict, qmax: int = 127, bins: int = 120, 
 
 def per_layer_figure(values: list[float], title: str, yaxis: str, highlight: list[int] | None = None,
                      highlight_name: str = "highlighted", other_name: str = "other layers", log: bool = False):
-    """One bar per layer; ``highlight`` layers in a second colour, each group named in the legend.
-    ``log``: a log y axis with one point per layer instead of a bar (on a log axis a bar's height
-    depends on where the axis starts), for values that span orders of magnitude."""
+    """One bar per layer, ``highlight`` in a second colour; ``log`` draws points, since on a log axis a bar's
+    height depends on where the axis starts."""
     if log and any(v <= 0 for v in values):
         raise ValueError("log=True needs every value > 0")
     marked = set(highlight or ())
@@ -75,9 +74,7 @@ def per_layer_figure(values: list[float], title: str, yaxis: str, highlight: lis
 def granularity_explorer(keys, values, calibration=None,
                          granularities=("per-tensor", "per-head", "per-channel", "per-token-head"),
                          start: str | None = None):
-    """Pick K or V, a granularity and (with a calibration) the statistic behind static scales:
-    INT8 signal-to-noise and clip rate per layer update live. ``start``: the statistic it opens on
-    (default: this data's own abs-max, where nothing clips; e.g. ``"p99"`` opens on clipping)."""
+    """K or V, a granularity and the statistic behind static scales -> INT8 SNR and clip rate per layer."""
     import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
     stats = ["this data's abs-max"] + (["absmax", "p99.99", "p99.9", "p99"] if calibration is not None else [])
     if start is not None and start not in stats:
@@ -109,8 +106,7 @@ def granularity_explorer(keys, values, calibration=None,
         with fig.batch_update():
             fig.data[0].y = [r[0] for r in rows]
             fig.data[1].y = clips
-            # the clip axis starts at 0 and ends just above the largest rate; when nothing clips it has one
-            # tick that says so (not a scale of rates that did not happen)
+            # from 0 to just above the largest rate; when nothing clips, one tick that says so
             if max(clips) > 0:
                 fig.layout.yaxis2.update(range=[0, max(clips) * 1.15], tickvals=None, ticktext=None)
             else:

@@ -1,9 +1,7 @@
 """Figures that widgets update in place, on every front end (JupyterLab, Colab, Kaggle, a course hub).
 
-A live widget updates its figure inside ``with fig.batch_update():``. Where plotly's ``FigureWidget``
-renders it is that widget; elsewhere (Colab, Kaggle, old plotly/ipywidgets pairs) a plain ``go.Figure``
-redrawn in an ``ipywidgets.Output`` after each batch: slower, but it renders wherever plotly does.
-:func:`~kvlab.env.widget_mode` chooses (``KVLAB_WIDGETS=figurewidget`` or ``output`` forces one).
+A live widget updates its figure inside ``with fig.batch_update():``; where ``FigureWidget`` does not
+render (Colab, Kaggle), a plain figure is redrawn in an ``ipywidgets.Output``: slower, but it renders.
 """
 
 from __future__ import annotations
@@ -19,9 +17,7 @@ __all__ = ["MODES", "RedrawnFigure", "live", "view", "widget_mode"]
 
 
 class RedrawnFigure:
-    """A plotly figure shown in an ``ipywidgets.Output`` and redrawn after each ``batch_update``.
-    ``data``, ``layout`` and the figure's other attributes are the plain figure's; ``output`` is the
-    widget to display (:func:`view`). ``update_layout`` redraws too."""
+    """A plotly figure shown in an ``ipywidgets.Output``, redrawn after each ``batch_update``."""
 
     def __init__(self, fig):
         import ipywidgets as W  # ipywidgets loads only when a widget is built
@@ -54,8 +50,7 @@ class RedrawnFigure:
 
 
 def live(fig, mode: str | None = None):
-    """``fig`` (a ``go.Figure``) as a figure widgets can update: a ``FigureWidget``, or a
-    :class:`RedrawnFigure` in ``"output"`` mode (``mode=None``: :func:`widget_mode`)."""
+    """``fig`` as a figure widgets can update: a ``FigureWidget``, or a :class:`RedrawnFigure`."""
     mode = widget_mode() if mode is None else mode
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES} or None, got {mode!r}")
