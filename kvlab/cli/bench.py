@@ -22,31 +22,31 @@ from kvlab.cli.common import batched_tokens, emit
 def cmd_bench(args) -> int:
     if args.new_tokens is None:
         args.new_tokens = 16 if args.what == "recompute" else 64
-    return {"recompute": _recompute, "static": _static, "quant": _quant, "engine": _engine, "kernels": _kernels,
-            "memory": _memory}[args.what](args)
+    obj, lines = {"recompute": _recompute, "static": _static, "quant": _quant, "engine": _engine,
+                  "kernels": _kernels, "memory": _memory}[args.what](args)
+    emit(obj, args.json, lines)
+    return 0
 
 
-def _recompute(args) -> int:
+def _recompute(args) -> tuple[dict, list[str]]:
     model, tokenizer = models.load_model(args.model)
     rows = caches.recompute_vs_cache(model, tokenizer, tuple(args.prompt_lens), args.new_tokens)
     lines = [f"{'prompt':>7}{'no cache (s)':>14}{'cache (s)':>11}{'speed-up':>10}{'same tokens':>13}"]
     lines += [f"{r['prompt_tokens']:>7}{r['no_cache_s']:>14.2f}{r['cache_s']:>11.2f}{r['speedup']:>9.1f}x"
               f"{str(r['same_tokens']):>13}" for r in rows]
-    emit({"rows": rows}, args.json, lines)
-    return 0
+    return {"rows": rows}, lines
 
 
-def _static(args) -> int:
+def _static(args) -> tuple[dict, list[str]]:
     model, tokenizer = models.load_model(args.model)
     res = caches.static_vs_paged(model, tokenizer, args.new_tokens, args.block_size)
     lines = [f"{'cache':<36}{'slots':>8}{'tokens':>8}{'in use':>12}{'holding tokens':>16}"]
     lines += [f"{k:<36}{v['slots']:>8,}{v['tokens_stored']:>8,}{fmt_bytes(v['bytes_in_use']):>12}"
               f"{v['utilization']:>16.1%}" for k, v in res.items()]
-    emit(res, args.json, lines)
-    return 0
+    return res, lines
 
 
-def _quant(args) -> int:
+def _quant(args) -> tuple[dict, list[str]]:
     model, tokenizer = models.load_model(args.model)
     res = caches.quant_table(model, tokenizer, tokens=args.tokens, mixed=not args.no_mixed, chunk=args.chunk,
                             model_name=args.model, progress=not args.json)
@@ -59,11 +59,10 @@ def _quant(args) -> int:
     for name, c in res["configs"].items():
         lines.append(f"{name:<36}{c['bytes_per_token'] / fp16:>6.0%}{c['ppl']:>9.3f}{c['delta_ppl_pct']:>+8.2f}%"
                      f"{c['kl']:>9.4f}{c['top1']:>8.1%}{c['k_clip_rate']:>9.1e}{c['v_clip_rate']:>9.1e}")
-    emit(res, args.json, lines)
-    return 0
+    return res, lines
 
 
-def _kernels(args) -> int:
+def _kernels(args) -> tuple[dict, list[str]]:
     """GPU: timings; CPU: the interpreter's correctness sweep and the bandwidth projection."""
     if args.out:
         check_writable_target(args.out, "--out file")
@@ -72,11 +71,10 @@ def _kernels(args) -> int:
                      converts=args.converts or kbench.CONVERSIONS)
     if args.out:
         write_atomic(args.out, json.dumps(res, indent=1), "--out file")
-    emit(res, args.json, kbench.format_table(res).splitlines())
-    return 0
+    return res, kbench.format_table(res).splitlines()
 
 
-def _memory(args) -> int:
+def _memory(args) -> tuple[dict, list[str]]:
     """The PagedAttention Fig. 2 breakdown on a synthetic workload, no model."""
     reqs = simulate.workload(args.workload, args.requests, seed=args.seed)
     rows = [simulate.simulate(reqs, p, block_size=args.block_size) for p in simulate.POLICIES]
@@ -87,11 +85,10 @@ def _memory(args) -> int:
               f"{r['internal_fragmentation']:>15.1%}" for r in rows]
     lines += ["block size sweep, slots wasted at completion: "
               + ", ".join(f"{r['block_size']}: {r['waste_at_completion']:.1%}" for r in sweep)]
-    emit({"policies": rows, "block_size_sweep": sweep}, args.json, lines)
-    return 0
+    return {"policies": rows, "block_size_sweep": sweep}, lines
 
 
-def _engine(args) -> int:
+def _engine(args) -> tuple[dict, list[str]]:
     check_workload_args(args.scale, args.arrival, args.rate)  # before the model loads
     check_block_size(args.block_size)
     args.max_num_batched_tokens = batched_tokens(args.max_num_batched_tokens, args.max_num_seqs)
@@ -145,8 +142,7 @@ def _engine(args) -> int:
     if "hf_generate" in res["systems"]:
         lines.append(f"hf_generate computed {res['systems']['hf_generate']['generated_tokens']} tokens, "
                      f"{res['systems']['hf_generate']['useful_share']:.0%} of them useful (padded batches)")
-    emit(_nan_to_none(res), args.json, lines)
-    return 0
+    return _nan_to_none(res), lines
 
 
 def _nan_to_none(obj):
