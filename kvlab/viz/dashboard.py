@@ -14,7 +14,7 @@ from kvlab.capstone import CONFIGS, quantized
 from kvlab.viz import COLORS
 from kvlab.viz.render import live, view
 from kvlab.viz.engine import EngineRecorder, frame_html
-from kvlab.viz.paged import block_grid, block_table_figure
+from kvlab.viz.paged import block_table_figure, redraw_grid
 
 WIDTH = 1000  # px: a widget in a box does not stretch its figures; fits a laptop screen beside the file browser
 
@@ -120,10 +120,7 @@ class Dashboard:
         index = max(0, min(index, len(frames) - 1))
         frame = frames[index]
         x, running, waiting, mib = self._series()
-        z, text, scale, n = block_grid(frame["pool"], self.columns)
-        with self.pool.batch_update():
-            self.pool.data[0].z, self.pool.data[0].text = z, text
-            self.pool.data[0].colorscale, self.pool.data[0].zmax = scale, n
+        redraw_grid(self.pool, frame["pool"], self.columns)
         with self.chart.batch_update():
             self.chart.data[0].x, self.chart.data[0].y = x, running
             self.chart.data[1].x, self.chart.data[1].y = x, waiting

@@ -12,7 +12,7 @@ import warnings
 import plotly.graph_objects as go
 
 from kvlab.viz import COLORS
-from kvlab.viz.paged import PALETTE, SHARED, block_grid, block_table_figure, seq_color, snapshot
+from kvlab.viz.paged import PALETTE, SHARED, block_table_figure, redraw_grid, seq_color, snapshot
 
 STATES = ("queued", "prefill", "decode", "preempted")  # a request's state in one step, for the timeline
 STATE_COLORS = {"queued": COLORS["empty"], "prefill": PALETTE[0], "decode": COLORS["tokens"],
@@ -195,10 +195,7 @@ def scheduler_widget(recorder: EngineRecorder, columns: int = 16):
     W.jslink((play, "value"), (step, "value"))
     def draw(value: int):
         frame = recorder.frame_at(value)
-        z, text, scale, n = block_grid(frame["pool"], columns)
-        with fig.batch_update():
-            fig.data[0].z, fig.data[0].text = z, text
-            fig.data[0].colorscale, fig.data[0].zmax = scale, n
+        redraw_grid(fig, frame["pool"], columns)
         info.value = frame_html(frame)
     def follow(index: int, new: bool):
         frame_step = recorder.frames[index]["step"]

@@ -117,6 +117,14 @@ def block_table_figure(frame: dict, columns: int = 8, widget: bool = False):
     return live(fig) if widget else fig
 
 
+def redraw_grid(fig, frame: dict, columns: int) -> None:
+    """Redraw a live :func:`block_table_figure` in place with ``frame``'s blocks."""
+    z, text, scale, n = block_grid(frame, columns)
+    with fig.batch_update():
+        fig.data[0].z, fig.data[0].text = z, text
+        fig.data[0].colorscale, fig.data[0].zmax = scale, n
+
+
 def block_table_widget(trace: Trace, columns: int = 8, start: int = 0):
     """Step through a trace: the block grid and the per-sequence tables update together."""
     import ipywidgets as W  # ipywidgets loads only when a widget is built (a figure needs plotly alone)
@@ -129,10 +137,7 @@ def block_table_widget(trace: Trace, columns: int = 8, start: int = 0):
     W.jslink((play, "value"), (step, "value"))
     def show(change):
         frame = trace.frames[change["new"]]
-        z, text, scale, n = block_grid(frame, columns)
-        with fig.batch_update():
-            fig.data[0].z, fig.data[0].text = z, text
-            fig.data[0].colorscale, fig.data[0].zmax = scale, n
+        redraw_grid(fig, frame, columns)
         info.value = _tables_html(frame)
     step.observe(show, names="value")
     return W.VBox([W.HBox([play, step]), info, view(fig)])
