@@ -87,9 +87,8 @@ def _row(reqs: list[dict], wall: float, **extra) -> dict:
     e2e = [r["finish"] - r["arrival"] for r in reqs]
     tokens = sum(r["output_tokens"] for r in reqs)
     return {"output_tok_s": tokens / wall, "output_tokens": tokens, "wall_s": wall,
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-            "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
-            "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99), **extra}
+            **{f"{name}_p{q}_s": percentile(xs, q)
+               for name, xs in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)) for q in (50, 99)}, **extra}
 
 
 def _wait_until(t: float) -> None:
@@ -124,14 +123,13 @@ def run_kvlab(model, tokenizer, wl: Workload, policy: str = "continuous", max_nu
     s = llm.summary(list(ids.values()))
     full = [st for st in llm.step_stats if st.running >= max_num_seqs]
     share_full = (sum(st.schedule_s for st in full) / sum(st.total_s for st in full)) if full else float("nan")
-    reqs = [{"arrival": llm.seqs[ids[i]].metrics.arrival, "first_token": llm.seqs[ids[i]].metrics.first_token,
-             "finish": llm.seqs[ids[i]].metrics.finished, "output_tokens": len(llm.seqs[ids[i]].output_token_ids)}
-            for i in sorted(ids)]
-    row = _row(reqs, s["wall_s"], steps=s["steps"], preemptions=s["preemptions"],
-               scheduler_share=s["scheduler_share"], packing_share=s["packing_share"],
-               forward_share=s["forward_share"], sample_share=s["sample_share"],
-               scheduler_share_at_max_num_seqs=share_full, num_blocks=num_blocks)
-    return row, llm, [list(llm.seqs[ids[i]].output_token_ids) for i in sorted(ids)]
+    seqs = [llm.seqs[ids[i]] for i in sorted(ids)]  # workload order
+    reqs = [{"arrival": q.metrics.arrival, "first_token": q.metrics.first_token, "finish": q.metrics.finished,
+             "output_tokens": len(q.output_token_ids)} for q in seqs]
+    kept = ("steps", "preemptions", "scheduler_share", "packing_share", "forward_share", "sample_share")
+    row = _row(reqs, s["wall_s"], **{k: s[k] for k in kept}, scheduler_share_at_max_num_seqs=share_full,
+               num_blocks=num_blocks)
+    return row, llm, [list(q.output_token_ids) for q in seqs]
 
 
 class _TokenTimes:
@@ -328,11 +326,10 @@ def bench_engine(model, tokenizer, wl: Workload, max_num_seqs: int = 32, systems
                 out[name]["greedy_equal_to_kvlab"] = sum(d is None for d in diff)
                 out[name]["greedy_first_difference"] = diff  # per request: None (equal) or the first differing position
     base = out.get("kvlab_continuous")
-    for row in out.values():
-        if base is not None:
-            row["throughput_vs_kvlab"] = row["output_tok_s"] / base["output_tok_s"]
-            row["ttft_p50_vs_kvlab"] = row["ttft_p50_s"] / base["ttft_p50_s"]
-            row["tpot_p50_vs_kvlab"] = row["tpot_p50_s"] / base["tpot_p50_s"]
+    for row in out.values() if base is not None else ():
+        for ratio, key in (("throughput", "output_tok_s"), ("ttft_p50", "ttft_p50_s"),
+                           ("tpot_p50", "tpot_p50_s")):
+            row[f"{ratio}_vs_kvlab"] = row[key] / base[key]
     res = {"systems": out, "skipped": skipped, "workload": wl.meta, "max_num_seqs": max_num_seqs, "repeat": repeat,
            "threads": torch.get_num_threads(), "device": str(next(model.parameters()).device), "cpu": cpu_name()}
     if base is not None:
