@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from importlib.resources import files
+from itertools import product
 
 import torch
 
@@ -132,10 +133,9 @@ def time_case(shape: str, batch: int, context: int, device, converts=CONVERSIONS
     table, ctx = _tables(batch, context, n_blocks, device)
     q = torch.randn(batch, h_q, d, device=device, dtype=torch.float16)
     scale = d ** -0.5
-    row = {"shape": shape, "batch": batch, "context": context, "us": {}, "GBps": {}, "bytes_per_layer": {}}
     splits = decode.default_splits(batch * h_kv, table.shape[1], decode.default_pages(BLOCK_SIZE))
-    row["splits"] = splits
-    row["variants"], row["best_convert"], row["stages"], row["model_us"] = {}, {}, {}, {}
+    row = {"shape": shape, "batch": batch, "context": context, "us": {}, "GBps": {}, "bytes_per_layer": {},
+           "splits": splits, "variants": {}, "best_convert": {}, "stages": {}, "model_us": {}}
     for fmt in COMPARED:
         k_op, v_op = random_operands(fmt, n_blocks, h_kv, d, device)
         nbytes = decode_traffic(ctx.tolist(), h_q, h_kv, d, *FORMATS[fmt], num_splits=splits)["total"]
@@ -202,15 +202,12 @@ def run(shapes=None, batches=BATCHES, contexts=CONTEXTS, gpu: str = "H100", prog
     rows = []
     for shape in shapes:
         layers, h_q, h_kv, d = SHAPES[shape]
-        for b in batches:
-            for c in contexts:
-                row = {"shape": shape, "batch": b, "context": c,
-                       "bytes_per_step": {f: step_bytes(f, b, c, layers, h_q, h_kv, d) for f in COMPARED},
-                       "bytes_per_step_int8_unfused": step_bytes("int8", b, c, layers, h_q, h_kv, d, fused=False),
-                       "projection_ms": {g: {f: v["projected_ms"] for f, v in project(shape, b, c, g).items()}
-                                         for g in GPU_BANDWIDTH},
-                       "model_us": _model_row(shape, b, c)}
-                rows.append(row)
+        rows += [{"shape": shape, "batch": b, "context": c,
+                  "bytes_per_step": {f: step_bytes(f, b, c, layers, h_q, h_kv, d) for f in COMPARED},
+                  "bytes_per_step_int8_unfused": step_bytes("int8", b, c, layers, h_q, h_kv, d, fused=False),
+                  "projection_ms": {g: {f: v["projected_ms"] for f, v in project(shape, b, c, g).items()}
+                                    for g in GPU_BANDWIDTH},
+                  "model_us": _model_row(shape, b, c)} for b, c in product(batches, contexts)]
     result["projection"] = {"label": "PROJECTION: bytes per whole-model decode step (attention only) / peak HBM "
                                      "bandwidth; a lower bound on the step time, not a measurement",
                             "rows": rows}
@@ -218,12 +215,10 @@ def run(shapes=None, batches=BATCHES, contexts=CONTEXTS, gpu: str = "H100", prog
         progress("copy bandwidth ...")
         result["copy_GBps"] = copy_bandwidth(device) / 1e9
         measured = []
-        for shape in shapes:
-            for b in batches:
-                for c in contexts:
-                    progress(f"{shape} batch {b} context {c} ...")
-                    measured.append(time_case(shape, b, c, device, converts))
-                    torch.cuda.empty_cache()
+        for shape, b, c in product(shapes, batches, contexts):
+            progress(f"{shape} batch {b} context {c} ...")
+            measured.append(time_case(shape, b, c, device, converts))
+            torch.cuda.empty_cache()
         result["measured"] = measured
     result["seconds"] = time.perf_counter() - t0
     return result
