@@ -23,6 +23,7 @@ _COPY_OPS = {"aten::index_select", "aten::index", "aten::cat", "aten::copy_", "a
              "aten::stack", "aten::_to_copy", "aten::to", "aten::gather", "aten::take"}
 _GEMM_OPS = {"mkldnn::_linear_pointwise", "aten::linear"}
 _MARK = "kvlab::"
+_RANGE_PARTS = {_MARK + "norm": "norms", _MARK + "write": "attention: write"}  # a range of ours -> its part
 
 
 class _Profiled(AttentionBackend):
@@ -81,10 +82,8 @@ def _part(evt) -> str | None:
     for n in names:  # innermost first
         if n in _GEMM_OPS:
             return "model GEMMs"
-        if n == _MARK + "norm":
-            return "norms"
-        if n == _MARK + "write":
-            return "attention: write"
+        if n in _RANGE_PARTS:
+            return _RANGE_PARTS[n]
         if n == _MARK + "attention":
             return "attention: gather/copy" if evt.name in _COPY_OPS else "attention: compute"
     return "other model ops"
@@ -126,9 +125,8 @@ def profile_steps(llm, steps: int = 40, skip: int = 10) -> dict:
     forward_ms = 1e3 * sum(s.forward_s for s in stats) / n
     ops = sum(op_time.values()) or 1.0
     ms = {p: forward_ms * op_time[p] / ops for p in PARTS}
-    ms["packing"] = 1e3 * sum(s.packing_s for s in stats) / n
-    ms["scheduling"] = 1e3 * sum(s.schedule_s for s in stats) / n
-    ms["sampling"] = 1e3 * sum(s.sample_s for s in stats) / n
+    for part, clock in (("packing", "packing_s"), ("scheduling", "schedule_s"), ("sampling", "sample_s")):
+        ms[part] = 1e3 * sum(getattr(s, clock) for s in stats) / n
     total = sum(ms.values())
     share = {p: ms[p] / total for p in PARTS}
     return {"steps": n, "step_ms": total, "ms_per_step": ms, "share": share,
