@@ -51,10 +51,9 @@ def _llm(job):
               max_num_seqs=job.get("max_num_seqs", 16), enable_prefix_caching=job.get("enable_prefix_caching", True),
               block_size=job.get("block_size", 32), enforce_eager=job.get("enforce_eager", False),
               kv_cache_dtype=job.get("kv_cache_dtype", "auto"), max_model_len=job.get("max_model_len", 2048))
-    if job.get("max_num_batched_tokens"):
-        kw["max_num_batched_tokens"] = job["max_num_batched_tokens"]
-    if job.get("kv_cache_memory_bytes"):
-        kw["kv_cache_memory_bytes"] = job["kv_cache_memory_bytes"]
+    for key in ("max_num_batched_tokens", "kv_cache_memory_bytes"):  # else vLLM's default
+        if job.get(key):
+            kw[key] = job[key]
     return LLM(**kw)
 
 
