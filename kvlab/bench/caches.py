@@ -23,13 +23,12 @@ def memory_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
     best = float("inf")
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         x.sum()
-        if device == "cuda":
-            torch.cuda.synchronize()
+        sync()
         best = min(best, time.perf_counter() - t0)
     return x.nbytes / best
 
