@@ -17,6 +17,7 @@ from kvlab.viz.engine import EngineRecorder, frame_html
 from kvlab.viz.paged import block_table_figure, redraw_grid
 
 WIDTH = 1000  # px: a widget in a box does not stretch its figures; fits a laptop screen beside the file browser
+CONFIG_COLORS = ["#7f8c8d", "#2980b9", "#27ae60", "#16a085"]  # the capstone configurations' colours
 
 
 def _bytes_per_token(cache) -> float:
@@ -91,10 +92,9 @@ class Dashboard:
         fig.add_trace(go.Scatter(x=x, y=running, name="running", line_color=COLORS["tokens"]), 1, 1)
         fig.add_trace(go.Scatter(x=x, y=waiting, name="waiting", line_color=COLORS["padding"]), 1, 1)
         fig.add_trace(go.Bar(x=x, y=mib, name="KV read", marker_color=COLORS["kv"]), 1, 2)
-        fig.add_trace(go.Scatter(x=[x[-1]], y=[running[-1]], mode="markers", name="this frame",
-                                 marker=dict(size=11, color="#1b2631", symbol="diamond")), 1, 1)
-        fig.add_trace(go.Scatter(x=[x[-1]], y=[mib[-1]], mode="markers", showlegend=False,
-                                 marker=dict(size=11, color="#1b2631", symbol="diamond")), 1, 2)
+        this_frame = dict(mode="markers", marker=dict(size=11, color="#1b2631", symbol="diamond"))
+        fig.add_trace(go.Scatter(x=[x[-1]], y=[running[-1]], name="this frame", **this_frame), 1, 1)
+        fig.add_trace(go.Scatter(x=[x[-1]], y=[mib[-1]], showlegend=False, **this_frame), 1, 2)
         z = self.clipped[-1]
         if z is None:
             fig.add_trace(go.Heatmap(z=[[0]], showscale=False, colorscale="Greys"), 1, 3)
@@ -162,7 +162,7 @@ def comparison_figure(rows: dict[str, dict], title: str = "", modelled: tuple[st
     """Configurations side by side: requests held, tokens/s, KV KiB read per token. ``modelled`` bars are
     hatched: the static cache's read is computed from its slab, not counted by the engine."""
     names = [n for n in CONFIGS if n in rows]
-    colors = ["#7f8c8d", "#2980b9", "#27ae60", "#16a085"][:len(names)]
+    colors = CONFIG_COLORS[:len(names)]
     fig = make_subplots(rows=1, cols=3, subplot_titles=("requests held at once (where the budget limits)", "output tokens / s",
                                                         "KV KiB read per generated token"))
     for col, key, scale, fmt in ((1, "held_at_limit", 1, "{:.1f}"), (2, "output_tok_s", 1, "{:.0f}"),
@@ -190,7 +190,7 @@ def held_figure(rows: dict[str, dict], title: str = ""):
     """Requests holding KV memory per step, per configuration; thick markers where the budget turned one
     away, whose average (dotted) is the table's "held"."""
     names = [n for n in CONFIGS if n in rows and "running" in rows[n]]
-    colors = dict(zip(CONFIGS, ["#7f8c8d", "#2980b9", "#27ae60", "#16a085"]))
+    colors = dict(zip(CONFIGS, CONFIG_COLORS))
     fig = go.Figure()
     for n in names:
         r = rows[n]
