@@ -96,14 +96,12 @@ def _engine(args) -> tuple[dict, list[str]]:
     wl = make_workload(tokenizer, args.num_requests, args.workload, scale=args.scale, seed=args.seed,
                        arrival=args.arrival, rate=args.rate, shared_prefix=not args.no_shared_prefix)
     systems = tuple(args.systems or ALL_SYSTEMS)
+    engine_kw = dict(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                     attn_backend=args.attn_backend)  # the same engine for the benchmark and the profile
     res = bench_engine(model, tokenizer, wl, max_num_seqs=args.max_num_seqs, systems=systems,
-                       progress=not args.json, block_size=args.block_size,
-                       max_num_batched_tokens=args.max_num_batched_tokens, attn_backend=args.attn_backend,
-                       repeat=args.repeat)
+                       progress=not args.json, repeat=args.repeat, **engine_kw)
     if args.profile:
-        res["profile"] = profile_engine(model, tokenizer, wl, max_num_seqs=args.max_num_seqs,
-                                        block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                                        attn_backend=args.attn_backend)
+        res["profile"] = profile_engine(model, tokenizer, wl, max_num_seqs=args.max_num_seqs, **engine_kw)
     w = res["workload"]
     lines = [f"{w['requests']} requests ({w['shape']} x {w['scale']}, arrival {w['arrival']}): prompts "
              f"{w['prompt_tokens_mean']:.0f} tokens on average (shared prefix {w['shared_prefix_tokens']}), outputs "
