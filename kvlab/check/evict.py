@@ -162,4 +162,4 @@ def h2o_keep(fn: Callable) -> bool:
         if sorted(logical[-recent:] + lightest) == got:
             return "keep the blocks that received the MOST attention"
         return "on equal scores the earlier block wins: sort by (-score, block)"
-    return run_task("h2o_keep", run, cases, same=lambda a, b: a == b, hint=hint, learner=fn)
+    return run_task("h2o_keep", run, cases, hint=hint, learner=fn)
