@@ -190,8 +190,8 @@ def c_per_block_scales(lab, head_dim: int = 64, block: int = 16):
 
 
 def c_finer_scales_cost(lab, model: str = "smollm2-135m", extra: float | None = None):
-    head = sizing.kv_size(model, "int8", tokens=4096, scales="per-head").total_bytes
-    tok = sizing.kv_size(model, "int8", tokens=4096, scales="per-token-head").total_bytes
+    head = _kv(model, tokens=4096, dtype="int8", scales="per-head")
+    tok = _kv(model, tokens=4096, dtype="int8", scales="per-token-head")
     extra = tok / head - 1 if extra is None else extra
     return (f"SmolLM2, INT8 at 4K: per-token-head scales add {extra:.1%} to the cache (one fp32 per 64 values)",
             parts(True, extra == 0, "that finer scales cost a finer implementation",
@@ -200,10 +200,10 @@ def c_finer_scales_cost(lab, model: str = "smollm2-135m", extra: float | None = 
 
 
 def c_k8v4_lower(lab, model: str = _7B, k8v4: float | None = None):
+    int8, fp16 = _kv(model, tokens=4096, dtype="int8"), _kv(model, tokens=4096)
     if k8v4 is None:  # K as INT8, V as INT4: half of each cache
-        k8v4 = sizing.kv_size(model, "int8", tokens=4096).total_bytes / 2 + sizing.kv_size(model, "int4", tokens=4096).total_bytes / 2
-    int8 = sizing.kv_size(model, "int8", tokens=4096).total_bytes
-    return (f"K8V4 {k8v4 / _kv(model, tokens=4096):.1%} of FP16, INT8 {int8 / _kv(model, tokens=4096):.1%}",
+        k8v4 = int8 / 2 + _kv(model, tokens=4096, dtype="int4") / 2
+    return (f"K8V4 {k8v4 / fp16:.1%} of FP16, INT8 {int8 / fp16:.1%}",
             truth(k8v4 < int8), "INT4 values with fp32 scales per group of 32: 4 + 1 bits per value")
 
 
@@ -392,8 +392,8 @@ def c_ttft_quant(lab, prompt: int = 4096, extra_per_token: float | None = None):
 
 
 def c_int4_half_again(lab, group: int = 32, scale_dtype: str = "fp32"):
-    int8 = sizing.kv_size(_7B, "int8", tokens=4096).total_bytes
-    int4 = sizing.kv_size(_7B, "int4", tokens=4096, scales=f"group-{group}", scale_dtype=scale_dtype).total_bytes
+    int8 = _kv(tokens=4096, dtype="int8")
+    int4 = _kv(tokens=4096, dtype="int4", scales=f"group-{group}", scale_dtype=scale_dtype)
     return (f"kvlab's INT4 (one {scale_dtype} scale per {group}) saves {1 - int4 / int8:.1%} of INT8's bytes",
             ratio(0.5, 1 - int4 / int8), "as int4-quarter: the lab's own INT4, whose scales are part of its bytes")
 
