@@ -123,14 +123,11 @@ def copy_or_recompute(fn: Callable) -> bool:
         recompute_why = [(0.5, "a multiply-add is 2 FLOPs: 2 x parameters per token"),
                          (3.0, "6 x parameters is training (forward + backward); a prefill is the forward only, 2 x"),
                          (1 / n, "the prefill recomputes every one of the tokens: multiply by tokens")]
-        if c and ce and not math.isclose(c, ce, rel_tol=1e-6):
-            for f, why in copy_why:
-                if math.isclose(c / ce, f, rel_tol=1e-6):
-                    return why
-        if r and re_ and not math.isclose(r, re_, rel_tol=1e-6):
-            for f, why in recompute_why:
-                if math.isclose(r / re_, f, rel_tol=1e-6):
-                    return why
+        for yours, want, mistakes in ((c, ce, copy_why), (r, re_, recompute_why)):
+            if yours and want and not math.isclose(yours, want, rel_tol=1e-6):
+                for f, why in mistakes:
+                    if math.isclose(yours / want, f, rel_tol=1e-6):
+                        return why
         return None
     return run_task("copy_or_recompute", fn, cases, same=close, hint=hint)
 
@@ -165,4 +162,4 @@ def h2o_keep(fn: Callable) -> bool:
         if sorted(logical[-recent:] + lightest) == got:
             return "keep the blocks that received the MOST attention"
         return "on equal scores the earlier block wins: sort by (-score, block)"
-    return run_task("h2o_keep", run, cases, same=lambda a, b: a == b, hint=hint, learner=fn)
+    return run_task("h2o_keep", run, cases, hint=hint, learner=fn)

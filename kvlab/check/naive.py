@@ -97,7 +97,7 @@ def decode_loop(fn: Callable) -> bool:
         if calls[1:] != want_calls[1:]:
             return "feed back the token you just chose (the argmax of the last step's logits)"
         return "choose greedily: the id with the largest logit"
-    return run_task("decode_loop", run, cases, same=lambda a, b: a == b, hint=hint, learner=fn)
+    return run_task("decode_loop", run, cases, hint=hint, learner=fn)
 
 
 def static_write(fn: Callable) -> bool:

@@ -78,10 +78,7 @@ def progress(reset: bool = False) -> dict:
     """Print and return ``{exercise: date or None}`` of what you passed with your own function."""
     path = progress_file()
     if reset:
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
+        path.unlink(missing_ok=True)
     data = _load_progress()
     done = {name: data[name].get("passed") if isinstance(data.get(name), dict) else None for name in EXERCISES}
     print(f"exercises passed: {sum(v is not None for v in done.values())} of {len(EXERCISES)}  ({path})")

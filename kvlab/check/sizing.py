@@ -30,16 +30,13 @@ def kv_token_bytes(fn: Callable[[int, int, int, int, int, int], int]) -> bool:
         if heads != kv_heads and got == expected * heads / kv_heads:
             return ("that counts query heads (num_heads, or hidden_size = num_heads x head_dim): K and V are "
                     "stored per KV head (num_kv_heads); with GQA several query heads share one")
-        if got == expected / 2:
-            return "a key AND a value are stored per head"
-        if got == expected * 2:
-            return "the factor 2 is K and V, counted once"
-        if got == expected / layers:
-            return "every layer keeps its own K and V for the token"
-        if got == expected / kv_heads:
-            return "every KV head stores its own head_dim values"
-        if got == expected / nbytes:
-            return "that counts values: multiply by the bytes per element"
+        for wrong, why in ((expected / 2, "a key AND a value are stored per head"),
+                           (expected * 2, "the factor 2 is K and V, counted once"),
+                           (expected / layers, "every layer keeps its own K and V for the token"),
+                           (expected / kv_heads, "every KV head stores its own head_dim values"),
+                           (expected / nbytes, "that counts values: multiply by the bytes per element")):
+            if got == wrong:
+                return why
         return None
     return run_task("kv_token_bytes", fn, _kv_bytes_cases(), hint=hint)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvlab import sizing
 from kvlab.cache import simulate
-from kvlab.claims.memory import A100_BW, A100_BYTES, GiB, KiB
+from kvlab.claims.memory import A100_BW, A100_BYTES, GiB, KiB, _kv
 from kvlab.cache.paged import BlockManager
 from kvlab.claims.rules import margin, parts, ratio, shown, truth, worst
 from kvlab.kernels.pool import kernel_kind
@@ -21,10 +21,6 @@ A100_RIDGE = A100_FLOPS / A100_BW  # FLOP per byte read below which a kernel is 
 A100_L2 = 40 * 2**20  # bytes of L2 (datasheet)
 H200_HBM = 143_771 * 2**20  # bytes: the "141 GB" card reports 143,771 MiB (140.4 GiB)
 _7B = "llama-2-7b"
-
-
-def _kv(model=_7B, tokens=1, batch=1, dtype="fp16", **kw) -> int:
-    return sizing.kv_size(model, dtype, tokens=tokens, batch=batch, **kw).total_bytes
 
 
 def _params(model=_7B) -> float:
@@ -163,8 +159,8 @@ def c_pool_bytes_fixed(lab, budget: int = 16 * GiB, block_tokens: int = 16, size
 
 
 def c_sliding_window_cap(lab, window: int = 4096, context: int = 32768):
-    capped = _kv("mistral-7b", tokens=min(context, window), dtype="int8")
-    full = _kv("mistral-7b", tokens=context, dtype="int8")
+    capped = _kv(model="mistral-7b", tokens=min(context, window), dtype="int8")
+    full = _kv(model="mistral-7b", tokens=context, dtype="int8")
     return (f"Mistral-7B v0.1 (window {window}), INT8: {fmt_bytes(capped)} per sequence at {context:,} tokens "
             f"with the window, {fmt_bytes(full)} without", truth(capped < full),
             "only for models trained with a window (Mistral); on others a window changes the model. The cap is "
@@ -190,8 +186,8 @@ def c_per_block_scales(lab, head_dim: int = 64, block: int = 16):
 
 
 def c_finer_scales_cost(lab, model: str = "smollm2-135m", extra: float | None = None):
-    head = sizing.kv_size(model, "int8", tokens=4096, scales="per-head").total_bytes
-    tok = sizing.kv_size(model, "int8", tokens=4096, scales="per-token-head").total_bytes
+    head = _kv(model=model, tokens=4096, dtype="int8", scales="per-head")
+    tok = _kv(model=model, tokens=4096, dtype="int8", scales="per-token-head")
     extra = tok / head - 1 if extra is None else extra
     return (f"SmolLM2, INT8 at 4K: per-token-head scales add {extra:.1%} to the cache (one fp32 per 64 values)",
             parts(True, extra == 0, "that finer scales cost a finer implementation",
@@ -200,10 +196,10 @@ def c_finer_scales_cost(lab, model: str = "smollm2-135m", extra: float | None = 
 
 
 def c_k8v4_lower(lab, model: str = _7B, k8v4: float | None = None):
+    int8, fp16 = _kv(model=model, tokens=4096, dtype="int8"), _kv(model=model, tokens=4096)
     if k8v4 is None:  # K as INT8, V as INT4: half of each cache
-        k8v4 = sizing.kv_size(model, "int8", tokens=4096).total_bytes / 2 + sizing.kv_size(model, "int4", tokens=4096).total_bytes / 2
-    int8 = sizing.kv_size(model, "int8", tokens=4096).total_bytes
-    return (f"K8V4 {k8v4 / _kv(model, tokens=4096):.1%} of FP16, INT8 {int8 / _kv(model, tokens=4096):.1%}",
+        k8v4 = int8 / 2 + _kv(model=model, tokens=4096, dtype="int4") / 2
+    return (f"K8V4 {k8v4 / fp16:.1%} of FP16, INT8 {int8 / fp16:.1%}",
             truth(k8v4 < int8), "INT4 values with fp32 scales per group of 32: 4 + 1 bits per value")
 
 
@@ -392,8 +388,8 @@ def c_ttft_quant(lab, prompt: int = 4096, extra_per_token: float | None = None):
 
 
 def c_int4_half_again(lab, group: int = 32, scale_dtype: str = "fp32"):
-    int8 = sizing.kv_size(_7B, "int8", tokens=4096).total_bytes
-    int4 = sizing.kv_size(_7B, "int4", tokens=4096, scales=f"group-{group}", scale_dtype=scale_dtype).total_bytes
+    int8 = _kv(tokens=4096, dtype="int8")
+    int4 = _kv(tokens=4096, dtype="int4", scales=f"group-{group}", scale_dtype=scale_dtype)
     return (f"kvlab's INT4 (one {scale_dtype} scale per {group}) saves {1 - int4 / int8:.1%} of INT8's bytes",
             ratio(0.5, 1 - int4 / int8), "as int4-quarter: the lab's own INT4, whose scales are part of its bytes")
 
