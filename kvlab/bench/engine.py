@@ -326,10 +326,10 @@ def bench_engine(model, tokenizer, wl: Workload, max_num_seqs: int = 32, systems
                 out[name]["greedy_equal_to_kvlab"] = sum(d is None for d in diff)
                 out[name]["greedy_first_difference"] = diff  # per request: None (equal) or the first differing position
     base = out.get("kvlab_continuous")
-    for row in out.values() if base is not None else ():
-        for ratio, key in (("throughput", "output_tok_s"), ("ttft_p50", "ttft_p50_s"),
-                           ("tpot_p50", "tpot_p50_s")):
-            row[f"{ratio}_vs_kvlab"] = row[key] / base[key]
+    for row in out.values():
+        for ratio, key in (("throughput", "output_tok_s"), ("ttft_p50", "ttft_p50_s"), ("tpot_p50", "tpot_p50_s")):
+            if base is not None:
+                row[f"{ratio}_vs_kvlab"] = row[key] / base[key]
     res = {"systems": out, "skipped": skipped, "workload": wl.meta, "max_num_seqs": max_num_seqs, "repeat": repeat,
            "threads": torch.get_num_threads(), "device": str(next(model.parameters()).device), "cpu": cpu_name()}
     if base is not None:
