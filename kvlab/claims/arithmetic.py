@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvlab import sizing
 from kvlab.cache import simulate
-from kvlab.claims.memory import A100_BW, A100_BYTES, GiB, KiB, _kv
+from kvlab.claims.memory import A100_BW, A100_BYTES, GiB, KiB, kv_bytes
 from kvlab.cache.paged import BlockManager
 from kvlab.claims.rules import margin, parts, ratio, shown, truth, worst
 from kvlab.kernels.pool import kernel_kind
@@ -99,7 +99,7 @@ def c_bandwidth_linear(lab, batches=(1, 2, 8, 32), context: int = 4096, steps=No
 
 
 def c_kv_linear_batch(lab, batches=(1, 4, 16, 64), tokens: int = 2048, sizes=None):
-    sizes = sizes or [_kv(tokens=tokens, batch=b) for b in batches]
+    sizes = sizes or [kv_bytes(tokens=tokens, batch=b) for b in batches]
     return (f"7B FP16 at {tokens:,} tokens each: " + ", ".join(f"batch {b}: {s / GiB:g} GiB" for b, s in zip(batches, sizes)),
             truth(all(s == b * sizes[0] for b, s in zip(batches, sizes))),
             "each sequence holds its own cache (without prefix sharing)")
@@ -117,9 +117,9 @@ def c_saved_reads_sum(lab, step_ms: float = 22.0, reads_before: float = 12.0, re
 # ---- what fits ----------------------------------------------------------------------------------------
 
 def c_long_context_fits(lab, context: int = 16384, card: int = 24 * GiB):
-    need = sizing.weight_bytes(_7B) + _kv(tokens=context)
+    need = sizing.weight_bytes(_7B) + kv_bytes(tokens=context)
     a100_tokens = (A100_BYTES - sizing.weight_bytes(_7B)) // sizing.kv_bytes_per_token(_7B, "fp16")
-    roomy = int(0.9 * A100_BYTES - sizing.weight_bytes(_7B)) // _kv(tokens=context)
+    roomy = int(0.9 * A100_BYTES - sizing.weight_bytes(_7B)) // kv_bytes(tokens=context)
     return (f"7B FP16, one {context}-token request: {fmt_bytes(need)} of weights + KV ({need / card:.0%} of a "
             f"{fmt_bytes(card)} card); an 80 GB A100 holds {a100_tokens // context} such requests to the last byte, "
             f"{roomy} with 10 % left for activations and the runtime", margin(need, card),
@@ -130,8 +130,8 @@ def c_long_context_fits(lab, context: int = 16384, card: int = 24 * GiB):
 
 def c_int8_doubles_batch(lab, context: int = 16384, hbm: int = A100_BYTES, int8: int | None = None):
     free = hbm - sizing.weight_bytes(_7B)
-    fp16 = free // _kv(tokens=context)
-    int8 = free // _kv(tokens=context, dtype="int8") if int8 is None else int8
+    fp16 = free // kv_bytes(tokens=context)
+    int8 = free // kv_bytes(tokens=context, dtype="int8") if int8 is None else int8
     return (f"7B at {context} on an 80 GB A100: {fp16} requests fit with FP16 KV, {int8} with INT8",
             truth(int8 >= 2 * fp16 - 1), "tokens that fit = free bytes / bytes per token; INT8 halves the latter")
 
@@ -159,8 +159,8 @@ def c_pool_bytes_fixed(lab, budget: int = 16 * GiB, block_tokens: int = 16, size
 
 
 def c_sliding_window_cap(lab, window: int = 4096, context: int = 32768):
-    capped = _kv(model="mistral-7b", tokens=min(context, window), dtype="int8")
-    full = _kv(model="mistral-7b", tokens=context, dtype="int8")
+    capped = kv_bytes(model="mistral-7b", tokens=min(context, window), dtype="int8")
+    full = kv_bytes(model="mistral-7b", tokens=context, dtype="int8")
     return (f"Mistral-7B v0.1 (window {window}), INT8: {fmt_bytes(capped)} per sequence at {context:,} tokens "
             f"with the window, {fmt_bytes(full)} without", truth(capped < full),
             "only for models trained with a window (Mistral); on others a window changes the model. The cap is "
@@ -186,8 +186,8 @@ def c_per_block_scales(lab, head_dim: int = 64, block: int = 16):
 
 
 def c_finer_scales_cost(lab, model: str = "smollm2-135m", extra: float | None = None):
-    head = _kv(model=model, tokens=4096, dtype="int8", scales="per-head")
-    tok = _kv(model=model, tokens=4096, dtype="int8", scales="per-token-head")
+    head = kv_bytes(model=model, tokens=4096, dtype="int8", scales="per-head")
+    tok = kv_bytes(model=model, tokens=4096, dtype="int8", scales="per-token-head")
     extra = tok / head - 1 if extra is None else extra
     return (f"SmolLM2, INT8 at 4K: per-token-head scales add {extra:.1%} to the cache (one fp32 per 64 values)",
             parts(True, extra == 0, "that finer scales cost a finer implementation",
@@ -196,9 +196,9 @@ def c_finer_scales_cost(lab, model: str = "smollm2-135m", extra: float | None = 
 
 
 def c_k8v4_lower(lab, model: str = _7B, k8v4: float | None = None):
-    int8, fp16 = _kv(model=model, tokens=4096, dtype="int8"), _kv(model=model, tokens=4096)
+    int8, fp16 = kv_bytes(model=model, tokens=4096, dtype="int8"), kv_bytes(model=model, tokens=4096)
     if k8v4 is None:  # K as INT8, V as INT4: half of each cache
-        k8v4 = int8 / 2 + _kv(model=model, tokens=4096, dtype="int4") / 2
+        k8v4 = int8 / 2 + kv_bytes(model=model, tokens=4096, dtype="int4") / 2
     return (f"K8V4 {k8v4 / fp16:.1%} of FP16, INT8 {int8 / fp16:.1%}",
             truth(k8v4 < int8), "INT4 values with fp32 scales per group of 32: 4 + 1 bits per value")
 
@@ -388,8 +388,8 @@ def c_ttft_quant(lab, prompt: int = 4096, extra_per_token: float | None = None):
 
 
 def c_int4_half_again(lab, group: int = 32, scale_dtype: str = "fp32"):
-    int8 = _kv(tokens=4096, dtype="int8")
-    int4 = _kv(tokens=4096, dtype="int4", scales=f"group-{group}", scale_dtype=scale_dtype)
+    int8 = kv_bytes(tokens=4096, dtype="int8")
+    int4 = kv_bytes(tokens=4096, dtype="int4", scales=f"group-{group}", scale_dtype=scale_dtype)
     return (f"kvlab's INT4 (one {scale_dtype} scale per {group}) saves {1 - int4 / int8:.1%} of INT8's bytes",
             ratio(0.5, 1 - int4 / int8), "as int4-quarter: the lab's own INT4, whose scales are part of its bytes")
 

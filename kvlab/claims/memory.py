@@ -16,7 +16,7 @@ GiB, KiB = 2**30, 2**10
 A100_BYTES, A100_BW = 80 * GiB, 2.039e12  # an A100 80GB: 80 GiB of HBM; bytes/s (the engine article says 2 TB/s)
 
 
-def _kv(tokens: int, dtype: str = "fp16", model: str = "llama-2-7b", **kw) -> int:
+def kv_bytes(tokens: int, dtype: str = "fp16", model: str = "llama-2-7b", **kw) -> int:
     """Bytes of a KV cache of ``tokens`` tokens, Llama-2-7B's unless ``model`` says (kvlab.sizing)."""
     return sizing.kv_size(model, dtype, tokens=tokens, **kw).total_bytes
 
@@ -31,7 +31,7 @@ def c_7b_table(lab, per: int | None = None):
 
 def c_7b_weights(lab, w: int | None = None):
     w = w or sizing.weight_bytes("llama-2-7b")
-    kv = _kv(32768)
+    kv = kv_bytes(32768)
     v = truth(kv > w)  # both halves: outgrown at 32K, and 14 GB
     v = ratio(14e9, w) if v == HOLDS else v
     return f"weights {w / 1e9:.1f} GB, KV at 32K {kv / 1e9:.1f} GB", v, "6.74 B parameters x 2 bytes"
@@ -44,7 +44,7 @@ def c_7b_1mb(lab, per: int | None = None):
 
 
 def c_a100_half(lab, request: int | None = None):
-    request = request or _kv(4096)
+    request = request or kv_bytes(4096)
     share = 10 * request / A100_BYTES
     return (f"10 x {fmt_bytes(request)} = {share:.0%} of the A100's 80 GiB", ratio(0.5, share),
             "follows from the 2x per-token error")
@@ -58,14 +58,14 @@ def c_70b(lab, per: int | None = None):
 
 
 def c_decode_1ms(lab, bandwidth: float = 2e12):
-    kv = _kv(4096)
+    kv = kv_bytes(4096)
     ms = kv / bandwidth * 1e3
     return f"{fmt_bytes(kv)} of KV -> {ms:.2f} ms at {bandwidth / 1e12:g} TB/s", ratio(1.0, ms), "bytes / bandwidth (the weights come on top)"
 
 
 def c_int8_half(lab, scales: str = "per-head"):
     s = sizing.kv_size("llama-2-7b", "int8", tokens=4096, scales=scales)
-    share = s.total_bytes / _kv(4096)
+    share = s.total_bytes / kv_bytes(4096)
     return (f"{share:.4%} of FP16 (scales {fmt_bytes(s.scale_bytes)})", ratio(0.5, share, tol=0.01),
             "per-head static scales are one fp32 per layer x KV head: ~nothing")
 
@@ -74,16 +74,16 @@ def c_int4_quarter(lab, group: int = 32, scale_dtype: str = "fp32"):
     """kvlab's INT4 (an fp32 scale per 32 values) against the claimed 1/4; ``group`` etc. plant others."""
     ours = sizing.kv_size("llama-2-7b", "int4", tokens=4096, scales=f"group-{group}", scale_dtype=scale_dtype).total_bytes
     lean = sizing.kv_size("llama-2-7b", "int4", tokens=4096, scales="group-128", scale_dtype="fp16").total_bytes
-    share = ours / _kv(4096)
+    share = ours / kv_bytes(4096)
     return (f"kvlab's INT4 (one {scale_dtype} scale per {group} values): {share:.1%} of FP16; the leanest common "
-            f"layout (fp16 per 128) {lean / _kv(4096):.1%}; the 4-bit data alone 25%", ratio(0.25, share),
+            f"layout (fp16 per 128) {lean / kv_bytes(4096):.1%}; the 4-bit data alone 25%", ratio(0.25, share),
             "the article states no scales, so the lab's own INT4 is judged, the one notebook 03 measures for quality; "
             "every layout adds its scales to the 25 % of the data, and the 1/4 holds only for the leanest")
 
 
 def c_24_to_16(lab, context: int = 4096):
     w = sizing.weight_bytes("llama-2-7b")
-    fp16, int8 = w + _kv(context), w + _kv(context, "int8")
+    fp16, int8 = w + kv_bytes(context), w + kv_bytes(context, "int8")
     return (f"weights + KV: FP16 {fmt_bytes(fp16)}, INT8 {fmt_bytes(int8)}; a 16 GB card has 16 GiB",
             margin(fp16, 16 * GiB),
             f"FP16 leaves {fmt_bytes(16 * GiB - fp16)} for activations and the runtime, INT8 "
@@ -92,7 +92,7 @@ def c_24_to_16(lab, context: int = 4096):
 
 
 def c_fits(lab, hbm: int = A100_BYTES):
-    kv, kv8 = 32 * _kv(16384), 32 * _kv(16384, "int8")
+    kv, kv8 = 32 * kv_bytes(16384), 32 * kv_bytes(16384, "int8")
     return (f"KV for 32 x 16K: {kv / GiB:.0f} GiB FP16, {kv8 / GiB:.0f} GiB INT8", truth(kv8 < hbm),
             "the benchmark's setting cannot fit one 80 GB A100, in either format")
 
@@ -112,7 +112,7 @@ def c_16ms(lab, bandwidth: float = A100_BW):
 
 
 def c_12_7ms(lab, bandwidth: float = A100_BW):
-    kv16, kv8 = 32 * _kv(16384), 32 * _kv(16384, "int8")
+    kv16, kv8 = 32 * kv_bytes(16384), 32 * kv_bytes(16384, "int8")
     ms16, ms8 = kv16 / bandwidth * 1e3, kv8 / bandwidth * 1e3
     return (f"reading the KV takes >= {ms16:.0f} ms (FP16) and >= {ms8:.0f} ms (INT8) at {bandwidth / 1e12:.3g} TB/s",
             ratio(12, ms16), "the ratio (0.58) is plausible, the milliseconds are not")
@@ -123,9 +123,9 @@ def c_39pct(lab, context: int = 16384, batch: int = 32, hbm: int = A100_BYTES,
     """The +39 % at 32 x 16K on an 80 GB A100, a setting that cannot fit (b32-16k-fits); where one fits the
     bytes bound it and only a run confirms it (``attention_speedup``, mixed in by Amdahl's law)."""
     claimed = 2020 / 1450
-    need = sizing.weight_bytes("llama-2-7b") + batch * _kv(context)
+    need = sizing.weight_bytes("llama-2-7b") + batch * kv_bytes(context)
     fits = need <= hbm
-    fit_batch = max(0, (hbm - sizing.weight_bytes("llama-2-7b")) // _kv(context))  # the biggest FP16 batch that fits
+    fit_batch = max(0, (hbm - sizing.weight_bytes("llama-2-7b")) // kv_bytes(context))  # the biggest FP16 batch that fits
     probe = batch if fits else max(1, fit_batch)
     fp16 = sizing.decode_step_bytes("llama-2-7b", context=context, batch=probe)
     int8 = sizing.decode_step_bytes("llama-2-7b", context=context, batch=probe, kv_cache_dtype="int8")
