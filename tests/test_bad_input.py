@@ -20,16 +20,24 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvlab import check, sizing
-from kvlab.cache import BlockManager, ContiguousCache, PagedKVCache, StaticCache
+from kvlab import check, data, formats, grade, sizing
+from kvlab.attention import get_backend
+from kvlab.bench import caches
+from kvlab.bench import kernels as kbench
+from kvlab.bench.engine import bench_engine, make_workload
+from kvlab.cache import BlockManager, ContiguousCache, PagedKVCache, StaticCache, simulate
+from kvlab.cache.naive import static_tokens_stored
+from kvlab.calibrate import calibrate
 from kvlab.cli import build_parser, main
 from kvlab.engine import LLM, SamplingParams
-from kvlab.bench.engine import bench_engine, make_workload
 from kvlab.eval import evaluate
 from kvlab.export import export_vllm
-from kvlab.generate import greedy_generate, paged_generate
+from kvlab.generate import encode_prompts, greedy_generate, paged_generate
+from kvlab.kernels import traffic
+from kvlab.models import tiny_model
 from kvlab.quant import KVQuantConfig, TensorFormat, core, named_config
 from kvlab.quant.calibration import Calibration, summarize
+from kvlab.viz import quant as qviz
 
 P = "llama-2-7b"  # a preset: sizing needs no download
 
@@ -185,6 +193,49 @@ PURE = [
                  id="bench_engine-systems"),
     pytest.param(lambda c: bench_engine(c.model, c.tok, None, block_size=3), "block_size",
                  id="bench_engine-block-size-3"),
+    pytest.param(lambda c: bench_engine(c.model, c.tok, None, attn_backend="cuda"), "attn_backend",
+                 id="bench_engine-attn-backend"),
+    pytest.param(lambda c: caches.recompute_vs_cache(c.model, c.tok, repeats=0), "repeats",
+                 id="recompute_vs_cache-repeats-0"),
+    # boundaries no other case reached (a coverage run of the suite found them untested)
+    pytest.param(lambda c: simulate.simulate([], "max"), "requests", id="simulate-no-requests"),
+    pytest.param(lambda c: simulate.over_seeds(seeds=()), "seeds", id="over_seeds-none"),
+    pytest.param(lambda c: simulate.fork_blocks(0, 16, 2, 1), "prompt_len", id="fork_blocks-prompt-0"),
+    pytest.param(lambda c: simulate.parallel_sampling(simulate.uniform(2, 4, 8), 0), "n must be",
+                 id="parallel_sampling-n-0"),
+    pytest.param(lambda c: static_tokens_stored([3, 4], [1]), "one answer length per prompt",
+                 id="static_tokens_stored-lengths"),
+    pytest.param(lambda c: data.play_text("no-such-play"), "unknown play", id="play_text-unknown"),
+    pytest.param(lambda c: data.text_tokens(c.tok, 10**7), "cannot take", id="text_tokens-past-the-end"),
+    pytest.param(lambda c: formats.ElementFormat("", 8, torch.int8, "int", 127.0), "name", id="ElementFormat-name"),
+    pytest.param(lambda c: formats.ElementFormat("x8", 8, torch.int8, "int", 127.0, granularities=("per-row",)),
+                 "granularities", id="ElementFormat-granularity"),
+    pytest.param(lambda c: formats.register("int8"), "fmt must be an ElementFormat", id="register-str"),
+    pytest.param(lambda c: formats.register_pair("int8", "int8", "int4"), "already registered",
+                 id="register_pair-taken"),
+    pytest.param(lambda c: TensorFormat("int8", symmetric="yes"), "symmetric", id="TensorFormat-symmetric"),
+    pytest.param(lambda c: KVQuantConfig(rotate_k="yes"), "rotate_k", id="KVQuantConfig-rotate-k"),
+    pytest.param(lambda c: KVQuantConfig(layers={0: "int8"}), "layers", id="KVQuantConfig-layers"),
+    pytest.param(lambda c: core.pack_int4(torch.zeros(2, 3, dtype=torch.uint8)), "even", id="pack_int4-odd"),
+    pytest.param(lambda c: tiny_model("gpt-9000"), "arch must be one of", id="tiny_model-arch"),
+    pytest.param(lambda c: check.solution("no_such_task"), "name must be one of", id="solution-unknown"),
+    pytest.param(lambda c: get_backend("cuda"), "attention backend must be one of", id="get_backend-cuda"),
+    pytest.param(lambda c: traffic.project("gpt-9000", 1, 1024), "shape must be one of", id="project-shape"),
+    pytest.param(lambda c: traffic.project("llama-3-8b", 1, 1024, gpu="Z80"), "gpu must be one of",
+                 id="project-gpu"),
+    pytest.param(lambda c: kbench.random_operands("fp64", 4, 2, 16, "cpu"), "fmt must be one of",
+                 id="random_operands-fmt"),
+    pytest.param(lambda c: encode_prompts(c.tok, []), "prompt", id="encode_prompts-none"),
+    pytest.param(lambda c: calibrate(c.model, []), "chunks", id="calibrate-no-chunks"),
+    pytest.param(lambda c: SamplingParams(eviction="window"), "eviction", id="SamplingParams-eviction-str"),
+    pytest.param(lambda c: SamplingParams(forced_token_ids="12"), "forced_token_ids",
+                 id="SamplingParams-forced-str"),
+    pytest.param(lambda c: grade.tasks_of("99_none"), "notebook must be one of", id="tasks_of-unknown"),
+    pytest.param(lambda c: grade.grade([], timeout_s=0), "timeout_s", id="grade-timeout-0"),
+    pytest.param(lambda c: grade.grade([], notebook="99_none"), "notebook must be one of", id="grade-notebook"),
+    pytest.param(lambda c: grade.grade([], memory_gb=0), "memory_gb", id="grade-memory-0"),
+    pytest.param(lambda c: qviz.per_layer_figure([1.0, 0.0], "t", "y", log=True), "log=True",
+                 id="per_layer_figure-log-zero"),
 ]
 
 
@@ -383,7 +434,16 @@ def test_generate_validates_every_prompt_before_queueing_any(tiny):
     model, tok = tiny
     llm = LLM(model, tok, num_blocks=16, block_size=4)
     refused(lambda: llm.generate([[5, 6], [], [7]], SP(max_tokens=2)), "prompt")
+    refused(lambda: llm.generate([]), "prompts must be a non-empty list")
+    refused(lambda: llm.generate([[5], [6]], [SP(max_tokens=2)]), "1 sampling_params for 2 prompts")
+    refused(lambda: LLM(model, None, num_blocks=16, block_size=4).generate(["hi"]), "needs a tokenizer")
     assert not llm.seqs and not llm.scheduler.waiting
+
+
+def test_llm_refuses_a_pool_and_block_manager_that_disagree(tiny):
+    model, tok = tiny
+    bm = BlockManager(16, 4)
+    refused(lambda: LLM(model, tok, block_manager=bm, cache=PagedKVCache.from_model(model, 8, 4)), "disagree")
 
 
 # ---- the CLI -----------------------------------------------------------------------------------------

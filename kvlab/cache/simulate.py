@@ -70,9 +70,8 @@ def _reserved(policy: str, r: Request, max_seq_len: int) -> int:
         return max_seq_len
     if policy == "pow2":
         return min(max_seq_len, 1 << (r.stored - 1).bit_length())
-    if policy == "oracle":
-        return r.stored
-    raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    assert policy == "oracle", policy  # simulate() checked it
+    return r.stored
 
 
 def simulate(requests: list[Request], policy: str, block_size: int = 16, max_seq_len: int = 2048) -> dict:

@@ -23,8 +23,7 @@ def run(lab: Lab | None = None, ids=None, progress=None) -> list[dict]:
             progress(c.id)
         with recording() as calls:
             measured, verdict, why = c.measure(lab)
-        if verdict not in VERDICTS:
-            raise ValueError(f"claim {c.id!r} measured a verdict {verdict!r}: a rule returns one of {VERDICTS}")
+        assert verdict in VERDICTS, f"claim {c.id!r} measured a verdict {verdict!r}: a rule returns one of {VERDICTS}"
         rule, tolerance = summarize(calls)
         condition = detail(verdict)  # by how much, which part, on what: the why's first clause
         rows.append(dict(id=c.id, article=c.article, where=c.where, claim=c.text, measured=measured,

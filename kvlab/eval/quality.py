@@ -38,8 +38,7 @@ class _Runner:
     def forward(self, piece: list[int]) -> torch.Tensor:
         """Logits (len(piece), V) of the sequence's next chunk."""
         seq, start = self.seq, self.seq.num_computed_tokens
-        if seq.token_ids[start:start + len(piece)] != list(piece):
-            raise ValueError("the chunks must follow the sequence the runner was built for, in order")
+        assert seq.token_ids[start:start + len(piece)] == list(piece), "chunks out of order"
         if start == 0:
             self.bm.allocate(0, piece)
         else:
