@@ -166,6 +166,8 @@ def test_the_check_can_fail(tmp_path, monkeypatch):
 
 #: the size of the house (issue 48): the library's lines in all, and the most one file may hold
 MAX_LIBRARY_LINES, MAX_FILE_LINES = 14_000, 450
+#: where the house stands (16,207 lines when issue 48 was blocked): it may not grow back while 14,000 is open
+HOUSE_NOW = 16_300
 
 
 def _private_uses(path: Path, module: str):
@@ -221,6 +223,12 @@ def _sizes() -> dict[str, int]:
 def test_the_house_stays_small():
     sizes = _sizes()
     assert sum(sizes.values()) <= MAX_LIBRARY_LINES, f"{sum(sizes.values())} lines in kvlab/ + kernels/"
+
+
+def test_the_house_does_not_grow():
+    total = sum(_sizes().values())
+    assert total <= HOUSE_NOW, (f"{total} lines in kvlab/ + kernels/, over HOUSE_NOW={HOUSE_NOW:,}: make room "
+                                "(or raise it in the issue that adds the capability, saying why)")
 
 
 def test_no_file_is_over_the_limit():
