@@ -2,8 +2,8 @@
 ``import kernels`` does not shadow Hugging Face's ``kernels``. Files: ``pool`` (K/V as the kernels see them),
 ``write`` (quantize-on-write), ``decode`` (paged decode attention), ``skeleton`` (the build tasks),
 ``convert`` (conversion variants), ``traffic`` (bytes per launch), ``ptx`` (sm_90 instructions, no GPU).
-Every kernel runs compiled on a GPU and interpreted on a CPU; without triton (Linux only) :func:`available`
-is False and the rest of kvlab runs as usual."""
+Every kernel runs compiled on a GPU and interpreted on a CPU. Triton installs on Linux only; elsewhere
+:func:`available` is False and the rest of kvlab runs as usual."""
 
 from __future__ import annotations
 

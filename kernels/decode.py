@@ -25,7 +25,7 @@ from kvlab.kernels import pool as O
 from kvlab.kernels import triton_mode
 from kvlab.kernels.pool import Operand
 
-# pool's and convert's codes as tl.constexpr: the only globals a @triton.jit function reads
+# pool's and convert's codes as tl.constexpr: a @triton.jit function can read a global only if it is one
 FLOAT, INT8, INT4 = tl.constexpr(O.FLOAT), tl.constexpr(O.INT8), tl.constexpr(O.INT4)
 NO_SCALE, STATIC, PER_SLOT = tl.constexpr(O.NO_SCALE), tl.constexpr(O.STATIC), tl.constexpr(O.PER_SLOT)
 CAST, MAGIC, PRMT, RAW = tl.constexpr(C.CAST), tl.constexpr(C.MAGIC), tl.constexpr(C.PRMT), tl.constexpr(C.RAW)

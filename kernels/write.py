@@ -115,7 +115,8 @@ def _write_kv_kernel(k_ptr, v_ptr, slot_ptr, num_tokens,
 
 
 def check_slots(slot_mapping: torch.Tensor, n_slots: int) -> None:
-    """Slots in 0..n_slots-1 or -1, checked on the CPU only: on a GPU it would synchronize every layer."""
+    """Slots in 0..n_slots-1 or -1, checked on the CPU only: on a GPU it would synchronize every layer,
+    and the engine's slot mappings are valid by construction."""
     if slot_mapping.device.type == "cpu" and slot_mapping.numel():
         lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
         if lo < -1 or hi >= n_slots:

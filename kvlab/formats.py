@@ -78,7 +78,8 @@ KV_CACHE_DTYPES: dict[str, tuple[str, str]] = {}
 
 
 def register(fmt: ElementFormat, kv_cache_dtype: bool = True) -> ElementFormat:
-    """Add an element format (and a kv_cache_dtype of the same name); a name already taken is an error."""
+    """Add an element format, and a kv_cache_dtype of the same name unless ``kv_cache_dtype=False``; a name
+    already taken is an error."""
     if not isinstance(fmt, ElementFormat):
         raise TypeError(f"fmt must be an ElementFormat, got {type(fmt).__name__}")
     if fmt.name in ELEMENT_FORMATS or fmt.name in KV_CACHE_DTYPES:

@@ -95,8 +95,10 @@ def _validate(prompts, max_new_tokens: int, model=None) -> list[list[int]]:
 def greedy_generate(model, prompts, max_new_tokens: int, cache="dynamic", eos_token_id: int | None = None,
                     pad_token_id: int = 0, max_seq_len: int | None = None, block_size: int = 16,
                     num_blocks: int | None = None) -> Generation:
-    """Greedy decoding, one explicit step at a time, through ``cache`` ("none" recomputes the whole
-    prefix every step); in fp32 every cache must give HF's own ``generate()`` tokens."""
+    """Greedy decoding, one explicit step at a time, through ``cache``: "none" (recompute the prefix every
+    step), "dynamic" (:class:`ContiguousCache`), "static" (:class:`StaticCache` of ``max_seq_len`` slots,
+    default longest prompt + ``max_new_tokens``), "paged" (:func:`paged_generate`) or a store object. In
+    fp32 every cache must give HF's own ``generate()`` tokens."""
     if cache == "paged":
         return paged_generate(model, prompts, max_new_tokens, block_size=block_size, num_blocks=num_blocks,
                               eos_token_id=eos_token_id)

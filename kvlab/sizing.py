@@ -206,7 +206,8 @@ class KVSize:
 def kv_size(model: Any, dtype: str = "fp16", tokens: int = 1, batch: int = 1, scales: str | None = None,
             scale_dtype: str = "fp32", zero_points: bool = False) -> KVSize:
     """Exact bytes of a KV cache of ``tokens`` tokens x ``batch`` sequences; ``scales`` (the granularity)
-    defaults per dtype, and ``zero_points`` adds one per scale (asymmetric)."""
+    defaults to none for floats, per-head for int8, per-tensor for fp8, group-32 for int4, and
+    ``zero_points`` adds one per scale (asymmetric)."""
     cfg = kv_config(model)
     _check_dtype(dtype)
     if not is_int(tokens) or not 0 <= tokens <= MAX_COUNT:

@@ -231,6 +231,8 @@ def test_decode_kernel_equals_the_quantized_reference(name, h_q, h_kv, d, block_
     q = torch.randn(len(ctx), h_q, d, generator=g)
     last = torch.tensor([sum(ctx[:i + 1]) - 1 for i in range(len(ctx))])  # each sequence's own new token
     idx = DecodeIndex(tables, ctx, block_size)
+    with pytest.raises(ValueError, match="needs k_new and v_new"):  # the own token is attended at full precision
+        TRITON.decode(q, cache, 0, idx, d ** -0.5)
     out = TRITON.decode(q, cache, 0, idx, d ** -0.5, k[last], v[last], num_splits=splits, out=_nan_out(q))
     ref = quantized_batched_decode_attention(q, k[last], v[last], cache, 0, idx, d ** -0.5)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)

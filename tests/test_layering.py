@@ -166,7 +166,7 @@ def test_the_check_can_fail(tmp_path, monkeypatch):
 
 #: the size of the house (issue 48): the library's lines in all, and the most one file may hold
 MAX_LIBRARY_LINES, MAX_FILE_LINES = 14_000, 450
-#: where the house stands (16,207 lines when issue 48 was blocked): it may not grow back while 14,000 is open
+#: where the house stands (16,226 lines when issue 48 was blocked): it may not grow back while 14,000 is open
 HOUSE_NOW = 16_300
 
 

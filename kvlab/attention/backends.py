@@ -126,7 +126,8 @@ class TritonBackend(AttentionBackend):
         k_op, v_op = pool.kernel_operands(layer)
         if not pool.is_quantized:
             return kernels.paged_decode(q, k_op, v_op, index.table, index.seq_lens, scale, **kw)
-        assert k_new is not None and v_new is not None, "a quantized pool attends the own token at full precision"
+        if k_new is None or v_new is None:
+            raise ValueError("a quantized pool needs k_new and v_new: the own token is attended at full precision")
         if pool.rotate_k:  # stored keys are rotated; q . k == (q H) . (k H)
             q, k_new = rotate(q), rotate(k_new)
         return kernels.paged_decode(q, k_op, v_op, index.table, index.seq_lens, scale, k_own=k_new,

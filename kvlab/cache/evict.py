@@ -1,9 +1,17 @@
 """Eviction policies: which blocks a sequence keeps when its cache must stay within a budget (notebook 07).
 
 A policy names whole logical blocks to drop once the prompt is computed; **kept tokens keep their
-original positions** (keys are stored after RoPE, as H2O and SnapKV do). Scores are **summed over heads
-and layers**, since one paged block holds them all (the papers choose per head). ``textbook_keep`` is
-the same rule over a dense mask, and tests/test_07_evict.py holds the engine to it.
+original positions** (keys are stored after RoPE; new tokens count on from the true length, as H2O and
+SnapKV do). Scores are **summed over heads and layers**, since one paged block holds them all (the papers
+choose per head). ``textbook_keep`` is the same rule over a dense mask; tests/test_07_evict.py holds the
+engine to it.
+
+| policy | keeps | scored by |
+|---|---|---|
+| :class:`SlidingWindow` | the last ``budget`` tokens' blocks | nothing |
+| :class:`SinksWindow` (StreamingLLM) | the first ``sinks`` tokens' blocks + the most recent | nothing |
+| :class:`HeavyHitters` (H2O) | the recent half + the blocks most attended so far | attention received, summed |
+| :class:`PromptSelect` (SnapKV) | the prompt's last ``window`` + its blocks those queries attend most | once, at prompt end |
 """
 
 from __future__ import annotations
@@ -158,7 +166,7 @@ class SinksWindow(EvictionPolicy):
     name = "sinks+window"
 
     def __init__(self, budget: int, sinks: int = 4, keep=None):
-        """``keep`` replaces the rule (notebook 07 plugs the participant's in)."""
+        """``keep`` replaces :func:`sinks_window_blocks` (same signature; notebook 07 plugs the participant's in)."""
         super().__init__(budget)
         self.sinks = check_int("sinks", sinks)
         self.keep = _plugged(keep)

@@ -58,7 +58,8 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
                  host_blocks: int = 0, slot_mapping=None, append=None, prefix_match=None):
-        """The three hooks replace kvlab's own rules: notebook 02 plugs the participant's in."""
+        """``slot_mapping``, ``append`` and ``prefix_match`` replace :meth:`slot_mapping_of`, :func:`append_slot`
+        and :func:`prefix_hits` (notebook 02 plugs the participant's in)."""
         for name, fn in (("slot_mapping", slot_mapping), ("append", append), ("prefix_match", prefix_match)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be a function (or None for kvlab's own), got {type(fn).__name__}")
@@ -179,8 +180,8 @@ class BlockManager:
         self.blocks[bid].ref_count += 1
 
     def _release(self, bid: int, keep_cached: bool = True, first: bool = False) -> bool:
-        """Drop one reference; at none the block goes back, to the LRU while registered, else free
-        (at the front when ``first`` undoes a take). Returns whether it went back."""
+        """Drop one reference; at none the block goes back, to the LRU while registered and ``keep_cached``,
+        else free (at the front when ``first`` undoes a take). Returns whether it went back."""
         b = self.blocks[bid]
         b.ref_count -= 1
         if b.ref_count:

@@ -182,8 +182,9 @@ class QuantizedPagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  config: KVQuantConfig, calibration=None, device="cpu", quantize_per_head=None, quantize_static=None,
                  pack_int4=None):
-        """The three hooks replace kvlab's own (notebook 03 plugs the participant's in); ``quantize_per_head``
-        sets a dynamic INT8 per-head pool's scales on its first write, ``quantize_static`` runs after."""
+        """The hooks replace kvlab's own (notebook 03 plugs the participant's in): ``quantize_per_head(x) ->
+        (q, scale)`` sets a dynamic INT8 per-head pool's scales on its first write, ``quantize_static(x,
+        scale) -> q`` quantizes every later write, ``pack_int4(codes) -> bytes`` packs INT4 writes."""
         self.block_size = check_block_size(block_size)
         hooks = {n: f for n, f in (("quantize_per_head", quantize_per_head), ("quantize_static", quantize_static),
                                    ("pack_int4", pack_int4)) if f is not None}

@@ -1,5 +1,5 @@
 """``kvlab gpu-check --out DIR`` (:mod:`kvlab.gpu_check`): exit status 0 when every step passed, 1 when one
-failed, 2 for bad input and for a run without a CUDA GPU (but ``--dry-run``)."""
+failed, 2 for bad input and for a run without a CUDA GPU (unless ``--dry-run``)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,8 @@ class SamplingParams:
     """vLLM's ``SamplingParams``, cut down; ``temperature=0`` (greedy) is the lab's correctness anchor.
 
     Each request samples from its own generator (``seed``), so its tokens never depend on its batch.
-    ``forced_token_ids`` are output instead of sampled ones (a quality run feeds a text's own tokens).
+    The first ``len(forced_token_ids)`` outputs are those ids instead of sampled ones (a quality run feeds a
+    text's own tokens). ``seed=None`` draws a fresh seed; ``eviction=None`` keeps the engine's policy.
     """
 
     max_tokens: int = 16

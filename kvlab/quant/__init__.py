@@ -1,6 +1,7 @@
 """KV-cache quantization: quantizers, rotation, formats and scale policies, calibration data (notebook 03).
 
-Model-free: the pool is :mod:`kvlab.cache.quantized`, calibrating a model :mod:`kvlab.calibrate`.
+This package needs no model: the pool is :mod:`kvlab.cache.quantized`, calibrating a model is
+:mod:`kvlab.calibrate`.
 """
 
 from kvlab.quant.calibration import Calibration

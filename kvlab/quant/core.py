@@ -70,8 +70,9 @@ def quantize_scaled(x: torch.Tensor, scale: torch.Tensor, fmt: ElementFormat) ->
     _check_tensor(scale, "scale")
     if fmt.kind == "int":
         return torch.clamp(torch.round(x.float() / scale), -fmt.qmax, fmt.qmax).to(fmt.storage)
-    assert fmt.kind == "fp8", f"{fmt.name} ({fmt.kind}) is not a scaled format"
-    return torch.clamp(x.float() / scale, -fmt.qmax, fmt.qmax).to(fmt.storage)
+    if fmt.kind == "fp8":
+        return torch.clamp(x.float() / scale, -fmt.qmax, fmt.qmax).to(fmt.storage)
+    raise ValueError(f"{fmt.name} ({fmt.kind}) is not a scaled format: kinds 'int' and 'fp8' are")
 
 
 def dequantize_scaled(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
