@@ -1,16 +1,23 @@
+import json
 import os
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import kvlab
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import notebook_costs  # noqa: E402  (tools/: the same table `tools/notebook_costs.py` prints)
+
 
 def pytest_configure(config):
-    """Under ``pytest -n N`` (``make test`` runs two workers) each worker, and the Jupyter kernels
-    and subprocesses it starts, gets its share of the cores: two workers on two cores run one thread
-    each instead of fighting over both. An explicit ``OMP_NUM_THREADS`` is kept."""
+    """Registers :class:`_KernelMemory`. Under ``pytest -n N`` (``make test`` runs two workers) each
+    worker, and the Jupyter kernels and subprocesses it starts, gets its share of the cores: two workers
+    on two cores run one thread each instead of fighting over both. An explicit ``OMP_NUM_THREADS`` is kept."""
+    config.pluginmanager.register(_KernelMemory(), "kvlab-kernel-memory")
     workers = getattr(config, "workerinput", {}).get("workercount")
     if not workers:
         return
@@ -89,8 +96,54 @@ def _progress_elsewhere(tmp_path, monkeypatch):
     monkeypatch.setenv("KVLAB_PROGRESS", str(tmp_path / "progress.json"))
 
 
+class _KernelMemory:
+    """Each nbval cell's peak memory: the resident set of this worker's children (its notebook kernel; a
+    worker runs one notebook at a time), sampled every 0.2 s; with the cell's duration it makes the
+    per-notebook table at the end of ``make test``. A plugin, not a conftest hook: a conftest's hooks
+    see only the tests under its own folder, and the notebooks are not under tests/."""
+
+    sampler = None
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(self, item):
+        if item.path.suffix != ".ipynb":
+            yield
+            return
+        if self.sampler is None:
+            self.sampler = notebook_costs.TreePeak().start()
+        self.sampler.reset()
+        yield
+        item.user_properties.append(("nbcell", [item.path.stem, item.cell_num, self.sampler.reset()]))
+
+
+def _notebook_table(terminalreporter) -> list[str]:
+    """nbval's run per notebook: its cells' summed wall time, five slowest cells, peak memory."""
+    rows: dict[str, dict] = {}
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            for name, value in getattr(r, "user_properties", ()):
+                if name == "nbcell" and r.when == "call":
+                    nb, code_num, peak = value
+                    path = Path(str(r.fspath))
+                    row = rows.setdefault(nb, dict(notebook=nb, wall_s=0.0, peak_bytes=0, cells=[], path=path))
+                    row["wall_s"] += r.duration
+                    row["peak_bytes"] = max(row["peak_bytes"], peak)
+                    row["cells"].append((code_num, r.duration))
+    for row in rows.values():  # nbval counts code cells; the table names a cell by its index among all cells
+        cells = json.loads(row["path"].read_text())["cells"] if row["path"].is_file() else []
+        index = [i for i, c in enumerate(cells) if c["cell_type"] == "code"]
+        row["cells"] = [(index[n] if n < len(index) else n, s) for n, s in row["cells"]]
+    return notebook_costs.table([rows[k] for k in sorted(rows)]) if rows else []
+
+
 def pytest_terminal_summary(terminalreporter):
-    """The browser runs' timings (tests/test_browser.py), also when xdist workers ran them."""
+    """The notebooks' costs under nbval, and the browser runs' timings (tests/test_browser.py), also when
+    xdist workers ran them."""
+    table = _notebook_table(terminalreporter)
+    if table:
+        terminalreporter.section("notebooks under nbval: cells summed, beside the other tests (alone: tools/notebook_costs.py)")
+        for line in table:
+            terminalreporter.write_line(line)
     lines = [value for reports in terminalreporter.stats.values() for r in reports if getattr(r, "when", "") == "call"
              for name, value in r.user_properties if name == "browser"]
     if lines:

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+import kvlab
 from kvlab.attention import (DecodeIndex, PrefillIndex, batched_decode_attention, batched_prefill_attention,
                              paged_attention)
 from kvlab.cache import BlockManager
@@ -267,6 +268,29 @@ def test_prepacked_weights_change_no_token_and_leave_the_model_as_it_was(tiny):
                 lin.weight.copy_(old)
     with pytest.raises(TypeError, match="prepack must be True or False"):
         LLM(model, tok, num_blocks=8, prepack_weights="yes")
+
+
+def test_engines_on_one_model_share_one_packing_and_it_goes_with_the_model():
+    """A notebook builds a dozen engines on one model: they share ONE packed copy of the weights (not
+    one each), whatever their seat count, and the copy is freed with its model."""
+    import gc
+    import weakref
+
+    from kvlab.engine.prepack import _SHARED, prepack_available
+
+    model, tok = kvlab.load_model("tiny")  # its own copy: the session's tiny model keeps its entry
+    if not prepack_available(model):
+        pytest.skip("no oneDNN on this build: nothing is packed")
+    a = LLM(model, tok, num_blocks=16, max_num_seqs=1, eos_token_id=None)
+    b = LLM(model, tok, num_blocks=16, max_num_seqs=32, eos_token_id=None)
+    assert a.runner.prepacked is b.runner.prepacked and len(a.runner.prepacked) > 0
+    other, _ = kvlab.load_model("tiny")
+    assert LLM(other, tok, num_blocks=16).runner.prepacked is not a.runner.prepacked  # per model
+    alive = weakref.ref(model)
+    n = len(_SHARED)
+    del a, b, model
+    gc.collect()
+    assert alive() is None and len(_SHARED) == n - 1
 
 
 def test_fused_siblings_give_each_layer_its_own_product(tiny):

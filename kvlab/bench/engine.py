@@ -183,8 +183,13 @@ def run_hf_generate_batch(model, wl: Workload, max_num_seqs: int = 32, max_num_b
     from transformers import GenerationConfig  # heavy: only this system (HF's continuous batching) needs it
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     gc = GenerationConfig(max_new_tokens=max(wl.output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0)
-    # the same limits as kvlab's engine: requests per step and tokens per step
-    cb = ContinuousBatchingConfig(max_requests_per_batch=max_num_seqs,
+    # the same limits as kvlab's engine: requests per step and tokens per step; and the cache sized from the
+    # workload as kvlab's is (room for the max_num_seqs longest requests at once, one spare page each): left to
+    # itself, HF sizes it from free memory, which on a CPU is 90 % of the machine's RAM (14 GiB on a 24 GiB one)
+    page = (getattr(ContinuousBatchingConfig, "page_size", None)
+            or getattr(ContinuousBatchingConfig, "block_size", None) or 256)  # block_size before transformers 5.17
+    need = sorted((-(-(len(p) + o) // page) + 1 for p, o in zip(wl.prompts, wl.output_lens)), reverse=True)
+    cb = ContinuousBatchingConfig(max_requests_per_batch=max_num_seqs, num_blocks=sum(need[:max_num_seqs]),
                                   max_batch_tokens=max(max_num_batched_tokens, max_num_seqs))
     order = sorted(range(len(wl.prompts)), key=lambda i: wl.arrivals[i])
     with model.continuous_batching_context_manager(generation_config=gc, continuous_batching_config=cb, block=True,

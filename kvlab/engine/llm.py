@@ -139,7 +139,7 @@ class LLM:
         rules = {n: f for n, f in (("admission_rule", admission_rule), ("schedule_decodes", schedule_decodes),
                                    ("chunk_prefills", chunk_prefills)) if f is not None}  # notebook 04's tasks
         self.scheduler = Scheduler(block_manager, max_num_seqs, max_num_batched_tokens, policy, watermark, **rules)
-        self.runner = ModelRunner(model, cache, attn_backend, prepack=prepack_weights, batch_hint=max_num_seqs)
+        self.runner = ModelRunner(model, cache, attn_backend, prepack=prepack_weights)
         if eos_token_id is None:
             eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_id = eos_token_id

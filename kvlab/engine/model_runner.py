@@ -18,9 +18,10 @@ from kvlab.hf import PagedBatch, attention_implementation, model_configs, regist
 
 class ModelRunner:
     """Runs the engine's steps through one attention backend (:mod:`kvlab.attention` has the table).
-    ``prepack=True`` packs the linear weights for oneDNN (:mod:`kvlab.engine.prepack`, CPU fp32 only)."""
+    ``prepack=True`` runs the linear layers on the model's one oneDNN packing, shared by every engine on it
+    (:meth:`~kvlab.engine.prepack.PrepackedLinears.shared`, CPU fp32 only)."""
 
-    def __init__(self, model, cache, attn_backend: str = "reference", prepack: bool = False, batch_hint: int = 16):
+    def __init__(self, model, cache, attn_backend: str = "reference", prepack: bool = False):
         if not isinstance(attn_backend, str) or attn_backend not in BACKENDS:
             raise ValueError(f"attn_backend must be one of {BACKEND_NAMES}, got {attn_backend!r}")
         self.model, self.cache, self.attn_backend = model, cache, attn_backend
@@ -31,7 +32,7 @@ class ModelRunner:
         self._configs = model_configs(model)  # switched to kvlab's attention for each forward
         if not isinstance(prepack, bool):
             raise TypeError(f"prepack must be True or False, got {type(prepack).__name__} {prepack!r}")
-        self.prepacked = PrepackedLinears(model, batch_hint) if prepack else PrepackedLinears.empty()
+        self.prepacked = PrepackedLinears.shared(model) if prepack else PrepackedLinears.empty()
         self.timings: dict[str, float] = {}  # seconds of the last step: "packing", "forward"
 
     @torch.inference_mode()
