@@ -25,29 +25,43 @@ from kvlab.validate import cdiv, is_int
 
 
 class _Runner:
-    """One sequence through one pool on the engine's own runner, the path a served request takes,
-    asked for the logits of every position."""
+    """Sequences through one pool on the engine's own runner, the path a served request takes, asked
+    for the logits of every position. Several sequences run side by side in one step (:meth:`forward_many`)."""
 
-    def __init__(self, model, config: KVQuantConfig, calibration, ids: list[int], block_size: int):
-        blocks = cdiv(len(ids), block_size)
+    def __init__(self, model, config: KVQuantConfig, calibration, ids: list[int] | list[list[int]], block_size: int):
+        many = ids if ids and isinstance(ids[0], list) else [ids]
+        blocks = sum(cdiv(len(x), block_size) for x in many)
         self.bm = BlockManager(blocks, block_size, enable_prefix_caching=False)
         self.cache = QuantizedPagedKVCache.from_model(model, blocks, block_size, config, calibration)
         self.runner = ModelRunner(model, self.cache, "reference")
-        self.seq = Sequence(0, ids, SamplingParams(), arrival=0.0)
+        self.seqs = [Sequence(i, x, SamplingParams(), arrival=0.0) for i, x in enumerate(many)]
 
     def forward(self, piece: list[int]) -> torch.Tensor:
-        """Logits (len(piece), V) of the sequence's next chunk."""
-        seq, start = self.seq, self.seq.num_computed_tokens
-        assert seq.token_ids[start:start + len(piece)] == list(piece), "chunks out of order"
-        if start == 0:
-            self.bm.allocate(0, piece)
-        else:
-            for t in piece:
-                self.bm.append_slot(0, t)
-        step = SchedulerOutput(step=0, seqs=[seq], num_new_tokens=[len(piece)])
+        """Logits (len(piece), V) of the (one) sequence's next chunk."""
+        return self.forward_many({0: piece})[0]
+
+    def forward_many(self, pieces: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Each listed sequence's next chunk in ONE step: sequence index -> logits (len(piece), V)."""
+        seqs = [self.seqs[i] for i in pieces]
+        for seq, piece in zip(seqs, pieces.values()):
+            start = seq.num_computed_tokens
+            assert seq.token_ids[start:start + len(piece)] == list(piece), "chunks out of order"
+            if start == 0:
+                self.bm.allocate(seq.seq_id, piece)
+            else:
+                for t in piece:
+                    self.bm.append_slot(seq.seq_id, t)
+        lens = [len(p) for p in pieces.values()]
+        decodes = sum(1 for seq, n in zip(seqs, lens) if n == 1 and seq.num_computed_tokens > 0)
+        assert decodes in (0, len(seqs)), "a step is all prefill chunks or all decodes"
+        step = SchedulerOutput(step=0, seqs=seqs, num_new_tokens=lens, num_decodes=decodes)
         logits, _ = self.runner.execute_model(step, self.bm, all_logits=True)
-        seq.num_computed_tokens += len(piece)
-        return logits.float()
+        out, at = {}, 0
+        for i, seq, n in zip(pieces, seqs, lens):
+            seq.num_computed_tokens += n
+            out[i] = logits[at:at + n].float()
+            at += n
+        return out
 
 
 def _windows(n: int, window: int, stride: int):
@@ -220,29 +234,32 @@ def teacher_forced(model, sequences: list[list[int]], starts: list[int], config:
     set by float rounding alone."""
     if len(sequences) != len(starts):
         raise ValueError(f"starts must give one answer start per sequence ({len(sequences)}), got {len(starts)}")
-    agree, intact, first_miss, scored = {"q": 0, "fp": 0}, 0, [], 0
+    seqs = []
     for ids, start in zip(sequences, starts):
         ids = check_tokens(ids, model.config.vocab_size)
         if not is_int(start) or not 1 <= start < len(ids):
             raise ValueError(f"each start must be an int in [1, len(sequence)), got {start!r} for {len(ids)} tokens")
-        runners = {"q": _Runner(model, config, calibration, ids, block_size),
-                   "fp": _Runner(model, FP32, calibration, ids, block_size)}
-        miss = None
-        # as generation goes: the prompt in one prefill, then the answer one token at a time, each
-        # reading every earlier token back from the pool
-        cuts = [0] + list(range(start, len(ids)))
-        for c0, c1 in zip(cuts, cuts[1:]):
-            target = ids[c1]  # the piece's last position predicts the next token
-            for n, r in runners.items():
-                hit = int(r.forward(ids[c0:c1])[-1].argmax()) == target
+        seqs.append(ids)
+    # every sequence side by side, as the engine serves them: the prompts in one prefill step, then the
+    # answers one token a step, each reading every earlier token back from the pool
+    runners = {"q": _Runner(model, config, calibration, seqs, block_size),
+               "fp": _Runner(model, FP32, calibration, seqs, block_size)}
+    agree, miss = {"q": 0, "fp": 0}, [None] * len(seqs)
+    fed = list(starts)  # tokens fed so far, per sequence
+    pieces = {i: ids[:start] for i, (ids, start) in enumerate(zip(seqs, starts))}
+    while pieces:
+        for n, r in runners.items():
+            for i, logits in r.forward_many(pieces).items():
+                hit = int(logits[-1].argmax()) == seqs[i][fed[i]]  # the piece's last position predicts the next token
                 agree[n] += hit
-                if n == "q" and miss is None and not hit:
-                    miss = c1 - start
-            scored += 1
-        intact += miss is None
-        first_miss.append(miss)
-    return {"positions": scored, "top1": agree["q"] / scored, "top1_fp32": agree["fp"] / scored, "intact": intact,
-            "sequences": len(sequences), "first_miss": first_miss}
+                if n == "q" and miss[i] is None and not hit:
+                    miss[i] = fed[i] - starts[i]
+        pieces = {i: [seqs[i][fed[i]]] for i in pieces if fed[i] + 1 < len(seqs[i])}
+        for i in pieces:
+            fed[i] += 1
+    scored = sum(len(ids) - start for ids, start in zip(seqs, starts))
+    return {"positions": scored, "top1": agree["q"] / scored, "top1_fp32": agree["fp"] / scored,
+            "intact": sum(m is None for m in miss), "sequences": len(sequences), "first_miss": miss}
 
 
 def greedy_agreement(model, prompts: list[list[int]], config: KVQuantConfig, calibration=None,
