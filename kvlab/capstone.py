@@ -22,6 +22,10 @@ from kvlab.kernels.traffic import count_traffic
 from kvlab.validate import cdiv
 
 CONFIGS = ("static FP16", "paged FP16", "paged INT8", "paged INT8 + Triton")
+#: notebook 06's workload (``make_workload(tokenizer, **WORKLOAD)``): 48 chat requests, ShareGPT-like lengths
+#: x 0.1, small enough to serve three times in about a minute on 2 cores, long enough that every paged
+#: pool still runs out of blocks (the claims table's prefix and answer rows read the same one)
+WORKLOAD = dict(n=48, scale=0.1, seed=0, max_len=1500)
 _SPEC = {  # kv_cache_dtype, attention backend, reservation
     "static FP16": ("fp16", "torch", "static"),
     "paged FP16": ("fp16", "torch", "paged"),
@@ -198,10 +202,10 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict:
     return {"identical": same, "requests": len(reference), "prefix_share": statistics.mean(shares)}
 
 
-def served_agreement(model, tokenizer, calibration, max_len: int = 256, n: int = 48) -> dict:
+def served_agreement(model, tokenizer, calibration, max_len: int = 256) -> dict:
     """Notebook 06's run in one call, paged INT8 against paged FP16 in four slabs' budget (for the claims
     table when the notebook has not passed its own)."""
-    wl = make_workload(tokenizer, n=n, scale=0.15, seed=0, max_len=1500)
+    wl = make_workload(tokenizer, **WORKLOAD)
     budget = 4 * (max_len // 16) * block_bytes(model, "fp16")[0]
     tokens = {}
     for name in ("paged FP16", "paged INT8"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 
 from kvlab.bench.engine import make_workload
+from kvlab.capstone import WORKLOAD
 from kvlab.cache import simulate
 from kvlab.cache.paged import BlockManager
 from kvlab.claims.rules import in_range, judged_on, parts, ratio, truth
@@ -71,7 +72,7 @@ def c_frag_50(lab, lengths: tuple[int, int] = (40, 60)):
 
 
 def _prefix_saving(lab) -> tuple[float, int, float]:
-    wl = make_workload(lab.tokenizer, n=48, scale=0.15, seed=0, max_len=1500)  # notebook 06's workload
+    wl = make_workload(lab.tokenizer, **WORKLOAD)  # notebook 06's workload
     used = {}
     for share in (True, False):
         bm = BlockManager(4096, 16, enable_prefix_caching=share)
@@ -125,10 +126,11 @@ def c_5_20x(lab):
     rows = lab.speedups
     longest = max(rows, key=lambda r: r["prompt_tokens"])
     shortest = min(rows, key=lambda r: r["prompt_tokens"])
-    spread = lambda r: f" ({r['speedup_min']:.1f}-{r['speedup_max']:.1f}x)" if "speedup_min" in r else ""  # noqa: E731
+    runs = rows[0].get("repeats", 1)
+    spread = lambda r: f" ({r['speedup_min']:.1f}-{r['speedup_max']:.1f}x)" if runs > 1 else ""  # noqa: E731
     inside = {r["prompt_tokens"]: in_range(5, 20, r["speedup"]) == "holds" for r in rows}
     return (", ".join(f"{r['speedup']:.1f}x{spread(r)} at {r['prompt_tokens']} tokens" for r in rows)
-            + " (medians of 3 runs, their range in brackets)",
+            + (f" (medians of {runs} runs, their range in brackets)" if runs > 1 else " (one run each)"),
             judged_on(parts(inside[longest["prompt_tokens"]], inside[shortest["prompt_tokens"]],
                             f"at long prompts ({longest['prompt_tokens']} tokens)",
                             f"at short ones ({shortest['prompt_tokens']} tokens)"),
