@@ -125,14 +125,18 @@ def _notebook_table(terminalreporter) -> list[str]:
                 if name == "nbcell" and r.when == "call":
                     nb, code_num, peak = value
                     path = Path(str(r.fspath))
-                    row = rows.setdefault(nb, dict(notebook=nb, wall_s=0.0, peak_bytes=0, cells=[], path=path))
+                    row = rows.setdefault(nb, dict(notebook=nb, wall_s=0.0, peak_bytes=0, peak_cell=-1, cells=[],
+                                                   path=path))
                     row["wall_s"] += r.duration
-                    row["peak_bytes"] = max(row["peak_bytes"], peak)
+                    if peak > row["peak_bytes"]:
+                        row["peak_bytes"], row["peak_cell"] = peak, code_num
                     row["cells"].append((code_num, r.duration))
     for row in rows.values():  # nbval counts code cells; the table names a cell by its index among all cells
         cells = json.loads(row["path"].read_text())["cells"] if row["path"].is_file() else []
         index = [i for i, c in enumerate(cells) if c["cell_type"] == "code"]
         row["cells"] = [(index[n] if n < len(index) else n, s) for n, s in row["cells"]]
+        if 0 <= row["peak_cell"] < len(index):
+            row["peak_cell"] = index[row["peak_cell"]]
     return notebook_costs.table([rows[k] for k in sorted(rows)]) if rows else []
 
 

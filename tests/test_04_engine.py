@@ -271,8 +271,9 @@ def test_prepacked_weights_change_no_token_and_leave_the_model_as_it_was(tiny):
 
 
 def test_engines_on_one_model_share_one_packing_and_it_goes_with_the_model():
-    """A notebook builds a dozen engines on one model: they share ONE packed copy of the weights (not
-    one each), whatever their seat count, and the copy is freed with its model."""
+    """A notebook keeps a dozen engines on one model: they share ONE packed copy of the weights (not
+    one each), whatever their seat count; the copy is freed when no engine holds it, and its entry goes
+    with the model."""
     import gc
     import weakref
 
@@ -286,9 +287,14 @@ def test_engines_on_one_model_share_one_packing_and_it_goes_with_the_model():
     assert a.runner.prepacked is b.runner.prepacked and len(a.runner.prepacked) > 0
     other, _ = kvlab.load_model("tiny")
     assert LLM(other, tok, num_blocks=16).runner.prepacked is not a.runner.prepacked  # per model
+    packed = weakref.ref(a.runner.prepacked)
+    del a, b
+    gc.collect()
+    assert packed() is None  # no engine left: the copy is freed
+    assert len(LLM(model, tok, num_blocks=16).runner.prepacked) > 0  # and made again for the next engine
     alive = weakref.ref(model)
     n = len(_SHARED)
-    del a, b, model
+    del model
     gc.collect()
     assert alive() is None and len(_SHARED) == n - 1
 

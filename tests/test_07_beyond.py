@@ -28,6 +28,13 @@ def test_eviction_quality_full_cache_is_the_reference(tiny):
         eviction_quality(model, ids, 69, {"w": ev.SlidingWindow(16)})
     with pytest.raises(TypeError, match="policy"):
         eviction_quality(model, ids, 40, {"w": ("window", "fp16")})
+    # an earlier result's full-cache logits reused: the same scores as serving the reference again
+    again = eviction_quality(model, ids, 40, {"window": ev.SlidingWindow(16)}, block_size=4, reference=r)
+    assert "fp32" not in again["seconds"]  # the reference was not served a second time
+    assert again["configs"]["window"]["kl"] == pytest.approx(window["kl"], rel=1e-6)
+    for wrong in (ids[:-1], [5] + ids[1:]):  # another text: refused before any work
+        with pytest.raises(ValueError, match="reference"):
+            eviction_quality(model, wrong, 40, {"w": ev.SlidingWindow(16)}, block_size=4, reference=r)
 
 
 def test_equal_byte_budgets(smollm2):

@@ -94,6 +94,7 @@ def run_notebook(path: Path, timeout: int = 1800, kernel: str = "python3") -> di
     cells: list[tuple[int, float]] = []
     started: dict[int, float] = {}
     sampler: list[TreePeak] = []
+    peaks: list[tuple[int, int]] = []  # (peak bytes, cell index) per cell
 
     def on_start(cell, cell_index):
         if not sampler and client.km is not None and client.km.has_kernel:
@@ -102,6 +103,8 @@ def run_notebook(path: Path, timeout: int = 1800, kernel: str = "python3") -> di
 
     def on_done(cell, cell_index, execute_reply):
         cells.append((cell_index, time.perf_counter() - started[cell_index]))
+        if sampler:
+            peaks.append((sampler[0].reset(), cell_index))  # this cell's peak
 
     client = NotebookClient(nb, timeout=timeout, kernel_name=kernel, resources={"metadata": {"path": str(path.parent)}},
                             on_cell_start=on_start, on_cell_executed=on_done)
@@ -112,20 +115,24 @@ def run_notebook(path: Path, timeout: int = 1800, kernel: str = "python3") -> di
     except Exception as exc:  # a failing cell: report what ran, and the error, instead of no row
         error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
     wall = time.perf_counter() - t0
-    peak = sampler[0].stop() if sampler else 0
-    return dict(notebook=path.stem, wall_s=wall, peak_bytes=peak, cells=cells, error=error)
+    if sampler:
+        peaks.append((sampler[0].stop(), -1))
+    peak, peak_cell = max(peaks, default=(0, -1))
+    return dict(notebook=path.stem, wall_s=wall, peak_bytes=peak, peak_cell=peak_cell, cells=cells, error=error)
 
 
 def table(rows: list[dict], slowest: int = 5) -> list[str]:
     """One line per notebook: wall time, peak memory, its ``slowest`` cells (seconds (cell index))."""
-    lines = [f"{'notebook':<28}{'Run All':>9}{'peak mem':>10}  slowest cells: seconds (cell index)"]
+    lines = [f"{'notebook':<28}{'Run All':>9}{'peak mem':>10}{'in cell':>8}  slowest cells: seconds (cell index)"]
     for r in rows:
         top = sorted(r["cells"], key=lambda c: -c[1])[:slowest]
         cells = ", ".join(f"{s:.0f} ({i})" for i, s in top)
-        lines.append(f"{r['notebook']:<28}{r['wall_s']:>8.0f}s{r['peak_bytes'] / GIB:>7.2f} GiB  {cells}"
+        where = r.get("peak_cell", -1)
+        lines.append(f"{r['notebook']:<28}{r['wall_s']:>8.0f}s{r['peak_bytes'] / GIB:>7.2f} GiB"
+                     f"{where if where >= 0 else '-':>8}  {cells}"
                      + (f"  FAILED {r['error']}" if r.get("error") else ""))
     total = sum(r["wall_s"] for r in rows)
-    lines.append(f"{'all':<28}{total:>8.0f}s{max((r['peak_bytes'] for r in rows), default=0) / GIB:>7.2f} GiB")
+    lines.append(f"{'all':<28}{total:>8.0f}s{max((r['peak_bytes'] for r in rows), default=0) / GIB:>7.2f} GiB{'':>8}")
     return lines
 
 

@@ -130,14 +130,18 @@ class PrepackedLinears:
 
     @classmethod
     def shared(cls, model) -> "PrepackedLinears":
-        """The one packing of ``model``'s weights that every engine on it shares: a notebook builds a dozen
+        """The one packing of ``model``'s weights that the engines on it share: a notebook keeps a dozen
         engines on one model, and each packing would be another copy of the weights (513 MiB for SmolLM2).
         One layout serves every batch: packed for 16 rows, SmolLM2's decode steps at 1, 4 and 16 rows ran
-        as fast as (or faster than) packed for their own row count (2 cores). Kept while the model lives; a
-        weight changed since is packed again on the next forward (:meth:`active`)."""
-        if model not in _SHARED:
-            _SHARED[model] = cls(model, SHARED_BATCH_HINT)
-        return _SHARED[model]
+        as fast as (or faster than) packed for their own row count (2 cores). It lives while an engine
+        holds it (packing again takes a fraction of a second); a weight changed since is packed again on
+        the next forward (:meth:`active`)."""
+        ref = _SHARED.get(model)
+        packed = ref() if ref is not None else None
+        if packed is None:
+            packed = cls(model, SHARED_BATCH_HINT)
+            _SHARED[model] = weakref.ref(packed)
+        return packed
 
     @classmethod
     def empty(cls) -> "PrepackedLinears":
@@ -179,5 +183,5 @@ class PrepackedLinears:
 
 #: the row count the shared packing is laid out for (:meth:`PrepackedLinears.shared`)
 SHARED_BATCH_HINT = 16
-#: model -> its shared packing; an entry goes with its model
-_SHARED: "weakref.WeakKeyDictionary[nn.Module, PrepackedLinears]" = weakref.WeakKeyDictionary()
+#: model -> its shared packing, held by the engines that use it (a weak reference here); an entry goes with its model
+_SHARED: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[PrepackedLinears]]" = weakref.WeakKeyDictionary()

@@ -54,12 +54,14 @@ def _serve_text(model, tokens: list[int], prompt_len: int, policies: list, fmt: 
 
 @torch.inference_mode()
 def eviction_quality(model, tokens: list[int], prompt_len: int, configs: dict, calibration=None,
-                     block_size: int = 16, attn_backend: str = "torch") -> dict:
+                     block_size: int = 16, attn_backend: str = "torch", reference: dict | None = None) -> dict:
     """Quality of caches that evict or quantize against the full FP32 cache, on one text.
 
     ``configs``: name -> ``(policy, format)`` (a bare policy means FP16). The prompt is prefilled, then
     the text is forced one token at a time as generation feeds it, and every decode position is scored
-    (KL, top-1, perplexity as :func:`evaluate`); configs of one format share a pool and a batch."""
+    (KL, top-1, perplexity as :func:`evaluate`); configs of one format share a pool and a batch.
+    ``reference``: an earlier result on the same text and prompt, whose full-cache logits are reused
+    instead of served again."""
     tokens = check_tokens(tokens, model.config.vocab_size)
     if not is_int(prompt_len) or not 0 < prompt_len < len(tokens) - 1:
         raise ValueError(f"prompt_len must be an int in [1, {len(tokens) - 2}] (some tokens must follow it), "
@@ -67,13 +69,18 @@ def eviction_quality(model, tokens: list[int], prompt_len: int, configs: dict, c
     if not isinstance(configs, dict) or not configs:
         raise ValueError("configs must be a non-empty dict name -> (policy, format)")
     specs = {n: _as_eviction_config(n, s) for n, s in configs.items()}
+    if reference is not None and (not isinstance(reference, dict) or "full_logits" not in reference
+                                  or (reference.get("token_ids"), reference.get("prompt_len")) != (tokens, prompt_len)):
+        raise ValueError("reference must be an eviction_quality(...) result on the same tokens and prompt_len")
     paged_attention_spec(model)
     n_tok = len(tokens)
-    groups: dict[str, list[str]] = {"fp32": ["full"]}
+    groups: dict[str, list[str]] = {} if reference is not None else {"fp32": ["full"]}
     for n, (_, fmt) in specs.items():
         groups.setdefault(fmt, []).append(n)
     specs["full"] = (None, "fp32")
     logits: dict[str, list[torch.Tensor]] = {n: [] for n in specs}
+    if reference is not None:
+        logits["full"] = reference["full_logits"]
     held: dict[str, dict] = {}
     seconds: dict[str, float] = {}
     for fmt, names in groups.items():
@@ -91,7 +98,7 @@ def eviction_quality(model, tokens: list[int], prompt_len: int, configs: dict, c
     fp16_full = cdiv(n_tok - 1, block_size) * QuantizedPagedKVCache.from_model(
         model, 1, block_size, named_config("fp16")).bytes_per_block
     out = {"tokens": n_tok, "prompt_len": prompt_len, "scored": len(targets), "ppl_full": math.exp(ref_nll.mean()),
-           "fp16_full_bytes": fp16_full, "seconds": seconds, "configs": {}}
+           "fp16_full_bytes": fp16_full, "seconds": seconds, "token_ids": tokens, "full_logits": logits["full"], "configs": {}}
     for n in configs:
         lp = torch.log_softmax(torch.stack(logits[n]), -1)
         nll = -lp.gather(1, targets[:, None])[:, 0].double()
