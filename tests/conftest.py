@@ -97,10 +97,10 @@ def _progress_elsewhere(tmp_path, monkeypatch):
 
 
 class _KernelMemory:
-    """Each nbval cell's peak memory: the resident set of this worker's children (its notebook kernel; a
-    worker runs one notebook at a time), sampled every 0.2 s; with the cell's duration it makes the
-    per-notebook table at the end of ``make test``. A plugin, not a conftest hook: a conftest's hooks
-    see only the tests under its own folder, and the notebooks are not under tests/."""
+    """Each nbval cell's peak memory: the resident set of the notebook's kernel and its children, sampled
+    every 0.2 s; with the cell's duration it makes the per-notebook table at the end of ``make test``.
+    A plugin, not a conftest hook: a conftest's hooks see only the tests under its own folder, and the
+    notebooks are not under tests/."""
 
     sampler = None
 
@@ -109,11 +109,19 @@ class _KernelMemory:
         if item.path.suffix != ".ipynb":
             yield
             return
-        if self.sampler is None:
-            self.sampler = notebook_costs.TreePeak().start()
-        self.sampler.reset()
+        try:  # nbval's kernel for this notebook (started in its file's setup)
+            pid = item.parent.kernel.km.provisioner.process.pid
+        except AttributeError:
+            pid = None
+        if self.sampler is None or self.sampler.proc.pid != pid:
+            if self.sampler is not None:
+                self.sampler.stop()
+            self.sampler = notebook_costs.TreePeak(pid).start() if pid is not None else None
+        peak = self.sampler.reset() if self.sampler is not None else 0
         yield
-        item.user_properties.append(("nbcell", [item.path.stem, item.cell_num, self.sampler.reset()]))
+        if self.sampler is not None:
+            peak = self.sampler.reset()
+        item.user_properties.append(("nbcell", [item.path.stem, item.cell_num, peak]))
 
 
 def _notebook_table(terminalreporter) -> list[str]:
