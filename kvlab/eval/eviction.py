@@ -98,7 +98,8 @@ def eviction_quality(model, tokens: list[int], prompt_len: int, configs: dict, c
     fp16_full = cdiv(n_tok - 1, block_size) * QuantizedPagedKVCache.from_model(
         model, 1, block_size, named_config("fp16")).bytes_per_block
     out = {"tokens": n_tok, "prompt_len": prompt_len, "scored": len(targets), "ppl_full": math.exp(ref_nll.mean()),
-           "fp16_full_bytes": fp16_full, "seconds": seconds, "token_ids": tokens, "full_logits": logits["full"], "configs": {}}
+           "fp16_full_bytes": fp16_full, "seconds": seconds, "token_ids": tokens, "full_logits": logits["full"],
+           "configs": {}}
     for n in configs:
         lp = torch.log_softmax(torch.stack(logits[n]), -1)
         nll = -lp.gather(1, targets[:, None])[:, 0].double()
