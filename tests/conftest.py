@@ -117,10 +117,10 @@ class _KernelMemory:
             if self.sampler is not None:
                 self.sampler.stop()
             self.sampler = notebook_costs.TreePeak(pid).start() if pid is not None else None
-        peak = self.sampler.reset() if self.sampler is not None else 0
-        yield
         if self.sampler is not None:
-            peak = self.sampler.reset()
+            self.sampler.reset()  # this cell's peak starts here
+        yield
+        peak = self.sampler.reset() if self.sampler is not None else 0
         item.user_properties.append(("nbcell", [item.path.stem, item.cell_num, peak]))
 
 

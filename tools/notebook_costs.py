@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
@@ -41,13 +40,11 @@ def tree_rss(proc: psutil.Process) -> int:
 
 
 class TreePeak:
-    """Samples a process tree's resident memory every ``interval`` seconds in a thread; ``peak`` is
-    the largest sum seen since the last :meth:`reset`. ``pid=None`` samples the children of this
-    process only (an nbval worker's kernel), not this process itself."""
+    """Samples the resident memory of process ``pid`` and its descendants every ``interval`` seconds
+    in a thread; ``peak`` is the largest sum seen since the last :meth:`reset`."""
 
-    def __init__(self, pid: int | None = None, interval: float = 0.2):
-        self.proc = psutil.Process(pid if pid is not None else os.getpid())
-        self.children_only = pid is None
+    def __init__(self, pid: int, interval: float = 0.2):
+        self.proc = psutil.Process(pid)
         self.interval = interval
         self.peak = 0
         self._stop = threading.Event()
@@ -55,11 +52,6 @@ class TreePeak:
 
     def sample(self) -> int:
         rss = tree_rss(self.proc)
-        if self.children_only:
-            try:
-                rss -= self.proc.memory_info().rss
-            except psutil.Error:
-                pass
         self.peak = max(self.peak, rss)
         return rss
 

@@ -28,16 +28,15 @@ class _Runner:
     """Sequences through one pool on the engine's own runner, the path a served request takes, asked
     for the logits of every position. Several sequences run side by side in one step (:meth:`forward_many`)."""
 
-    def __init__(self, model, config: KVQuantConfig, calibration, ids: list[int] | list[list[int]], block_size: int):
-        many = ids if ids and isinstance(ids[0], list) else [ids]
-        blocks = sum(cdiv(len(x), block_size) for x in many)
+    def __init__(self, model, config: KVQuantConfig, calibration, sequences: list[list[int]], block_size: int):
+        blocks = sum(cdiv(len(x), block_size) for x in sequences)
         self.bm = BlockManager(blocks, block_size, enable_prefix_caching=False)
         self.cache = QuantizedPagedKVCache.from_model(model, blocks, block_size, config, calibration)
         self.runner = ModelRunner(model, self.cache, "reference")
-        self.seqs = [Sequence(i, x, SamplingParams(), arrival=0.0) for i, x in enumerate(many)]
+        self.seqs = [Sequence(i, x, SamplingParams(), arrival=0.0) for i, x in enumerate(sequences)]
 
     def forward(self, piece: list[int]) -> torch.Tensor:
-        """Logits (len(piece), V) of the (one) sequence's next chunk."""
+        """Logits (len(piece), V) of the first sequence's next chunk (a runner of one sequence)."""
         return self.forward_many({0: piece})[0]
 
     def forward_many(self, pieces: dict[int, list[int]]) -> dict[int, torch.Tensor]:
@@ -143,7 +142,7 @@ def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: 
     stats = {}
     for w_start, w_end, first in _windows(len(tokens), window, stride):
         ids = tokens[w_start:w_end]
-        runners = {n: _Runner(model, FP32 if n == "fp" else configs[n], calibration, ids, block_size)
+        runners = {n: _Runner(model, FP32 if n == "fp" else configs[n], calibration, [ids], block_size)
                    for n in names}
         for c0 in range(0, len(ids) - 1, chunk):
             piece = ids[c0:min(c0 + chunk, len(ids) - 1)]  # the last token is only a target
