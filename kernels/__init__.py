@@ -1,6 +1,7 @@
 """kvlab.kernels: the lab's Triton kernels (notebook 05), shipped as ``kvlab.kernels`` so that a bare
 ``import kernels`` does not shadow Hugging Face's ``kernels``. Files: ``pool`` (K/V as the kernels see them),
-``write`` (quantize-on-write), ``decode`` (paged decode attention), ``skeleton`` (the build tasks),
+``write`` (quantize-on-write), ``decode`` (paged decode attention), ``skeleton`` (the build tasks' kernel),
+``answers`` (kvlab's answers to them),
 ``convert`` (conversion variants), ``traffic`` (bytes per launch), ``ptx`` (sm_90 instructions, no GPU).
 Every kernel runs compiled on a GPU and interpreted on a CPU. Triton installs on Linux only; elsewhere
 :func:`available` is False and the rest of kvlab runs as usual."""
@@ -162,7 +163,7 @@ def __getattr__(name):
     import importlib  # the kernel modules import triton: loaded on first use, where it exists
     if name in _LAZY:
         return getattr(importlib.import_module(f"kvlab.kernels.{_LAZY[name]}"), name)
-    if name in ("traffic", "decode", "write", "pool", "convert", "ptx", "skeleton"):
+    if name in ("traffic", "decode", "write", "pool", "convert", "ptx", "skeleton", "answers"):
         return importlib.import_module(f"kvlab.kernels.{name}")
     raise AttributeError(f"module 'kvlab.kernels' has no attribute {name!r}")
 

@@ -6,13 +6,13 @@ the online softmax. Each idea is a ``@triton.jit`` function passed in as a const
 
 * ``walk(table_ptr, seq, page, seq_len, s_table, s_blk, s_tok, head, s_head, BLOCK_SIZE)`` ->
   ``(offsets, mask)``: the element offsets (int64) of that page's token slots for this KV head, and
-  which slots hold a token of the sequence (Task 1, :func:`block_walk`);
-* ``update(m, l, acc, s, v, v_scale)``: the online-softmax step (Task 2,
-  :func:`kvlab.kernels.decode.online_softmax_update`);
-* ``dequant(codes, scale)``: int8 codes and their per-head scale -> fp32 values (Task 3,
-  :func:`dequant_int8`).
+  which slots hold a token of the sequence (Task 1);
+* ``update(m, l, acc, s, v, v_scale)``: the online-softmax step (Task 2);
+* ``dequant(codes, scale)``: int8 codes and their per-head scale -> fp32 values (Task 3).
 
-It reads float pools and INT8 per-head pools; ``tests/test_05_tasks.py`` holds it to the references.
+The skeleton holds none of the three: it runs the functions it is handed (yours, or kvlab's where you
+have not written one yet: ``check.solution(name)`` shows those). It reads float pools and INT8 per-head
+pools; ``tests/test_05_tasks.py`` holds it to the PyTorch reference.
 """
 
 from __future__ import annotations
@@ -25,24 +25,7 @@ require_triton("kvlab.kernels.skeleton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kvlab.kernels.decode import dot, online_softmax_update  # noqa: E402
-
-
-@triton.jit
-def block_walk(table_ptr, seq, page, seq_len, s_table, s_blk, s_tok, head, s_head, BLOCK_SIZE: tl.constexpr):
-    """Page ``page`` of sequence ``seq``: its physical block from the block table, then the element
-    offset of each of its BLOCK_SIZE slots for KV head ``head``, in int64 (a big pool's offsets pass
-    2**31), and a mask of the slots that hold a token (positions < seq_len)."""
-    blk = tl.load(table_ptr + seq * s_table + page).to(tl.int64)  # the physical block id
-    offs_t = tl.arange(0, BLOCK_SIZE)
-    offsets = blk * s_blk + offs_t * s_tok + head * s_head  # (BLOCK_SIZE,) int64
-    return offsets, page * BLOCK_SIZE + offs_t < seq_len
-
-
-@triton.jit
-def dequant_int8(codes, scale):
-    """int8 codes (N, D) as loaded, one fp32 scale for the KV head -> fp32 values, in registers."""
-    return codes.to(tl.float32) * scale
+from kvlab.kernels.decode import dot  # noqa: E402
 
 
 @triton.jit
@@ -78,16 +61,19 @@ def _skeleton_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, o
 
 def skeleton_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None, walk=block_walk, update=online_softmax_update,
-                    dequant=dequant_int8) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None, *, walk, update, dequant=None) -> torch.Tensor:
     """q (B, H_q, D); k, v (num_blocks, block_size, H_kv, D), float or int8 with per-head scales (H_kv,);
-    block_tables (B, max_blocks) int32; seq_lens (B,). Returns (B, H_q, D) fp32, NaN where unwritten."""
+    block_tables (B, max_blocks) int32; seq_lens (B,). Returns (B, H_q, D) fp32, NaN where unwritten.
+    ``walk``, ``update``, ``dequant``: ``@triton.jit`` functions (module docstring); ``dequant`` only for
+    int8 pages. Notebook 05 hands in yours, or kvlab's through ``check.use`` until yours passes."""
     b, h_q, d = q.shape
     nb, bs, h_kv, d2 = k.shape
     quant = k.dtype == torch.int8
     if d2 != d or v.shape != k.shape or h_q % h_kv or (quant and (k_scale is None or v_scale is None)):
         raise ValueError(f"need k, v (num_blocks, block_size, H_kv, {d}) with H_q a multiple of H_kv, and per-head "
                          f"scales for int8 pages: got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if quant and dequant is None:
+        raise ValueError("int8 pages need dequant=: a @triton.jit (codes, scale) -> fp32 values (Task 3)")
     g = h_q // h_kv
     out = torch.full((b, h_q, d), float("nan"), dtype=torch.float32, device=q.device)
     one = torch.ones(h_kv, dtype=torch.float32, device=q.device)
@@ -168,4 +154,4 @@ def run_online_softmax(update, s: torch.Tensor, v: torch.Tensor, v_scale: torch.
     return out
 
 
-__all__ = ["block_walk", "dequant_int8", "skeleton_decode", "run_walk", "run_dequant", "run_online_softmax"]
+__all__ = ["skeleton_decode", "run_walk", "run_dequant", "run_online_softmax"]

@@ -109,6 +109,7 @@ class PagedBatch:
     decode: DecodeIndex | None = None  # backends that batch decodes: the first decode.num sequences
     prefill: PrefillIndex | None = None  # backends that batch prefill chunks: the sequences after the decodes
     observer: object = None  # kvlab.cache.evict.AttentionMass: a scoring eviction policy watches the attention
+    as_decodes: bool = False  # chunks attend as if decoded a token a step (forced text through a quantized pool)
 
     def __post_init__(self):
         self.backend = get_backend(self.backend)

@@ -34,8 +34,13 @@ def test_append_slot_checker_names_the_mistakes(capsys):
         table.append(take())
         return table[-1] * bs + n % bs, None
 
+    def reversed_copy(table, n, bs, ref, take):  # the pair the wrong way round: (dst, src)
+        slot, copy = append_slot(table, n, bs, ref, take)
+        return slot, copy[::-1] if copy else copy
+
     for why, fn in {"the last block is shared": never_copies, "a full block is never written again": copies_full_blocks,
-                    "room in the last block": always_new, "return two things": lambda *a: 3}.items():
+                    "room in the last block": always_new, "return two things": lambda *a: 3,
+                    "copy is (src, dst)": reversed_copy}.items():
         capsys.readouterr()
         assert not check.append_slot(fn)
         out = capsys.readouterr().out
@@ -68,12 +73,32 @@ def test_prefix_hits_checker_names_the_mistakes(capsys):
             out.append(cached[parent])
         return out
 
+    def past_a_miss(tokens, bs, cached, h):  # chained, but walks on after a miss
+        out, parent = [], None
+        for i in range((len(tokens) - 1) // bs):
+            parent = h(parent, tokens[i * bs:(i + 1) * bs])
+            if parent in cached:
+                out.append(cached[parent])
+        return out
+
     for why, fn in {"chain the keys": unchained, "chain the keys - ": unchained_past_a_miss,
-                    "leave the last prompt token out": last_token_too}.items():
+                    "leave the last prompt token out": last_token_too, "stop at the first miss": past_a_miss}.items():
         capsys.readouterr()
         assert not check.prefix_hits(fn)
         out = capsys.readouterr().out
         assert out.startswith("[fail] prefix_hits: ") and why.removesuffix(" - ") in out, out
+
+
+def test_a_failing_case_prints_its_arguments_by_name(capsys):
+    def off_by_one(block_table, num_tokens, block_size, ref_count, take_block):
+        slot, copy = append_slot(block_table, num_tokens, block_size, ref_count, take_block)
+        return slot + 1, copy
+
+    assert not check.append_slot(off_by_one)
+    out = capsys.readouterr().out
+    assert "For block_table=[3], num_tokens=2, block_size=4, shared_blocks=(), free_blocks=[7, 1]: yours" in out, out
+    assert not check.prefix_hits(lambda tokens, bs, cached, h: [0])
+    assert "For token_ids=[1, 2, 3" in capsys.readouterr().out
 
 
 def test_the_references_plugged_in_keep_hf_tokens_and_the_invariants(tiny):

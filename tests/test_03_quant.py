@@ -220,6 +220,24 @@ def test_quantized_attention_with_float_storage_equals_reference(rotate_k):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("feat", [{}, {"window": 4}, {"softcap": 5.0}])
+def test_a_chunk_as_decodes_equals_its_tokens_decoded_one_by_one(feat):
+    """as_decodes: each new token sees the earlier ones as stored and only itself at full precision, which
+    is what a token-by-token decode over the same pool sees (eviction_quality and teacher_forced score
+    forced text this way)."""
+    bm, pool, ref = _pool_and_tables(named_config("int8", granularity="per-token-head", policy="dynamic"))
+    table = bm.block_table(1)  # 9 tokens stored; the last 4 are the chunk
+    k_all, v_all = ref.gather(0, table, 9)
+    q = torch.randn(4, 4, 16)
+    chunk = quantized_paged_attention(q, k_all[-4:], v_all[-4:], pool, 0, [table], [9], [4], scale=0.25,
+                                      as_decodes=True, **feat)
+    one_by_one = torch.cat([quantized_paged_attention(q[t:t + 1], k_all[5 + t:6 + t], v_all[5 + t:6 + t], pool, 0,
+                                                      [table], [6 + t], [1], scale=0.25, **feat) for t in range(4)])
+    torch.testing.assert_close(chunk, one_by_one, atol=1e-5, rtol=1e-5)
+    prefill = quantized_paged_attention(q, k_all[-4:], v_all[-4:], pool, 0, [table], [9], [4], scale=0.25, **feat)
+    assert not torch.allclose(prefill[1:], one_by_one[1:], atol=1e-4)  # a plain chunk sees its own at full precision
+
+
 def test_int8_attention_is_close_to_float():
     bm, pool, ref = _pool_and_tables(named_config("int8", granularity="per-token-head", policy="dynamic"))
     tables = [bm.block_table(1)]

@@ -563,3 +563,35 @@ def test_the_recorded_vllm_run_is_whole_and_its_note_says_what_it_holds():
     assert said, rec["note"]
     for n, text in zip(("16", "64"), said.groups()):
         assert text == f"{rec['seats'][n]['systems']['vllm']['throughput_vs_kvlab_paired_median']:.2f}"
+
+
+def test_dry_run_runs_the_participants_rules_without_a_model():
+    """dry_run takes all three scheduler rules (notebook 04 watches Tasks 2 and 3 in a whole run in
+    milliseconds): kvlab's own give the default run; a rule that never preempts stalls a tight pool,
+    one that never chunks leaves a long prompt waiting for a budget it never fits."""
+    from kvlab.engine.dry_run import dry_run
+    from kvlab.engine.scheduler import chunk_prefills, schedule_decodes
+
+    load = [(10, 12), (20, 14), (6, 16), (8, 10), (40, 4, 3)]
+    kw = dict(num_blocks=14, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    _, ref = dry_run(load, **kw)
+    _, same = dry_run(load, schedule_decodes=schedule_decodes, chunk_prefills=chunk_prefills, **kw)
+    assert same == ref
+    sched, _ = dry_run(load, **kw)
+    assert any(e.action == "preempted" for e in sched.trace)  # the pool is tight enough to need a preemption
+
+    def never_preempts(running, decoding, append, preempt):
+        return [sid for sid in running if sid in decoding and append(sid)]
+
+    with pytest.raises(ValueError, match="schedule_decodes returned"):  # the scheduler names the broken rule
+        dry_run(load, schedule_decodes=never_preempts, max_steps=500, **kw)
+
+    def never_chunks(uncomputed, budget):
+        out = []
+        for n in uncomputed:
+            out.append(n if n <= budget else 0)
+            budget -= out[-1]
+        return out
+
+    with pytest.raises(RuntimeError):  # the 40-token prompt never fits a 16-token step
+        dry_run(load, chunk_prefills=never_chunks, max_steps=500, **kw)

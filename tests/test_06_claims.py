@@ -1,6 +1,7 @@
 """The claims table (kvlab/claims/): verdicts follow measurements, every claim points to a section
 that exists, and the CLI prints the same rows."""
 
+import html
 import json
 import re
 from pathlib import Path
@@ -137,6 +138,18 @@ def test_model_free_claims_run_and_count():
     assert claims.format_table(rows[:1], numbers=[7]).startswith(" 7. ")
     text = claims.format_table(rows)
     assert text.count("\n      verdict ") == len(NO_MODEL) and text.splitlines()[-1] == claims.count_line(rows)
+    # the notebooks' widget: the same rows, every field escaped, numbered as given, the count line last
+    from kvlab.viz.claims import claims_html, claims_widget
+    page = claims_html(rows)
+    assert page.count("<tr>") == len(rows) + 1 and page.endswith(f"<b>{html.escape(claims.count_line(rows))}</b></p>")
+    for r in rows:
+        assert html.escape(r["claim"]) in page and html.escape(r["why"]) in page
+    planted = dict(rows[0], claim="<b>x</b> & y")
+    assert "&lt;b&gt;x&lt;/b&gt; &amp; y" in claims_html([planted])
+    assert "<td style='padding:4px 8px;vertical-align:top;border-bottom:1px solid #e5e7e9'>7</td>" in claims_html(rows[:1], numbers=[7])
+    with pytest.raises(ValueError, match="numbers"):
+        claims_html(rows, numbers=[1])
+    assert claims_widget(rows).value == page
 
 
 def test_run_refuses_unknown_ids():
@@ -292,7 +305,7 @@ def test_the_five_corrected_verdicts():
     assert by_id["round-even"].measure(SimpleNamespace(kv=_kv("grid")))[1] == "wrong"  # on the grid: nothing to round
     # int8-39pct: measured at 32 x 16K, which cannot fit an 80 GB card
     measured, v, _ = by_id["int8-39pct"].measure(None)
-    assert v == "wrong" and "32 x 16K needs 269 GiB" in measured
+    assert v == "wrong" and "32 x 16K of the article's 7B" in measured and "needs 269 GiB" in measured
     # l2-threshold: the cache does pass the L2 (~80 tokens); the threshold marks nothing (weights 321x the L2)
     measured, v, _ = by_id["l2-threshold"].measure(None)
     assert v == "partly" and "holds 80 tokens" in measured and "321x" in measured

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 import browser_helpers as bh
+from notebook_names import printed_words
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))  # 06 and later are picked up as they land
@@ -31,6 +32,12 @@ RUN_TIMEOUT = float(os.environ.get("KVLAB_BROWSER_TIMEOUT", "1800"))
 ARTIFACTS = Path(os.environ.get("KVLAB_ARTIFACTS") or ROOT / "test-artifacts") / "browser"
 
 pytestmark = pytest.mark.browser
+# issue 55: what a main path prints (stdout, plain-text results; not widgets or figures) is read as carefully
+# as its prose, so it stays short. The notebooks still over it: strict, so one that gets under fails here
+# until it leaves the set
+PRINTED_WORDS = 700
+PRINTED_PENDING = {"00_memory_wall", "02_paged_blocks", "03_int8_quantization", "04_continuous_batching",
+                   "05_fused_triton_kernel", "06_putting_it_together", "07_beyond_one_engine"}
 
 
 def _browser() -> tuple[str | None, str]:
@@ -130,12 +137,22 @@ def test_notebook_widgets_render_and_react(path, lab, browser, capsys, record_pr
 
     shots = ARTIFACTS / path.stem
     problems, t = _run_and_check(lab, browser, path.name, shots, say)
+    executed = shots / path.name
+    printed = printed_words(json.loads(executed.read_text())) if executed.exists() else None
+    words = "" if printed is None else (f"; prints {sum(printed.values())} words on its main path (most: "
+                                        + ", ".join(f"cell {i} {n}" for i, n in sorted(printed.items(),
+                                                                                      key=lambda x: -x[1])[:3]) + ")")
     line = (f"{path.name}: ran in {t['run_s']:.0f} s (opened {t['open_s']:.0f} s, checked "
             f"{t['check_s']:.0f} s); {t['widget views']} widget views, {t['figures']} figures, "
-            f"{t['slider widgets']} slider widgets; screenshots in {shots}")
+            f"{t['slider widgets']} slider widgets{words}; screenshots in {shots}")
     say(f"\n[browser] {line}")
     record_property("browser", line)  # xdist workers print nothing: tests/conftest.py lists these at the end
     assert not problems, f"{path.name} in the browser:\n  " + "\n  ".join(problems)
+    if printed is not None:
+        over = sum(printed.values()) > PRINTED_WORDS
+        assert over == (path.stem in PRINTED_PENDING), (
+            f"{path.stem} prints {sum(printed.values())} words on its main path (budget {PRINTED_WORDS}); "
+            + ("take it out of PRINTED_PENDING" if not over else "shorten what it prints: tables to a figure or widget"))
 
 
 def test_the_fallback_widgets_render_and_react(tmp_path, browser, capsys, record_property):

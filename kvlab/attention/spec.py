@@ -103,10 +103,15 @@ def _online_update(state, q, k, v, scale, mask=None, softcap=None):
 
 def quantized_paged_attention(q, k_new, v_new, cache, layer: int, block_tables, seq_lens, query_lens,
                               scale: float, tile_blocks: int = 8, *, window: int | None = None,
-                              softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                              softcap: float | None = None, sinks: torch.Tensor | None = None,
+                              as_decodes: bool = False) -> torch.Tensor:
     """Attention reading everything cached BEFORE this forward from a quantized pool; the new tokens'
     own k_new, v_new (T, H_kv, D) stay full precision. Tiles are dequantized and folded in by online
-    softmax, so no full-precision copy exists: the PyTorch picture of a fused kernel."""
+    softmax, so no full-precision copy exists: the PyTorch picture of a fused kernel.
+
+    ``as_decodes``: each new token sees the earlier new tokens as stored (already written to the pool)
+    and only itself at full precision, as if the chunk had been decoded one token a step; a chunk of
+    forced tokens then scores in one forward what decoding would (text fed through a quantized cache)."""
     check_features(q.shape[1], window, softcap, sinks)
     out = torch.empty_like(q, dtype=torch.float32)
     bs = cache.block_size
@@ -126,16 +131,21 @@ def quantized_paged_attention(q, k_new, v_new, cache, layer: int, block_tables, 
         state = (*state, torch.zeros(h_kv, g, q_len, d))
         cached = ctx - q_len
         q_pos = torch.arange(cached, ctx)[:, None]  # (q_len, 1) absolute positions of the queries
+        stored = ctx - 1 if as_decodes else cached  # positions read back from the pool
         first = 0 if window is None else max(0, (cached - window + 1) // (bs * tile_blocks) * tile_blocks)
-        n_blocks = cdiv(cached, bs)
+        n_blocks = cdiv(stored, bs)
         for t0 in range(first, n_blocks, tile_blocks):  # under a window, tiles no query sees are skipped
             ids = torch.as_tensor(table[t0:t0 + tile_blocks], dtype=torch.long)
             k, v = cache.read(layer, ids)  # (n, bs, H_kv, D) each, float32
-            valid = min(cached - t0 * bs, len(ids) * bs)
-            mask = None if window is None else visible(q_pos, torch.arange(t0 * bs, t0 * bs + valid)[None, :], window)
+            valid = min(stored - t0 * bs, len(ids) * bs)
+            k_pos = torch.arange(t0 * bs, t0 * bs + valid)[None, :]
+            mask = None if window is None else visible(q_pos, k_pos, window)
+            if as_decodes:  # strictly earlier tokens only: a query's own key comes at full precision below
+                mask = (k_pos < q_pos) if mask is None else mask & (k_pos < q_pos)
             state = _online_update(state, q_cached, k.flatten(0, 1)[:valid], v.flatten(0, 1)[:valid], scale, mask,
                                    softcap)
-        causal = visible(q_pos, q_pos.T, window)  # (q_len, q_len) among the new tokens
+        # among the new tokens: causal, or (as_decodes) each token only itself
+        causal = torch.eye(q_len, dtype=torch.bool) if as_decodes else visible(q_pos, q_pos.T, window)
         state = _online_update(state, qg, k_new[start:start + q_len].float(), v_new[start:start + q_len].float(),
                                scale, causal, softcap)
         m, l, acc = state

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Sequence
 
 import torch
@@ -19,6 +20,29 @@ def _short(obj) -> str:
         return "(" + ", ".join(_short(o) for o in obj) + ")"
     text = repr(obj)
     return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _arg_names(fn, n: int) -> list[str] | None:
+    """The names of ``fn``'s first ``n`` parameters, when it takes exactly ``n`` positionally."""
+    fn = getattr(fn, "fn", fn)  # a @triton.jit function keeps the Python one in .fn
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) != n or any(p.kind == p.VAR_POSITIONAL for p in params):
+        return None
+    return [p.name for p in positional]
+
+
+def describe_call(args: tuple, *fns) -> str:
+    """A failing case as the call reads: ``block_table=[3, 8], num_tokens=6``, named after the first of
+    ``fns`` whose signature fits (the participant's own names are the task's), else the bare tuple."""
+    for fn in fns:
+        names = _arg_names(fn, len(args)) if fn is not None else None
+        if names:
+            return ", ".join(f"{n}={_short(a)}" for n, a in zip(names, args))
+    return _short(args)
 
 
 def _first_difference(got, expected) -> str:
@@ -49,7 +73,7 @@ def run_task(name: str, fn: Callable, cases: Sequence[tuple[tuple, Any]], same=N
             print(f"[todo] {name}: not written yet - the checker will name the usual mistakes")
             return False
         except Exception as e:  # the learner's bug, shown rather than raised
-            print(f"[fail] {name}: your function raised {type(e).__name__}: {e}. For {_short(args)}")
+            print(f"[fail] {name}: your function raised {type(e).__name__}: {e}. For {describe_call(args, fn, learner)}")
             return False
         if not same(got, expected):
             try:
@@ -57,7 +81,7 @@ def run_task(name: str, fn: Callable, cases: Sequence[tuple[tuple, Any]], same=N
             except Exception:  # a hint must never hide the verdict
                 why = None
             # the hint first (what to try next), then the case and the two results
-            print(f"[fail] {name}: " + (f"{why}. " if why else "") + f"For {_short(args)}: yours {_short(got)}, "
+            print(f"[fail] {name}: " + (f"{why}. " if why else "") + f"For {describe_call(args, fn, learner)}: yours {_short(got)}, "
                   f"expected {_short(expected)}{_first_difference(got, expected)}")
             return False
     print(f"[ok] {name}: {len(cases)} cases match")

@@ -3,6 +3,8 @@ the skeleton decode kernel (:mod:`kvlab.kernels.skeleton`) then runs them togeth
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvlab import kernels
@@ -93,7 +95,9 @@ def _jitted_or_say(name: str, fn) -> bool:
 
 
 def _raised_todo(call):
-    """The interpreter wraps what a @triton.jit function raised: a stub's NotImplementedError stays one."""
+    """The interpreter wraps what a @triton.jit function raised: a stub's NotImplementedError stays one.
+    Keeps ``call``'s signature, so a failing case prints its arguments by name."""
+    @functools.wraps(call)
     def run(*args):
         try:
             return call(*args)
@@ -138,8 +142,8 @@ def block_walk(fn) -> bool:
     if not _jitted_or_say("block_walk", fn):
         return False
     cases = [(a, _walk_expected(*a)) for a in _WALKS]
-    def call(seq, page, seq_len, s_blk, s_tok, head, s_head, bs):
-        return kernels.skeleton.run_walk(fn, _TABLE, seq, page, seq_len, s_blk, s_tok, head, s_head, bs)
+    def call(seq, page, seq_len, s_blk, s_tok, head, s_head, BLOCK_SIZE):  # the table: _TABLE, row seq
+        return kernels.skeleton.run_walk(fn, _TABLE, seq, page, seq_len, s_blk, s_tok, head, s_head, BLOCK_SIZE)
     def hint(args, got, expected):
         seq, page, seq_len, s_blk, s_tok, head, s_head, bs = args
         offsets, mask = got

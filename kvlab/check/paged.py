@@ -77,7 +77,10 @@ def blocks_after_fork(fn: Callable[[int, int, int, int], int]) -> bool:
 
 
 def _append_run(fn):
-    def run(table, n, bs, shared, free):
+    # named as the task's arguments, so a failing case prints block_table=[3, 8], num_tokens=6, ...; the last
+    # two are given as what ref_count and take_block see: the shared blocks and the free list
+    def run(block_table, num_tokens, block_size, shared_blocks, free_blocks):
+        table, n, bs, shared, free = block_table, num_tokens, block_size, shared_blocks, free_blocks
         table, free, taken = list(table), list(free), []
         def take_block():
             taken.append(free.pop(0))
@@ -101,6 +104,9 @@ def append_slot(fn: Callable) -> bool:
         full = n % bs == 0
         if copy == "?":
             return "return two things: (slot, copy), copy being None or the (src, dst) pair"
+        if isinstance(copy, (tuple, list)) and expected[1] is not None and tuple(copy) == tuple(reversed(expected[1])):
+            return ("copy is (src, dst): the shared block you copy FROM first, then the fresh block you copy TO "
+                    "(the one now in block_table)")
         if full and copy is not None:
             return "a full block is never written again, so sharing it is fine: take a fresh block, copy nothing"
         if full and taken == 0:
@@ -129,6 +135,14 @@ def _cached(bs: int, *prompts, start: int = 100) -> dict:
     return cached
 
 
+def _chain(tokens, bs: int, n: int):
+    """The chained key of the first ``n`` full blocks of ``tokens``."""
+    key = None
+    for i in range(n):
+        key = block_hash(key, tokens[i * bs:(i + 1) * bs])
+    return key
+
+
 def prefix_hits(fn: Callable) -> bool:
     """``fn(token_ids, block_size, cached, block_hash) -> the cached blocks of the prompt's leading full blocks``."""
     a = list(range(1, 41))  # 40 tokens: 10 blocks of 4
@@ -139,8 +153,13 @@ def prefix_hits(fn: Callable) -> bool:
                               (4, _cached(4, a), a[:8] + [0, 0, 0, 0] + a[12:]), (16, _cached(16, a), a[:33]),
                               (4, {}, a)):
         cases.append(((query, bs, cached), ref_prefix_hits(query, bs, cached, block_hash)))
-    def run(query, bs, cached):
-        return fn(list(query), bs, dict(cached), block_hash)
+    # block 2's entry evicted while the blocks after it stay cached (an LRU can drop a parent before its
+    # children): the walk must stop at the miss even though later chained keys would still hit
+    gap = _cached(4, a)
+    del gap[_chain(a, 4, 3)]
+    cases.append(((a, 4, gap), ref_prefix_hits(a, 4, gap, block_hash)))
+    def run(token_ids, block_size, cached):
+        return fn(list(token_ids), block_size, dict(cached), block_hash)
     def unchained(query, bs, cached):
         out = []
         for i in range((len(query) - 1) // bs):
@@ -161,6 +180,9 @@ def prefix_hits(fn: Callable) -> bool:
         if got == unchained(query, bs, cached):
             return ("chain the keys: block i's key is block_hash(block i-1's key, its tokens), starting from None "
                     "- the same tokens after another prefix have other K/V")
+        if len(got) > len(expected) and got[:len(expected)] == expected:
+            return ("stop at the first miss: a block's K/V are only valid after every block before it, so a later "
+                    "hit behind a miss cannot be used")
         return None
     return run_task("prefix_hits", run, cases, same=lambda x, y: isinstance(x, (list, tuple)) and list(x) == y,
                    hint=hint, learner=fn)

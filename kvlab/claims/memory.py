@@ -130,7 +130,9 @@ def c_39pct(lab, context: int = 16384, batch: int = 32, hbm: int = A100_BYTES,
     fp16 = sizing.decode_step_bytes("llama-2-7b", context=context, batch=probe)
     int8 = sizing.decode_step_bytes("llama-2-7b", context=context, batch=probe, kv_cache_dtype="int8")
     bound = fp16["total"] / int8["total"]
-    setting = f"{batch} x {context // 1024}K needs {need / GiB:.0f} GiB of weights + FP16 KV on a {hbm / GiB:.0f} GiB card"
+    # the article's model is a 7B with 32 KV heads (Llama-2-7B): 4x the KV per token of notebook 05's Llama-3-8B
+    setting = (f"{batch} x {context // 1024}K of the article's 7B (Llama-2-7B, 32 KV heads: 4x a Llama-3-8B's KV per "
+               f"token) needs {need / GiB:.0f} GiB of weights + FP16 KV on a {hbm / GiB:.0f} GiB card")
     if not fits:
         h200 = next(r["speedup_vs_fp16"]["int8"] for r in recorded_h200()["measured"]
                     if r["shape"] == "llama-3-8b" and r["batch"] == 8 and r["context"] == 16384)

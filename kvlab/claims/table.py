@@ -91,3 +91,20 @@ def format_grouped(rows: list[dict], width: int = 110) -> str:
             out.append(f"  {i:>2}." + line.split(".", 1)[1])
     out.append(count_line(rows))
     return "\n".join(out)
+
+
+def format_verdicts(rows: list[dict]) -> str:
+    """One line per claim, as a notebook shows the claims it checks (its quote is in the notebook's text):
+    mark, article and section, the claim, the verdict word and why."""
+    return "\n".join(f"{MARKS[r['verdict']]} {r['article']} {r['where']} \"{r['claim']}\": {r['verdict'].upper()} — {r['why']}"
+                     for r in rows)
+
+
+def show(ids, lab: Lab | None = None) -> list[dict]:
+    """Judge the claims ``ids`` by the same rules as ``kvlab claims`` and print one verdict line each
+    (:func:`format_verdicts`); returns the rows."""
+    if isinstance(ids, str):
+        ids = [ids]
+    rows = run(lab, ids=list(ids))
+    print(format_verdicts(rows))
+    return rows

@@ -14,11 +14,16 @@ from kvlab.engine.sequence import Sequence, SequenceStatus
 
 def dry_run(requests, num_blocks: int = 32, block_size: int = 4, max_num_seqs: int = 4,
             max_num_batched_tokens: int = 16, policy: str = "continuous", watermark: float = 0.0,
-            rule=admission_rule, max_steps: int = 10_000, check: bool = True) -> tuple[Scheduler, list[dict]]:
+            rule=admission_rule, max_steps: int = 10_000, check: bool = True, schedule_decodes=None,
+            chunk_prefills=None) -> tuple[Scheduler, list[dict]]:
     """Serve ``(prompt_len, output_len[, arrival_step])`` tuples with fake tokens; returns the scheduler
-    and one dict per step. The prefix cache is off: each prompt is one repeated placeholder id."""
+    and one dict per step. The prefix cache is off: each prompt is one repeated placeholder id.
+    ``rule``, ``schedule_decodes``, ``chunk_prefills``: the scheduler's three rules (None: kvlab's own), so
+    notebook 04's tasks can be watched in a whole run in milliseconds, no model needed."""
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-    sched = Scheduler(bm, max_num_seqs, max_num_batched_tokens, policy, watermark, admission_rule=rule)
+    rules = {k: v for k, v in (("schedule_decodes", schedule_decodes), ("chunk_prefills", chunk_prefills))
+             if v is not None}
+    sched = Scheduler(bm, max_num_seqs, max_num_batched_tokens, policy, watermark, admission_rule=rule, **rules)
     pending = sorted(((r[2] if len(r) > 2 else 0), i, r[0], r[1]) for i, r in enumerate(requests))
     seqs, steps = [], []
     for step in range(1, max_steps + 1):

@@ -219,3 +219,32 @@ def tier_projection(blocks_moved: int, tokens_saved: int, model: str = "llama-3-
             "recompute_s": recompute_s, "gpu": GPU_FLOPS[0],
             "links": {name: {"seconds": moved / bw, "x_faster_than_recompute": recompute_s / (moved / bw) if moved else None}
                       for name, bw in LINKS.items()}}
+
+
+def router_findings(sims: list[dict], requests: int) -> list[str]:
+    """What notebook 07's router runs show, computed from ``simulate_fleet`` rows (every router at 1 and at
+    2, 4, 8 replicas; ``requests`` served in all): where prefix-affinity leads, what scattering turns costs
+    the other two, its price in uneven load, and the tokens/s each router gains from more replicas."""
+    sizes = sorted({r["replicas"] for r in sims if r["replicas"] > 1})
+    lead = {}
+    for key, pick in (("prefix_hit_rate", max), ("ttft_p50_s", min), ("ttft_p99_s", min), ("output_tok_s", max)):
+        lead[key] = [n for n in sizes
+                     if pick((r for r in sims if r["replicas"] == n), key=lambda r: r[key])["router"] == "prefix-affinity"]
+    at = lambda ns: ", ".join(map(str, ns)) or "none"  # noqa: E731
+    one = next(r["prefix_hit_rate"] for r in sims if r["replicas"] == 1)
+    scatter = max((r for r in sims if r["replicas"] > 1 and r["router"] != "prefix-affinity"),
+                  key=lambda r: r["prefix_hit_rate"])
+    pa = {r["replicas"]: r for r in sims if r["router"] == "prefix-affinity"}
+    big, small = sizes[-1], sizes[-2]
+    tok = {(r["router"], r["replicas"]): r["output_tok_s"] for r in sims}
+    return [f"prefix-affinity leads, of N = {at(sizes)}: prefix hits at N = {at(lead['prefix_hit_rate'])}; TTFT p50 at "
+            f"{at(lead['ttft_p50_s'])}; p99 at {at(lead['ttft_p99_s'])}; tokens/s at {at(lead['output_tok_s'])}",
+            f"round-robin and least-loaded scatter a conversation's turns: at most {scatter['prefix_hit_rate']:.0%} prefix "
+            f"hits ({scatter['router']}, N={scatter['replicas']}), {(scatter['prefix_hit_rate'] - one) * 100:.0f} points "
+            f"above one engine's {one:.0%}",
+            f"prefix-affinity's price, uneven load: at N={big} its replicas served {min(pa[big]['served_by'])} to "
+            f"{max(pa[big]['served_by'])} requests (an even share: {requests // big}); from {small} to {big} replicas its "
+            f"TTFT p99 went {pa[small]['ttft_p99_s']:.2f} -> {pa[big]['ttft_p99_s']:.2f} s",
+            f"tokens/s gained from 1 to 2 replicas, and from {small} to {big}: " + "; ".join(
+                f"{router} +{tok[router, 2] - tok[router, 1]:.0f}, +{tok[router, big] - tok[router, small]:.0f}"
+                for router in ROUTERS)]

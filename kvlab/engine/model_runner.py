@@ -37,9 +37,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, batch, block_manager, all_logits: bool = False,
-                      observer=None) -> tuple[torch.Tensor, list[int]]:
+                      observer=None, as_decodes: bool = False) -> tuple[torch.Tensor, list[int]]:
         """Logits (R, V) of the R sequences that sample, and their rows in ``batch.seqs``; with
-        ``all_logits`` (scoring text) logits (T, V) of every packed token.
+        ``all_logits`` (scoring text) logits (T, V) of every packed token; ``as_decodes``: chunks over a
+        quantized pool attend as a token-a-step decode would (:func:`kvlab.attention.spec.quantized_paged_attention`).
 
         After eviction a table holds only the kept blocks: ``seq_len`` and the new slots count kept
         tokens, while positions (RoPE) stay the sequence's true ones.
@@ -76,7 +77,8 @@ class ModelRunner:
         paged = PagedBatch(cache=self.cache, block_tables=tables, seq_lens=seq_lens,
                            query_lens=list(batch.num_new_tokens),
                            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-                           backend=self.backend, decode=decode, prefill=prefill, observer=observer)
+                           backend=self.backend, decode=decode, prefill=prefill, observer=observer,
+                           as_decodes=as_decodes)
         ids = torch.tensor([tokens], device=self.device)
         pos = torch.tensor([positions], device=self.device)
         keep = torch.tensor(last, dtype=torch.long, device=self.device)

@@ -12,9 +12,10 @@ from kvlab.cache import BlockManager, PagedKVCache, QuantizedPagedKVCache
 from kvlab.cache.evict import POLICIES, EvictionPolicy, PromptSelect, make_policy
 from kvlab.data import passkey_depth, passkey_prompts
 from kvlab.engine import LLM, SamplingParams
-from kvlab.eval.quality import check_tokens
+from kvlab.eval.quality import PoolRunner, check_tokens
 from kvlab.probe import paged_attention_spec
 from kvlab.quant import named_config
+from kvlab.quant.config import FP32
 from kvlab.validate import cdiv, check_int, is_int
 
 
@@ -53,13 +54,31 @@ def _serve_text(model, tokens: list[int], prompt_len: int, policies: list, fmt: 
 
 
 @torch.inference_mode()
+def forced_logits(model, tokens: list[int], prompt_len: int, fmt: str = "fp32", calibration=None,
+                  block_size: int = 16) -> tuple[list[torch.Tensor], dict]:
+    """What :func:`_serve_text` gives a cache that keeps every token: the logits at every scored position
+    (fed tokens ``prompt_len`` .. ``len(tokens) - 2``) and what the cache held, in two forwards instead of
+    a step per token. With nothing evicted, each forced token attends to exactly what it would have
+    step by step (``as_decodes``: earlier tokens as stored, itself at full precision), so the two agree
+    up to float rounding (a test compares)."""
+    config = FP32 if fmt == "fp32" else named_config(fmt)
+    runner = PoolRunner(model, config, calibration, [tokens[:-1]], block_size)
+    runner.forward_many({0: tokens[:prompt_len]})
+    logits = runner.forward_many({0: tokens[prompt_len:-1]}, as_decodes=True)[0]
+    blocks = cdiv(len(tokens) - 1, block_size)
+    return list(logits), {"blocks": blocks, "tokens": len(tokens) - 1, "bytes": blocks * runner.cache.bytes_per_block}
+
+
+@torch.inference_mode()
 def eviction_quality(model, tokens: list[int], prompt_len: int, configs: dict, calibration=None,
                      block_size: int = 16, attn_backend: str = "torch", reference: dict | None = None) -> dict:
     """Quality of caches that evict or quantize against the full FP32 cache, on one text.
 
     ``configs``: name -> ``(policy, format)`` (a bare policy means FP16). The prompt is prefilled, then
-    the text is forced one token at a time as generation feeds it, and every decode position is scored
-    (KL, top-1, perplexity as :func:`evaluate`); configs of one format share a pool and a batch.
+    the text is forced as generation feeds it, and every decode position is scored (KL, top-1, perplexity
+    as :func:`evaluate`). Evicting configs of one format share a pool and a batch, a step per token (the
+    policy acts after each); caches that keep every token, the reference included, score the text in two
+    forwards (:func:`forced_logits`, equal up to float rounding).
     ``reference``: an earlier result on the same text and prompt, whose full-cache logits are reused
     instead of served again."""
     tokens = check_tokens(tokens, model.config.vocab_size)
@@ -74,22 +93,30 @@ def eviction_quality(model, tokens: list[int], prompt_len: int, configs: dict, c
         raise ValueError("reference must be an eviction_quality(...) result on the same tokens and prompt_len")
     paged_attention_spec(model)
     n_tok = len(tokens)
-    groups: dict[str, list[str]] = {} if reference is not None else {"fp32": ["full"]}
+    groups: dict[str, list[str]] = {}
     for n, (_, fmt) in specs.items():
         groups.setdefault(fmt, []).append(n)
-    specs["full"] = (None, "fp32")
     logits: dict[str, list[torch.Tensor]] = {n: [] for n in specs}
-    if reference is not None:
-        logits["full"] = reference["full_logits"]
     held: dict[str, dict] = {}
     seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    logits["full"] = (reference["full_logits"] if reference is not None else
+                      forced_logits(model, tokens, prompt_len, "fp32", None, block_size)[0])
+    seconds["full"] = time.perf_counter() - t0
     for fmt, names in groups.items():
         t0 = time.perf_counter()
-        fed = _serve_text(model, tokens, prompt_len, [specs[n][0] for n in names], fmt, calibration, block_size,
-                         attn_backend)
-        for n, row in zip(names, fed):
-            logits[n] = row["logits"]
-            held[n] = row["held"]
+        evicting = [n for n in names if specs[n][0] is not None]
+        keeping = [n for n in names if specs[n][0] is None]
+        if keeping:  # every token kept: the whole text in two forwards, shared by the group's full caches
+            lg, hd = forced_logits(model, tokens, prompt_len, fmt, calibration, block_size)
+            for n in keeping:
+                logits[n], held[n] = lg, hd
+        if evicting:  # the policy acts after every token: a step per token
+            fed = _serve_text(model, tokens, prompt_len, [specs[n][0] for n in evicting], fmt, calibration,
+                              block_size, attn_backend)
+            for n, row in zip(evicting, fed):
+                logits[n] = row["logits"]
+                held[n] = row["held"]
         seconds[fmt] = time.perf_counter() - t0
     # position t - 1's logits (fed token t - 1) predict token t, for t = prompt_len + 1 .. n_tok - 1
     targets = torch.tensor(tokens[prompt_len + 1:n_tok])

@@ -24,7 +24,7 @@ from kvlab.sizing import kv_config, kv_size
 from kvlab.validate import cdiv, is_int
 
 
-class _Runner:
+class PoolRunner:
     """Sequences through one pool on the engine's own runner, the path a served request takes, asked
     for the logits of every position. Several sequences run side by side in one step (:meth:`forward_many`)."""
 
@@ -39,8 +39,9 @@ class _Runner:
         """Logits (len(piece), V) of the first sequence's next chunk (a runner of one sequence)."""
         return self.forward_many({0: piece})[0]
 
-    def forward_many(self, pieces: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-        """Each listed sequence's next chunk in ONE step: sequence index -> logits (len(piece), V)."""
+    def forward_many(self, pieces: dict[int, list[int]], as_decodes: bool = False) -> dict[int, torch.Tensor]:
+        """Each listed sequence's next chunk in ONE step: sequence index -> logits (len(piece), V).
+        ``as_decodes``: the chunk attends as if decoded a token a step (see ``ModelRunner.execute_model``)."""
         seqs = [self.seqs[i] for i in pieces]
         for seq, piece in zip(seqs, pieces.values()):
             start = seq.num_computed_tokens
@@ -54,7 +55,7 @@ class _Runner:
         decodes = sum(1 for seq, n in zip(seqs, lens) if n == 1 and seq.num_computed_tokens > 0)
         assert decodes in (0, len(seqs)), "a step is all prefill chunks or all decodes"
         step = SchedulerOutput(step=0, seqs=seqs, num_new_tokens=lens, num_decodes=decodes)
-        logits, _ = self.runner.execute_model(step, self.bm, all_logits=True)
+        logits, _ = self.runner.execute_model(step, self.bm, all_logits=True, as_decodes=as_decodes)
         out, at = {}, 0
         for i, seq, n in zip(pieces, seqs, lens):
             seq.num_computed_tokens += n
@@ -142,7 +143,7 @@ def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: 
     stats = {}
     for w_start, w_end, first in _windows(len(tokens), window, stride):
         ids = tokens[w_start:w_end]
-        runners = {n: _Runner(model, FP32 if n == "fp" else configs[n], calibration, [ids], block_size)
+        runners = {n: PoolRunner(model, FP32 if n == "fp" else configs[n], calibration, [ids], block_size)
                    for n in names}
         for c0 in range(0, len(ids) - 1, chunk):
             piece = ids[c0:min(c0 + chunk, len(ids) - 1)]  # the last token is only a target
@@ -240,22 +241,26 @@ def teacher_forced(model, sequences: list[list[int]], starts: list[int], config:
             raise ValueError(f"each start must be an int in [1, len(sequence)), got {start!r} for {len(ids)} tokens")
         seqs.append(ids)
     # every sequence side by side, as the engine serves them: the prompts in one prefill step, then the
-    # answers one token a step, each reading every earlier token back from the pool
-    runners = {"q": _Runner(model, config, calibration, seqs, block_size),
-               "fp": _Runner(model, FP32, calibration, seqs, block_size)}
+    # answers as decoding feeds them (each token reading every earlier one back from the pool, itself at
+    # full precision: as_decodes), a few sequences' answers per forward instead of a step per token
     agree, miss = {"q": 0, "fp": 0}, [None] * len(seqs)
-    fed = list(starts)  # tokens fed so far, per sequence
-    pieces = {i: ids[:start] for i, (ids, start) in enumerate(zip(seqs, starts))}
-    while pieces:
-        for n, r in runners.items():
-            for i, logits in r.forward_many(pieces).items():
-                hit = int(logits[-1].argmax()) == seqs[i][fed[i]]  # the piece's last position predicts the next token
-                agree[n] += hit
-                if n == "q" and miss[i] is None and not hit:
-                    miss[i] = fed[i] - starts[i]
-        pieces = {i: [seqs[i][fed[i]]] for i in pieces if fed[i] + 1 < len(seqs[i])}
-        for i in pieces:
-            fed[i] += 1
+    for n, config_n in (("q", config), ("fp", FP32)):
+        r = PoolRunner(model, config_n, calibration, [ids[:-1] for ids in seqs], block_size)
+        first = r.forward_many({i: ids[:start] for i, (ids, start) in enumerate(zip(seqs, starts))})
+        preds = {i: [int(lg[-1].argmax())] for i, lg in first.items()}  # the prompt's last position: the 1st answer token
+        group, size = {}, 0
+        for i, (ids, start) in enumerate(zip(seqs, starts)):
+            if len(ids) - 1 > start:
+                group[i], size = ids[start:-1], size + len(ids) - 1 - start
+            if group and (size >= 512 or i == len(seqs) - 1):  # bounded logits memory: (tokens, vocab) floats
+                for j, lg in r.forward_many(group, as_decodes=True).items():
+                    preds[j] += lg.argmax(-1).tolist()
+                group, size = {}, 0
+        for i, (ids, start) in enumerate(zip(seqs, starts)):
+            hits = [p == t for p, t in zip(preds[i], ids[start:])]
+            agree[n] += sum(hits)
+            if n == "q" and not all(hits):
+                miss[i] = hits.index(False)
     scored = sum(len(ids) - start for ids, start in zip(seqs, starts))
     return {"positions": scored, "top1": agree["q"] / scored, "top1_fp32": agree["fp"] / scored,
             "intact": sum(m is None for m in miss), "sequences": len(sequences), "first_miss": miss}
