@@ -1,6 +1,5 @@
-"""kvlab's answers to notebook 05's three build tasks, as ``check.solution`` prints them and
-``check.use`` runs them until a participant's own pass (the skeleton, :mod:`kvlab.kernels.skeleton`,
-holds none of them). The production kernel (:mod:`kvlab.kernels.decode`) does the same work inline.
+"""kvlab's answers to notebook 05's three build tasks, as ``check.solution`` prints them and ``check.use`` runs
+them until a participant's pass (the skeleton holds none). :mod:`kvlab.kernels.decode` does the same inline.
 """
 
 from __future__ import annotations

@@ -65,3 +65,21 @@ def test_the_sweep_runs_on_a_model(tiny):
     ch = S.chunking_rounds(model, tok, prompts, list(range(3, 40)), budgets=(64, 8), rounds=2)
     assert set(ch["engines"]) == {64, 8} and len(ch["rounds"]["8"]) == 2
     assert ch["rounds"]["8"][0]["prefill_steps"] > ch["rounds"]["64"][0]["prefill_steps"]  # chunked: more steps
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(batches=(16,)), "batches must be two or more"), (dict(batches=(4, 1)), "increasing"),
+    (dict(batches=(1, True)), "batches"), (dict(rounds=0), "rounds"), (dict(max_tokens=1), "max_tokens"),
+])
+def test_decode_sweep_refuses_bad_arguments_before_any_work(tiny, kw, message):
+    model, tok = tiny
+    with pytest.raises(ValueError, match=message):
+        S.decode_sweep(model, tok, [[5, 6]], [3, 4, 5], **kw)
+
+
+@pytest.mark.parametrize("kw, message", [(dict(budgets=(64,)), "budgets must be two"),
+                                         (dict(budgets=(64, 4)), "each budget"), (dict(rounds=-1), "rounds")])
+def test_chunking_rounds_refuses_bad_arguments(tiny, kw, message):
+    model, tok = tiny
+    with pytest.raises(ValueError, match=message):
+        S.chunking_rounds(model, tok, [[5, 6]], [3, 4, 5], **kw)

@@ -62,6 +62,8 @@ def test_a_kept_cache_scores_in_two_forwards_what_it_scores_a_token_a_step(smoll
     (stepwise,) = evq._serve_text(model, ids, 30, [None], fmt, calibration, 4, "torch")
     a, b = torch.stack(chunked), torch.stack(stepwise["logits"]).float()
     assert len(chunked) == 53 - 30 - 1 and held == stepwise["held"]
+    with pytest.raises(ValueError, match="prompt_len"):
+        evq.forced_logits(model, ids, 52, fmt, calibration, block_size=4)
     assert torch.equal(a.argmax(-1), b.argmax(-1))
     own = _kl(full, b)  # what the format costs
     assert _kl(b, a) < max(0.02 * own, 1e-7)
@@ -192,3 +194,5 @@ def test_router_findings_are_computed_from_the_runs():
     assert "at most 50% prefix hits (round-robin, N=2), 20 points above one engine's 30%" in lines[1]
     assert "at N=4 its replicas served 1 to 28 requests (an even share: 10)" in lines[2]
     assert lines[3].endswith("round-robin +300, +400; least-loaded +280, +380; prefix-affinity +260, +360")
+    with pytest.raises(ValueError, match="sims must hold"):
+        fleet.router_findings([r for r in sims if r["replicas"] != 1], requests=40)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kvlab.engine import LLM, SamplingParams
 from kvlab.sizing import kv_bytes_per_token
+from kvlab.validate import check_int
 
 NOISE = 2.0  # a ratio whose rounds spread more than this (max / min) is not read
 CONTEXTS = ("short", "1k")
@@ -33,6 +34,14 @@ def decode_sweep(model, tokenizer, prompts: list[list[int]], shared_text: list[i
     """The median pure-decode step (ms) per (context, batch): "short" = the chat ``prompts``, "1k" = one
     shared text (+1 own token each). One engine per context, reused by every batch and round (its prefix
     cache keeps the shared text: only the first run prefills it), warmed up first."""
+    if not isinstance(batches, (tuple, list)) or len(batches) < 2 or list(batches) != sorted(set(batches)):
+        raise ValueError(f"batches must be two or more increasing positive ints, got {batches!r}")
+    for b in batches:
+        check_int("each batch", b)
+    check_int("rounds", rounds)
+    check_int("max_tokens", max_tokens, minimum=2, what="a decode step needs a token after the first")
+    if not prompts or not shared_text:
+        raise ValueError("prompts and shared_text must be non-empty token lists")
     engines = {c: LLM(model, tokenizer, num_blocks=200, block_size=16, max_num_seqs=max(batches),
                       max_num_batched_tokens=1024) for c in CONTEXTS}
     engines["short"].generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True))  # first steps run slow
@@ -111,6 +120,11 @@ def join_long_prompt(model, tokenizer, prompts: list[list[int]], long_prompt: li
 def chunking_rounds(model, tokenizer, prompts, long_prompt, budgets=(1024, 64), rounds: int = 3, **rules) -> dict:
     """:func:`join_long_prompt` per budget, the budgets interleaved round by round; only the last round's
     engines are kept (their pools are memory), under ``engines``."""
+    if not isinstance(budgets, (tuple, list)) or len(budgets) != 2:
+        raise ValueError(f"budgets must be two token budgets (unchunked, chunked), got {budgets!r}")
+    for b in budgets:
+        check_int("each budget", b, minimum=8, what="tokens a step: the 8 seats need one each")
+    check_int("rounds", rounds)
     out = {str(b): [] for b in budgets}
     engines = {}
     for _ in range(rounds):
@@ -152,8 +166,7 @@ def chunking_verdicts(ch: dict) -> list[str]:
 
 
 def format_sweep(sweep: dict) -> list[str]:
-    """The sweep as a small table: the median decode step per context and batch (ms), and in brackets the
-    KV bytes a step reads over the weight bytes."""
+    """The sweep as a table: the median decode step per context and batch, (KV bytes read / weight bytes)."""
     head = f"{'context':>8}" + "".join(f"{'batch ' + str(b):>15}" for b in sweep["batches"])
     rows = [f"{c:>8}" + "".join(f"{statistics.median(sweep['runs'][f'{c} {b}']):>8.1f} ms"
                                 f"{'(' + format(sweep['kv_share'][f'{c} {b}'], '.0%') + ')':>7}"

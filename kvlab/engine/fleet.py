@@ -222,10 +222,11 @@ def tier_projection(blocks_moved: int, tokens_saved: int, model: str = "llama-3-
 
 
 def router_findings(sims: list[dict], requests: int) -> list[str]:
-    """What notebook 07's router runs show, computed from ``simulate_fleet`` rows (every router at 1 and at
-    2, 4, 8 replicas; ``requests`` served in all): where prefix-affinity leads, what scattering turns costs
-    the other two, its price in uneven load, and the tokens/s each router gains from more replicas."""
+    """What notebook 07's router runs show, computed from ``simulate_fleet`` rows (every router at 1, 2 and more
+    replicas; ``requests`` in all): where prefix-affinity leads, scattering's cost, uneven load, tokens/s gained."""
     sizes = sorted({r["replicas"] for r in sims if r["replicas"] > 1})
+    if not any(r["replicas"] == 1 for r in sims) or len(sizes) < 2 or 2 not in sizes:
+        raise ValueError("sims must hold simulate_fleet runs of every router at 1 replica, at 2, and at one more size")
     lead = {}
     for key, pick in (("prefix_hit_rate", max), ("ttft_p50_s", min), ("ttft_p99_s", min), ("output_tok_s", max)):
         lead[key] = [n for n in sizes

@@ -57,10 +57,13 @@ def _serve_text(model, tokens: list[int], prompt_len: int, policies: list, fmt: 
 def forced_logits(model, tokens: list[int], prompt_len: int, fmt: str = "fp32", calibration=None,
                   block_size: int = 16) -> tuple[list[torch.Tensor], dict]:
     """What :func:`_serve_text` gives a cache that keeps every token: the logits at every scored position
-    (fed tokens ``prompt_len`` .. ``len(tokens) - 2``) and what the cache held, in two forwards instead of
-    a step per token. With nothing evicted, each forced token attends to exactly what it would have
-    step by step (``as_decodes``: earlier tokens as stored, itself at full precision), so the two agree
-    up to float rounding (a test compares)."""
+    (fed tokens ``prompt_len`` .. ``len(tokens) - 2``) and what the cache held, in two forwards, not a step
+    per token. Nothing evicted, each forced token attends to what it would step by step (``as_decodes``:
+    earlier tokens as stored, itself at full precision): equal up to float rounding (a test compares)."""
+    tokens = check_tokens(tokens, model.config.vocab_size)
+    if not is_int(prompt_len) or not 0 < prompt_len < len(tokens) - 1:
+        raise ValueError(f"prompt_len must be an int in [1, {len(tokens) - 2}] (some tokens must follow it), "
+                         f"got {prompt_len!r}")
     config = FP32 if fmt == "fp32" else named_config(fmt)
     runner = PoolRunner(model, config, calibration, [tokens[:-1]], block_size)
     runner.forward_many({0: tokens[:prompt_len]})

@@ -14,9 +14,8 @@ _CELL = "padding:4px 8px;vertical-align:top;border-bottom:1px solid #e5e7e9"
 
 
 def claims_html(rows: list[dict], numbers: list[int] | None = None) -> str:
-    """An HTML table of ``rows`` (``claims.run``'s dicts): #, verdict, claim (article, section, quote),
-    measured, why; ``numbers``: the rows' places in the whole table (default 1, 2, ...). Ends with the
-    count line."""
+    """An HTML table of ``rows`` (``claims.run``'s dicts): #, verdict, claim, measured, why, then the count
+    line; ``numbers``: the rows' places in the whole table (default 1, 2, ...)."""
     if numbers is not None and len(numbers) != len(rows):
         raise ValueError(f"numbers must give one number per row ({len(rows)}), got {len(numbers)}")
     e = html.escape
