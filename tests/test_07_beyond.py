@@ -50,7 +50,7 @@ def test_a_kept_cache_scores_in_two_forwards_what_it_scores_a_token_a_step(smoll
     """forced_logits (the text in two forwards, as_decodes) against _serve_text (the engine, a step per
     token), so eviction_quality may take the short way for caches that evict nothing. Not bit-equal: a
     float difference of 1e-6 can move a value to the next integer level, and the next layers carry it.
-    So: the same next tokens, a KL between the two far below the format's own, the same KL against FP32."""
+    So: (nearly) the same next tokens, a KL between the two far below the format's own, the same KL against FP32."""
     model, _ = smollm2
     ids = [3 + (7 * i) % 200 for i in range(53)]
     calibration = calibrate(model, [ids[:20]], progress=False)  # scales from the text's start: later values clip
@@ -64,7 +64,7 @@ def test_a_kept_cache_scores_in_two_forwards_what_it_scores_a_token_a_step(smoll
     assert len(chunked) == 53 - 30 - 1 and held == stepwise["held"]
     with pytest.raises(ValueError, match="prompt_len"):
         evq.forced_logits(model, ids, 52, fmt, calibration, block_size=4)
-    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert (a.argmax(-1) == b.argmax(-1)).double().mean() >= 0.9  # a near-tie may flip on another CPU
     own = _kl(full, b)  # what the format costs
     assert _kl(b, a) < max(0.02 * own, 1e-7)
     assert _kl(full, a) == pytest.approx(own, rel=0.05, abs=1e-7)
