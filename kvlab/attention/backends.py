@@ -71,13 +71,10 @@ class AttentionBackend:
                     and features.get("softcap") is None and features.get("sinks") is None):
                 out[nd:] = batched_prefill_attention(q[nd:], *pool.layer_pages(layer), index, scale,
                                                      window=features.get("window"))
-            elif getattr(batch, "as_decodes", False) and pool.is_quantized:
-                out[nd:] = spec_attention(q[nd:], k_new[nd:], v_new[nd:], pool, layer, batch.block_tables[nd:],
-                                          batch.seq_lens[nd:], batch.query_lens[nd:], scale, as_decodes=True,
-                                          **features)
             else:
                 out[nd:] = self.prefill(q[nd:], k_new[nd:], v_new[nd:], pool, layer, batch.block_tables[nd:],
-                                        batch.seq_lens[nd:], batch.query_lens[nd:], scale, **features)
+                                        batch.seq_lens[nd:], batch.query_lens[nd:], scale,
+                                        as_decodes=getattr(batch, "as_decodes", False), **features)
         if batch.observer is not None:  # an eviction policy that scores blocks by the attention they get
             batch.observer.observe(layer, q, pool, batch, scale)
         return out

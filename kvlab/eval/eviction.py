@@ -53,6 +53,12 @@ def _serve_text(model, tokens: list[int], prompt_len: int, policies: list, fmt: 
     return out
 
 
+def _check_prompt_len(prompt_len, tokens: list[int]) -> None:
+    if not is_int(prompt_len) or not 0 < prompt_len < len(tokens) - 1:
+        raise ValueError(f"prompt_len must be an int in [1, {len(tokens) - 2}] (some tokens must follow it), "
+                         f"got {prompt_len!r}")
+
+
 @torch.inference_mode()
 def forced_logits(model, tokens: list[int], prompt_len: int, fmt: str = "fp32", calibration=None,
                   block_size: int = 16) -> tuple[list[torch.Tensor], dict]:
@@ -61,9 +67,7 @@ def forced_logits(model, tokens: list[int], prompt_len: int, fmt: str = "fp32", 
     per token. Nothing evicted, each forced token attends to what it would step by step (``as_decodes``:
     earlier tokens as stored, itself at full precision): equal up to float rounding (a test compares)."""
     tokens = check_tokens(tokens, model.config.vocab_size)
-    if not is_int(prompt_len) or not 0 < prompt_len < len(tokens) - 1:
-        raise ValueError(f"prompt_len must be an int in [1, {len(tokens) - 2}] (some tokens must follow it), "
-                         f"got {prompt_len!r}")
+    _check_prompt_len(prompt_len, tokens)
     config = FP32 if fmt == "fp32" else named_config(fmt)
     runner = PoolRunner(model, config, calibration, [tokens[:-1]], block_size)
     runner.forward_many({0: tokens[:prompt_len]})
@@ -85,9 +89,7 @@ def eviction_quality(model, tokens: list[int], prompt_len: int, configs: dict, c
     ``reference``: an earlier result on the same text and prompt, whose full-cache logits are reused
     instead of served again."""
     tokens = check_tokens(tokens, model.config.vocab_size)
-    if not is_int(prompt_len) or not 0 < prompt_len < len(tokens) - 1:
-        raise ValueError(f"prompt_len must be an int in [1, {len(tokens) - 2}] (some tokens must follow it), "
-                         f"got {prompt_len!r}")
+    _check_prompt_len(prompt_len, tokens)
     if not isinstance(configs, dict) or not configs:
         raise ValueError("configs must be a non-empty dict name -> (policy, format)")
     specs = {n: _as_eviction_config(n, s) for n, s in configs.items()}
