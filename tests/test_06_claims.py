@@ -150,6 +150,25 @@ def test_model_free_claims_run_and_count():
     with pytest.raises(ValueError, match="numbers"):
         claims_html(rows, numbers=[1])
     assert claims_widget(rows).value == page
+    # claims.show's pieces: a verdict line each (the why only where nothing folds it), the fold holds both
+    short = claims.format_verdicts(rows, why=False).splitlines()
+    assert len(short) == len(rows) and all(" — " not in line for line in short)
+    assert all(line.endswith(r["verdict"].upper()) for line, r in zip(short, rows))
+    assert all(r["why"] in line for line, r in zip(claims.format_verdicts(rows).splitlines(), rows))
+    fold = claims.why_html([planted])
+    assert fold.startswith("<details>") and "&lt;b&gt;" not in fold  # the claim is not in it; measured and why are
+    assert html.escape(planted["measured"]) in fold and html.escape(planted["why"]) in fold
+
+
+def test_notebook_tables_are_escaped_and_refuse_ragged_rows():
+    from kvlab.viz import table
+    from kvlab.viz.render import table_html
+    page = table_html(["policy", "share"], [["<max>", "26.9%"], ["paged", 98.7]], caption="a & b")
+    assert page.count("<tr>") == 3 and "&lt;max&gt;" in page and "a &amp; b" in page
+    assert "text-align:right'>98.7<" in page and "text-align:left'>&lt;max&gt;<" in page
+    assert table(["a"], [[1]]).data == table_html(["a"], [[1]])
+    with pytest.raises(ValueError, match=r"rows must each have 2 cells .* rows \[1\]"):
+        table_html(["a", "b"], [[1, 2], [3]])
 
 
 def test_run_refuses_unknown_ids():

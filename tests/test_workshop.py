@@ -70,7 +70,10 @@ def test_the_main_path_fits_a_slot(path):
     assert main <= MAIN_WORDS and total <= TOTAL_WORDS, f"{path.stem}: {main} main-path words, {total} in all"
     cells = json.loads(path.read_text())["cells"]
     last = [i for i, c in enumerate(cells) if c["cell_type"] == "markdown" and "## Going deeper" in "".join(c["source"])]
-    assert last and all(c["cell_type"] == "markdown" for c in cells[last[0]:]), "Going deeper closes the notebook"
+    # Going deeper closes the notebook: no section after it. Its cells may compute (issue 55: second
+    # readings, rescalings and simulations go there), under its own `### ` headings at most
+    assert last and not any(re.search(r"^## ", "".join(c["source"]), re.M) for c in cells[last[0] + 1:]
+                            if c["cell_type"] == "markdown"), "Going deeper closes the notebook"
 
 
 @pytest.mark.parametrize("path", _pending(TASKS_PENDING, "build tasks not written yet (issue 44)"), ids=lambda p: p.stem)

@@ -14,9 +14,9 @@ from kvlab.claims.memory import A100_BW, A100_BYTES, GiB, KiB
 from kvlab.claims.rules import (HOLDS, NOT_CHECKABLE, PARTLY, VERDICTS, WRONG, corrected, cost_range, in_range,
                                 judged_on, margin, parts, ratio, shown, truth)
 from kvlab.claims.table import (count_line, counts, format_grouped, format_index, format_table, format_verdicts, run,
-                                show)
+                                show, why_html)
 
 __all__ = ["A100_BW", "A100_BYTES", "CLAIMS", "Claim", "GiB", "HOLDS", "KiB", "Lab", "NOT_CHECKABLE", "PARTLY",
            "VERDICTS", "WRONG", "corrected", "cost_range", "count_line", "counts", "format_grouped", "format_index",
            "format_table", "format_verdicts", "in_range", "judged_on", "margin", "parts", "ratio", "run", "show", "shown",
-           "truth"]
+           "truth", "why_html"]

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import html
 import textwrap
 
 from kvlab.claims.catalog import CLAIMS
@@ -93,18 +94,37 @@ def format_grouped(rows: list[dict], width: int = 110) -> str:
     return "\n".join(out)
 
 
-def format_verdicts(rows: list[dict]) -> str:
+def format_verdicts(rows: list[dict], why: bool = True) -> str:
     """One line per claim, as a notebook shows the claims it checks (its quote is in the notebook's text):
-    mark, article and section, the claim, the verdict word and why."""
-    return "\n".join(f"{MARKS[r['verdict']]} {r['article']} {r['where']} \"{r['claim']}\": {r['verdict'].upper()} — {r['why']}"
-                     for r in rows)
+    mark, article and section, the claim, the verdict word and why (``why=False``: no why, it is shown folded)."""
+    return "\n".join(f"{MARKS[r['verdict']]} {r['article']} {r['where']} \"{r['claim']}\": {r['verdict'].upper()}"
+                     + (f" — {r['why']}" if why else "") for r in rows)
+
+
+def why_html(rows: list[dict]) -> str:
+    """What each row measured and why its verdict, folded (an HTML ``<details>``: one click opens them)."""
+    e = html.escape
+    items = "".join(f"<li><b>{e(r['article'])} {e(r['where'])}, {e(r['verdict'])}</b>. Measured: {e(r['measured'])}. "
+                    f"Why: {e(r['why'])}</li>" for r in rows)
+    return (f"<details><summary style='cursor:pointer;color:#566573'>what was measured, and why each verdict "
+            f"({len(rows)})</summary><ul style='margin:4px 0'>{items}</ul></details>")
 
 
 def show(ids, lab: Lab | None = None) -> list[dict]:
-    """Judge the claims ``ids`` by the same rules as ``kvlab claims`` and print one verdict line each
-    (:func:`format_verdicts`); returns the rows."""
+    """Judge the claims ``ids`` by the same rules as ``kvlab claims`` and print one verdict line each; in a
+    notebook what was measured and why follow folded (:func:`why_html`), elsewhere the why is printed. Returns
+    the rows."""
     if isinstance(ids, str):
         ids = [ids]
     rows = run(lab, ids=list(ids))
-    print(format_verdicts(rows))
+    try:
+        from IPython import get_ipython  # a kernel shows the reasons folded; a terminal prints them
+        from IPython.display import HTML, display
+    except ImportError:
+        get_ipython = None
+    if get_ipython is not None and get_ipython() is not None:
+        print(format_verdicts(rows, why=False))
+        display(HTML(why_html(rows)))
+    else:
+        print(format_verdicts(rows))
     return rows

@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 
 from kvlab import sizing
 from kvlab.formats import ELEMENT_FORMATS, KV_CACHE_DTYPES
-from kvlab.viz.render import live, view
+from kvlab.viz.render import live, table, view
 
 CONTEXTS = [2**k for k in range(7, 18)]  # 128 ... 131072 tokens
 COLORS = {"weights": "#7f8c8d", "kv": "#c0392b", "tokens": "#27ae60", "padding": "#f39c12", "empty": "#d5d8dc"}

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import html
+
 import plotly.graph_objects as go
 
 from kvlab.env import WIDGET_MODES as MODES
 from kvlab.env import widget_mode
 
-__all__ = ["MODES", "RedrawnFigure", "live", "view", "widget_mode"]
+__all__ = ["MODES", "RedrawnFigure", "live", "table", "table_html", "view", "widget_mode"]
 
 
 class RedrawnFigure:
@@ -60,3 +62,31 @@ def live(fig, mode: str | None = None):
 def view(fig):
     """The widget that shows ``fig`` in a layout (``VBox([..., view(fig)])``)."""
     return fig.output if isinstance(fig, RedrawnFigure) else fig
+
+
+_CELL = "padding:3px 10px;border-bottom:1px solid #e5e7e9"
+
+
+def table_html(header, rows, caption: str = "") -> str:
+    """A small HTML table: ``header`` (column names) over ``rows`` (one sequence per row, as long as the
+    header; numbers right-aligned, as given: format them first). A table is looked at, not read word by word."""
+    header = list(header)
+    rows = [list(r) for r in rows]
+    if bad := [i for i, r in enumerate(rows) if len(r) != len(header)]:
+        raise ValueError(f"rows must each have {len(header)} cells (the header's), rows {bad} do not")
+
+    def cell(v, tag="td"):
+        align = "right" if isinstance(v, (int, float)) or str(v)[:1].isdigit() else "left"
+        return f"<{tag} style='{_CELL};text-align:{align}'>{html.escape(str(v))}</{tag}>"
+
+    head = "".join(cell(h, "th") for h in header)
+    body = "".join("<tr>" + "".join(cell(v) for v in r) + "</tr>" for r in rows)
+    cap = f"<caption style='caption-side:top;text-align:left;padding:2px 0'>{html.escape(caption)}</caption>" if caption else ""
+    return (f"<table style='border-collapse:collapse;font-size:13px;margin:4px 0'>{cap}<thead><tr>{head}</tr></thead>"
+            f"<tbody>{body}</tbody></table>")
+
+
+def table(header, rows, caption: str = ""):
+    """:func:`table_html` as something a notebook cell displays (``display(table(...))`` or its last line)."""
+    from IPython.display import HTML  # IPython: only where a table is shown (a kernel has it)
+    return HTML(table_html(header, rows, caption))
