@@ -589,3 +589,48 @@ def dismiss_toasts(page) -> int:
       document.querySelectorAll('.Toastify__toast-container').forEach(c => c.remove());
       return n;
     }""")
+
+
+_RERUN_JS = """(i) => {
+  const w = window.jupyterapp.shell.currentWidget;
+  window.kvlabRerun = {done: false, error: null};
+  w.content.activeCellIndex = i;
+  w.content.deselectAll();
+  window.jupyterapp.commands.execute('notebook:run-cell').then(
+      () => { window.kvlabRerun.done = true; }, e => { window.kvlabRerun.done = true; window.kvlabRerun.error = String(e); });
+}"""
+
+_RERUN_STATE_JS = """(i) => {
+  const w = window.jupyterapp.shell.currentWidget;
+  const kernel = w.sessionContext.session && w.sessionContext.session.kernel;
+  const c = w.content.model.cells.get(i);
+  const errors = [];
+  for (let j = 0; j < c.outputs.length; j++) {
+    const o = c.outputs.get(j).toJSON();
+    if (o.output_type === 'error') errors.push(`${o.ename}: ${o.evalue}`);
+  }
+  return {done: window.kvlabRerun.done, error: window.kvlabRerun.error, kernel: kernel ? kernel.status : 'none',
+          errors};
+}"""
+
+
+def rerun_cells(page, name: str, runs: dict[str, list[int]], timeout: float = 600) -> list[str]:
+    """After Run All, re-run each task's cells in order, as a room does (its stub or solution and checker,
+    then every cell that plugs it in): the problems, one line per cell that raised."""
+    problems = []
+    for task, cells in runs.items():
+        for i in cells:
+            t0 = time.monotonic()
+            page.evaluate(_RERUN_JS, i)
+            while True:
+                time.sleep(0.5)
+                state = page.evaluate(_RERUN_STATE_JS, i)
+                if state["done"] and state["kernel"] == "idle":
+                    break
+                if time.monotonic() - t0 > timeout:
+                    state["errors"].append(f"still running after {timeout:.0f} s")
+                    break
+            if state["error"]:
+                state["errors"].append(state["error"])
+            problems += [f"{name}: re-running task {task}'s cell {i} after Run All raised {e}" for e in state["errors"]]
+    return problems

@@ -236,3 +236,26 @@ def long_code_cells(path: Path, limit: int = 25) -> list[tuple[int, int]]:
     cells = json.loads(Path(path).read_text())["cells"]
     return [(i, n) for i, c in main_path_cells(cells) if c["cell_type"] == "code"
             and (n := len("".join(c["source"]).rstrip("\n").split("\n"))) > limit]
+
+
+def task_cells(cells: list[dict]) -> dict[str, list[int]]:
+    """Per build task (its checker's name), the cells a participant re-runs after Run All, in order: the
+    task's own cell (its stub or solution and checker call) and every main-path cell that plugs it in
+    (``check.use("<name>", ...)``)."""
+    import re
+    main = main_path_cells(cells)
+    out, heading = {}, False
+    for i, c in main:
+        text = "".join(c["source"])
+        if c["cell_type"] == "markdown":
+            heading = heading or bool(re.search(r"^### Task \d+", text, re.M))
+            continue
+        if heading:
+            calls = [n for n in re.findall(r"check\.(\w+)\(", text) if n not in ("use", "solution", "progress", "mine")]
+            if calls:
+                out[calls[0]] = [i]
+            heading = False
+    for name, idx in out.items():
+        idx += [i for i, c in main if c["cell_type"] == "code" and i not in idx
+                and re.search(r"check\.use\(\s*[\"']" + name + r"[\"']", "".join(c["source"]))]
+    return out

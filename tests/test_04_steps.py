@@ -61,7 +61,8 @@ def test_the_sweep_runs_on_a_model(tiny):
     sweep = S.decode_sweep(model, tok, prompts, list(range(3, 60)), batches=(1, 2), rounds=2, max_tokens=3)
     assert set(sweep["runs"]) == {"short 1", "short 2", "1k 1", "1k 2"} and all(len(r) == 2 for r in sweep["runs"].values())
     assert sweep["bytes_x"]["1"] == pytest.approx(1.0) and sweep["bytes_x"]["2"] > 1
-    assert len(S.format_sweep(sweep)) == 3 and len(S.sweep_verdicts(sweep)) in (1, 3)
+    header, rows = S.sweep_table(sweep)
+    assert len(header) == 3 and len(rows) == 2 and all(len(r) == 3 for r in rows) and len(S.sweep_verdicts(sweep)) in (1, 3)
     ch = S.chunking_rounds(model, tok, prompts, list(range(3, 40)), budgets=(64, 8), rounds=2)
     assert set(ch["engines"]) == {64, 8} and len(ch["rounds"]["8"]) == 2
     assert ch["rounds"]["8"][0]["prefill_steps"] > ch["rounds"]["64"][0]["prefill_steps"]  # chunked: more steps

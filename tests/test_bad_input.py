@@ -197,6 +197,7 @@ PURE = [
                  id="bench_engine-attn-backend"),
     pytest.param(lambda c: caches.recompute_vs_cache(c.model, c.tok, repeats=0), "repeats",
                  id="recompute_vs_cache-repeats-0"),
+    pytest.param(lambda c: caches.memory_floor(c.model, c.tok, "fp32", rounds=0), "rounds", id="memory_floor-rounds-0"),
     # boundaries no other case reached (a coverage run of the suite found them untested)
     pytest.param(lambda c: simulate.simulate([], "max"), "requests", id="simulate-no-requests"),
     pytest.param(lambda c: simulate.over_seeds(seeds=()), "seeds", id="over_seeds-none"),

@@ -15,6 +15,7 @@ from kvlab.data import CALIBRATION_PLAY, EVAL_PLAY, chat_prompts, text_tokens
 from kvlab.eval import auto_config, evaluate, kv_bytes_per_token, layer_sensitivity
 from kvlab.generate import greedy_generate
 from kvlab.quant.config import KVQuantConfig, TensorFormat, named_config
+from kvlab.sizing import kv_size
 from kvlab.validate import is_int
 
 
@@ -43,6 +44,32 @@ def decode_step_time(model, tokenizer, context: int, steps: int = 8) -> float:
     """Median wall time of one cached decode step with ``context`` tokens already in the cache."""
     g = greedy_generate(model, [_prompt(tokenizer, context)], steps + 1, cache="dynamic")
     return statistics.median(g.step_s)
+
+
+def memory_floor(model, tokenizer, kv_cache_dtype: str, contexts=(16, 256, 1024), rounds: int = 3, steps: int = 6) -> dict:
+    """Notebook 00 section 5: real decode steps at each context against their floor, (weights + KV bytes) /
+    bandwidth. A warm-up first; the bandwidth before and after the steps (the better one counts: a busy
+    moment only lowers it); each context's step the fastest of ``rounds`` medians of ``steps`` steps. Also
+    the arithmetic a step does (weights, and attention over the first and last context)."""
+    if not is_int(rounds) or rounds < 1:
+        raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
+    contexts = list(contexts)
+    decode_step_time(model, tokenizer, contexts[0], steps=2)  # the first steps of a fresh model run slow
+    before = memory_bandwidth(repeats=10)
+    runs = [{c: decode_step_time(model, tokenizer, c, steps=steps) for c in contexts} for _ in range(rounds)]
+    after = memory_bandwidth(repeats=10)
+    bw, weights = max(before, after), sum(p.nbytes for p in model.parameters())
+    rows = []
+    for c in contexts:
+        kv = kv_size(model, kv_cache_dtype, tokens=c).total_bytes
+        rows.append(dict(context=c, kv=kv, floor=(weights + kv) / bw, measured=min(r[c] for r in runs),
+                         copy=2 * kv / bw,  # a growing cache is concatenated every step: read once more, written again
+                         rounds=(min(r[c] for r in runs), max(r[c] for r in runs))))
+    cfg = model.config  # q.k and p.v: 2 FLOPs per query head, dimension, layer and cached token, each
+    per_token = 2 * 2 * cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads) * cfg.num_hidden_layers
+    return dict(bandwidth=bw, before=before, after=after, rows=rows,
+                matmul_flops=2 * sum(p.numel() for p in model.parameters()),  # a multiply-add per weight and token
+                attention_flops={c: per_token * c for c in (contexts[0], contexts[-1])})
 
 
 def token_forwards(prompt_len: int, new_tokens: int, cached: bool) -> int:

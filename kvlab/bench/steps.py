@@ -165,13 +165,13 @@ def chunking_verdicts(ch: dict) -> list[str]:
             f" steps of {med(r['prefill_sum_ms'] for r in chunked):,.0f} ms in all chunked (medians of the rounds)"]
 
 
-def format_sweep(sweep: dict) -> list[str]:
-    """The sweep as a table: the median decode step per context and batch, (KV bytes read / weight bytes)."""
-    head = f"{'context':>8}" + "".join(f"{'batch ' + str(b):>15}" for b in sweep["batches"])
-    rows = [f"{c:>8}" + "".join(f"{statistics.median(sweep['runs'][f'{c} {b}']):>8.1f} ms"
-                                f"{'(' + format(sweep['kv_share'][f'{c} {b}'], '.0%') + ')':>7}"
-                                for b in sweep["batches"]) for c in CONTEXTS]
-    return [head, *rows]
+def sweep_table(sweep: dict) -> tuple[list[str], list[list[str]]]:
+    """The sweep as (header, rows): the median decode step per context and batch, (KV bytes read / weight
+    bytes); notebook 04 shows it with ``kvlab.viz.table``."""
+    header = ["context"] + [f"batch {b}" for b in sweep["batches"]]
+    rows = [[c] + [f"{statistics.median(sweep['runs'][f'{c} {b}']):.1f} ms ({sweep['kv_share'][f'{c} {b}']:.0%})"
+                   for b in sweep["batches"]] for c in CONTEXTS]
+    return header, rows
 
 
 # ---- the recorded quiet run --------------------------------------------------------------------------

@@ -66,8 +66,7 @@ def use(name: str, fn: Callable) -> Callable:
     with contextlib.redirect_stdout(io.StringIO()):  # the checker's own line was printed by the task's cell
         ok = callable(fn) and checker(fn)
     if ok:
-        print(f"[yours] {name}: your function runs in the system below")
+        print(f"[yours] {name} runs below")
         return fn
-    print(f"[reference] {name}: kvlab's own runs here until yours passes check.{name} "
-          f"(check.solution({name!r}) shows it)")
+    print(f"[kvlab's] {name} runs until yours passes check.{name}")
     return reference(name)
