@@ -19,7 +19,7 @@ def _sweep(short, long, bytes_x=1.5):
 
 def test_sweep_verdicts_follow_the_numbers():
     quiet = S.sweep_verdicts(_sweep([(50, 60), (52, 61), (49, 58)], [(55, 130), (54, 128), (56, 133)]))
-    assert "nearly free" in quiet[0] and "the KV read shows" in quiet[1] and "grows more than the bytes" in quiet[2]
+    assert "nearly free" in quiet[0] and "the KV read (and its padded copy) shows" in quiet[1] and "grows more than the bytes" in quiet[2]
     other = S.sweep_verdicts(_sweep([(50, 110), (50, 111), (50, 109)], [(50, 95), (50, 96), (50, 94)], bytes_x=2.5))
     assert "not free" in other[0] and "no dearer" in other[1] and "grows less than the bytes" in other[2]
     busy = S.sweep_verdicts(_sweep([(50, 60), (50, 400), (49, 58)], [(55, 130), (54, 128), (56, 133)]))

@@ -76,7 +76,7 @@ def _ratio(sweep: dict, context: str) -> tuple[float, list[float]]:
 
 def sweep_verdicts(sweep: dict) -> list[str]:
     """The section's conclusions, computed: a bigger batch nearly free at short contexts (the weights
-    dominate), dearer at 1k (the KV read shows), and step time against the bytes a step reads."""
+    dominate), dearer at 1k (the KV read and its padded copy show), and step time against the bytes a step reads."""
     lo, hi = sweep["batches"][0], sweep["batches"][-1]
     n = hi // lo
     (short, short_rounds), (long, long_rounds) = _ratio(sweep, "short"), _ratio(sweep, "1k")
@@ -91,7 +91,7 @@ def sweep_verdicts(sweep: dict) -> list[str]:
             + (f"nearly free (a request's share of a step falls {n / short:.0f}x)" if short < 2 else
                "not free on this machine"),
             f"1k contexts: {n}x the batch costs {long:.1f}x: "
-            + ("dearer than at short contexts, the KV read shows" if long > 1.1 * short else
+            + ("dearer than at short contexts, the KV read (and its padded copy) shows" if long > 1.1 * short else
                "no dearer than at short contexts here"),
             f"1k contexts, batch {hi}: the step reads {bytes_x:.2f}x batch {lo}'s bytes and takes {time_x:.2f}x its "
             f"time: time grows {follows} the bytes"]
