@@ -6,9 +6,8 @@ render (Colab, Kaggle), a plain figure is redrawn in an ``ipywidgets.Output``: s
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import html
+from contextlib import contextmanager
 
 import plotly.graph_objects as go
 
@@ -76,7 +75,7 @@ def table_html(header, rows, caption: str = "") -> str:
         raise ValueError(f"rows must each have {len(header)} cells (the header's), rows {bad} do not")
 
     def cell(v, tag="td"):
-        align = "right" if isinstance(v, (int, float)) or str(v)[:1].isdigit() else "left"
+        align = "right" if isinstance(v, (int, float)) or str(v).lstrip("+-−")[:1].isdigit() else "left"
         return f"<{tag} style='{_CELL};text-align:{align}'>{html.escape(str(v))}</{tag}>"
 
     head = "".join(cell(h, "th") for h in header)
