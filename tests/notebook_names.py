@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import builtins
 import json
+import re
 from pathlib import Path
 
 BUILTINS = set(dir(builtins)) | {"display", "get_ipython", "__file__"}
@@ -242,7 +243,6 @@ def task_cells(cells: list[dict]) -> dict[str, list[int]]:
     """Per build task (its checker's name), the cells a participant re-runs after Run All, in order: the
     task's own cell (its stub or solution and checker call) and every main-path cell that plugs it in
     (``check.use("<name>", ...)``)."""
-    import re
     main = main_path_cells(cells)
     out, heading = {}, False
     for i, c in main:
