@@ -81,8 +81,22 @@ def test_static_write_checker(capsys):
         out[:new.shape[0], :, start:start + new.shape[2]] = new
         return out[:new.shape[0], :, :start + new.shape[2]]
 
+    def returns_a_copy(buf, new, start):  # the right values, but a fresh tensor: "return a view" says otherwise
+        buf[:new.shape[0], :, start:start + new.shape[2]] = new
+        return buf[:new.shape[0], :, :start + new.shape[2]].clone()
+
+    def every_row(buf, new, start):  # writes the new tokens into the rows past the batch too (broadcast)
+        buf[:, :, start:start + new.shape[2]] = new
+        return buf[:new.shape[0], :, :start + new.shape[2]]
+
+    def every_reserved_row(buf, new, start):
+        buf[:new.shape[0], :, start:start + new.shape[2]] = new
+        return buf[:, :, :start + new.shape[2]]
+
     for why, fn in {"return only the filled slots": whole_reservation, "not only the new ones": only_new,
-                    "into the reserved buffer itself": copies}.items():
+                    "into the reserved buffer itself": copies, "not a copy: .clone()": returns_a_copy,
+                    "of the first B rows (the new tokens' batch)": every_row,
+                    "the batch's own rows (the first B)": every_reserved_row}.items():
         capsys.readouterr()
         assert not check.static_write(fn)
         out = capsys.readouterr().out

@@ -38,9 +38,18 @@ def test_append_slot_checker_names_the_mistakes(capsys):
         slot, copy = append_slot(table, n, bs, ref, take)
         return slot, copy[::-1] if copy else copy
 
+    def appends_the_copy(table, n, bs, ref, take):  # copies the shared block, but appends the copy
+        copy = None
+        if n % bs == 0:
+            table.append(take())
+        elif ref(table[-1]) > 1:
+            copy = (table[-1], take())
+            table.append(copy[1])
+        return table[-1] * bs + n % bs, copy
+
     for why, fn in {"the last block is shared": never_copies, "a full block is never written again": copies_full_blocks,
                     "room in the last block": always_new, "return two things": lambda *a: 3,
-                    "copy is (src, dst)": reversed_copy}.items():
+                    "copy is (src, dst)": reversed_copy, "replace the shared last block": appends_the_copy}.items():
         capsys.readouterr()
         assert not check.append_slot(fn)
         out = capsys.readouterr().out
@@ -81,12 +90,36 @@ def test_prefix_hits_checker_names_the_mistakes(capsys):
                 out.append(cached[parent])
         return out
 
+    def chain_from_empty(tokens, bs, cached, h):  # block 0 chained to the hash of no tokens, not to None
+        out, parent = [], h(None, [])
+        for i in range((len(tokens) - 1) // bs):
+            parent = h(parent, tokens[i * bs:(i + 1) * bs])
+            if parent not in cached:
+                break
+            out.append(cached[parent])
+        return out
+
     for why, fn in {"chain the keys": unchained, "chain the keys - ": unchained_past_a_miss,
-                    "leave the last prompt token out": last_token_too, "stop at the first miss": past_a_miss}.items():
+                    "leave the last prompt token out": last_token_too, "stop at the first miss": past_a_miss,
+                    "the chain starts from None": chain_from_empty}.items():
         capsys.readouterr()
         assert not check.prefix_hits(fn)
         out = capsys.readouterr().out
         assert out.startswith("[fail] prefix_hits: ") and why.removesuffix(" - ") in out, out
+
+
+def test_slot_mapping_checker_names_the_mistakes(capsys):
+    assert check.slot_mapping(BlockManager.slot_mapping_of)
+    mistakes = {
+        "the tokens are start..end-1": lambda t, bs, s, e: [t[i // bs] * bs + i % bs for i in range(0, e - s)],
+        "block id x block_size + offset": lambda t, bs, s, e: [t[i // bs] + i % bs for i in range(s, e)],
+        "block_table[t // block_size]": lambda t, bs, s, e: [t[0] * bs + i for i in range(s, e)],
+    }
+    for why, fn in mistakes.items():
+        capsys.readouterr()
+        assert not check.slot_mapping(fn)
+        out = capsys.readouterr().out
+        assert out.startswith("[fail] slot_mapping: ") and why in out, out
 
 
 def test_a_failing_case_prints_its_arguments_by_name(capsys):

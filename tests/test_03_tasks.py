@@ -1,10 +1,11 @@
 """Notebook 03's build tasks plugged into the quantized pool through the notebook's own call: kvlab's
 references give the pool's own tokens and saturation counters; a wrong function is refused by name.
-(The checkers' planted mistakes: tests/test_check.py.)"""
+(The checkers' planted mistakes: here and in tests/test_check.py.)"""
 
 import pytest
 import torch
 
+from kvlab import check
 from kvlab.cache import BlockManager
 from kvlab.cache.quantized import QuantizedPagedKVCache
 from kvlab.generate import paged_generate, pool_for
@@ -22,6 +23,37 @@ def _run(model, cfg, **hooks):
 
 def _same_counters(a, b):
     return a.keys() == b.keys() and all(str(a[k]) == str(b[k]) for k in a)
+
+
+def _per_head(x, grid=127.0):
+    s = core.scale_from_absmax(x.abs().amax(dim=(0, 2), keepdim=True), grid)  # absmax / grid, zero-guarded
+    return torch.round(x / s).clamp(-127, 127).to(torch.int8), s
+
+
+def test_quantize_per_head_checker_names_the_mistakes(capsys):
+    assert check.quantize_per_head(_per_head)
+    mistakes = {
+        "scale = absmax / 127, not / 128": lambda x: _per_head(x, grid=128.0),  # the largest lands on 127
+        "one scale per head, shaped (1, 3, 1)": lambda x: (_per_head(x)[0], _per_head(x)[1].flatten()),
+    }
+    for why, fn in mistakes.items():
+        capsys.readouterr()
+        assert not check.quantize_per_head(fn)
+        out = capsys.readouterr().out
+        assert out.startswith("[fail] quantize_per_head: ") and why in out, out
+
+
+def test_quantize_static_checker_names_the_rounding(capsys):
+    assert check.quantize_static(core.quantize_int8)
+    capsys.readouterr()
+
+    def half_away(x, scale):  # "as in Task 1": round half to even, not half away from zero
+        r = x / scale
+        return (r.sign() * (r.abs() + 0.5).floor()).clamp(-127, 127).to(torch.int8)
+
+    assert not check.quantize_static(half_away)
+    out = capsys.readouterr().out
+    assert out.startswith("[fail] quantize_static: half away from zero"), out
 
 
 def test_the_references_plugged_in_give_the_pools_own_tokens_and_counters(tiny):

@@ -23,9 +23,44 @@ def _oldest_first(running, decoding, append, preempt):
     return out
 
 
+def _never_stops(running, decoding, append, preempt):  # goes on preempting after the sequence preempted itself
+    out = []
+    for sid in list(running):
+        if sid not in running or sid not in decoding:
+            continue
+        while not append(sid):
+            preempt(running[-1])
+        out.append(sid)
+    return out
+
+
+def test_admission_rule_checker_names_the_mistakes(capsys):
+    assert check.admission_rule(admission_rule)
+
+    def rule(r, m, b, n, f, w, fits=lambda n, room: n <= room, watermark=True, order=("token budget", "seq limit")):
+        holds = {"token budget": b <= 0, "seq limit": r >= m}
+        reason = next((why for why in order if holds[why]), None)
+        if reason:
+            return reason
+        return None if fits(n, f - (w if r and watermark else 0)) else "no blocks"
+
+    mistakes = {
+        "(>, not >=)": lambda *a: rule(*a, fits=lambda n, room: n < room),  # the watermark off by one
+        "the watermark stays free": lambda *a: rule(*a, watermark=False),
+        "the first in the order 'token budget', 'seq limit', 'no blocks'":
+            lambda *a: rule(*a, order=("seq limit", "token budget")),
+    }
+    for why, fn in mistakes.items():
+        capsys.readouterr()
+        assert not check.admission_rule(fn)
+        out = capsys.readouterr().out
+        assert out.startswith("[fail] admission_rule: ") and why in out, out
+
+
 def test_schedule_decodes_checker_names_the_mistakes(capsys):
     assert check.schedule_decodes(schedule_decodes)
     mistakes = {
+        "preempted itself: stop there": _never_stops,
         "preempt the most recently admitted": _oldest_first,
         "no room is not a reason to skip": lambda running, decoding, append, preempt:
             [s for s in list(running) if s in decoding and append(s)],
@@ -42,7 +77,9 @@ def test_chunk_prefills_checker_names_the_mistakes(capsys):
     assert check.chunk_prefills(chunk_prefills)
     for why, fn in {"the budget is shared": lambda u, b: [min(n, b) for n in u],
                     "takes a chunk of what is left": lambda u, b: [n if n <= b - sum(u[:i]) else 0 for i, n in enumerate(u)],
-                    "more than it still needs": lambda u, b: [b] * len(u)}.items():
+                    "more than it still needs": lambda u, b: [b] * len(u),
+                    "one number per prefill": lambda u, b: [c for c in chunk_prefills(u, b) if c],
+                    "in order: each prefill takes all it needs": lambda u, b: chunk_prefills(u[::-1], b)[::-1]}.items():
         capsys.readouterr()
         assert not check.chunk_prefills(fn)
         out = capsys.readouterr().out

@@ -33,6 +33,33 @@ if kernels.available():
         return blk * s_blk + offs_t * s_tok + head * s_head, offs_t >= 0
 
     @triton.jit
+    def walk_no_head(table_ptr, seq, page, seq_len, s_table, s_blk, s_tok, head, s_head, BLOCK_SIZE: tl.constexpr):
+        blk = tl.load(table_ptr + seq * s_table + page).to(tl.int64)
+        offs_t = tl.arange(0, BLOCK_SIZE)
+        return blk * s_blk + offs_t * s_tok, page * BLOCK_SIZE + offs_t < seq_len
+
+    @triton.jit
+    def walk_no_s_tok(table_ptr, seq, page, seq_len, s_table, s_blk, s_tok, head, s_head, BLOCK_SIZE: tl.constexpr):
+        blk = tl.load(table_ptr + seq * s_table + page).to(tl.int64)
+        offs_t = tl.arange(0, BLOCK_SIZE)
+        return blk * s_blk + offs_t + head * s_head, page * BLOCK_SIZE + offs_t < seq_len
+
+    @triton.jit
+    def walk_mask_inclusive(table_ptr, seq, page, seq_len, s_table, s_blk, s_tok, head, s_head,
+                            BLOCK_SIZE: tl.constexpr):
+        blk = tl.load(table_ptr + seq * s_table + page).to(tl.int64)
+        offs_t = tl.arange(0, BLOCK_SIZE)
+        return blk * s_blk + offs_t * s_tok + head * s_head, page * BLOCK_SIZE + offs_t <= seq_len
+
+    @triton.jit
+    def update_no_v_scale(m, l, acc, s, v, v_scale):  # right recurrence, but the values' scales left out
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
+
+    @triton.jit
     def dequant_divides(codes, scale):
         return codes.to(tl.float32) / scale
 
@@ -46,7 +73,8 @@ def test_block_walk_checker_names_the_mistakes(capsys):
 
     assert check.block_walk(block_walk)
     for why, fn in {"cast the block id to int64": walk_no_int64, "a page is not a block id": walk_no_table,
-                    "mask the slots past seq_len": walk_no_mask}.items():
+                    "mask the slots past seq_len": walk_no_mask, "add head * s_head": walk_no_head,
+                    "add offs_t * s_tok": walk_no_s_tok, "is < seq_len": walk_mask_inclusive}.items():
         capsys.readouterr()
         assert not check.block_walk(fn)
         out = capsys.readouterr().out
@@ -56,6 +84,16 @@ def test_block_walk_checker_names_the_mistakes(capsys):
     assert capsys.readouterr().out.startswith("[todo] block_walk")
     assert not check.block_walk(lambda *a: 0)  # a plain Python function: the GPU could not run it
     assert "@triton.jit" in capsys.readouterr().out
+
+
+def test_online_softmax_checker_names_a_missing_v_scale(capsys):
+    from kvlab.kernels.answers import online_softmax_update
+
+    assert check.online_softmax_update(online_softmax_update)
+    capsys.readouterr()
+    assert not check.online_softmax_update(update_no_v_scale)
+    out = capsys.readouterr().out
+    assert out.startswith("[fail] online_softmax_update") and "multiply P by v_scale" in out, out
 
 
 def test_dequant_checker_names_the_mistakes(capsys):

@@ -19,7 +19,8 @@ def test_fp8_scales_checker_names_the_mistakes(capsys):
                 "the zero guard": lambda a, s: pick(a, s) / 448,
                 "not the mean": lambda a, s: guard(a.mean(1, keepdim=True) if s == "tensor" else a, 448),
                 "one per layer, kept 2-D": lambda a, s: guard(pick(a, s), 448).flatten() if s == "tensor" else guard(a, 448),
-                "rounds differently in float32": lambda a, s: torch.where(pick(a, s) < 1e-6, 1.0, pick(a, s) * (1 / 448))}
+                "rounds differently in float32": lambda a, s: torch.where(pick(a, s) < 1e-6, 1.0, pick(a, s) * (1 / 448)),
+                "not only exactly 0": lambda a, s: torch.where(pick(a, s) == 0, 1.0, pick(a, s) / 448)}  # text: < 1e-6
     for why, fn in mistakes.items():
         capsys.readouterr()
         assert not check.fp8_scales(fn)

@@ -40,6 +40,26 @@ def test_eviction_quality_full_cache_is_the_reference(tiny):
             eviction_quality(model, wrong, 40, {"w": ev.SlidingWindow(16)}, block_size=4, reference=r)
 
 
+def test_scores_taken_as_the_steps_run_equal_scores_of_the_kept_logits(tiny, monkeypatch):
+    """_serve_text(score=...) drops each step's logits once scored (16 requests held 16 x the text's
+    logits otherwise) and prefills a few prompts a step: the same numbers as scoring the kept logits."""
+    model, _ = tiny
+    ids = list(range(3, 3 + 60))
+    policies = [ev.SlidingWindow(16), ev.SinksWindow(16, sinks=4), None]
+    ref = torch.log_softmax(torch.stack(evq.forced_logits(model, ids, 40, "fp32", block_size=4)[0]), -1)
+    score = evq._Scores(ref, torch.tensor(ids[41:]))
+    kept = evq._serve_text(model, ids, 40, policies, "fp16", None, 4, "torch")
+    monkeypatch.setattr(evq, "PREFILL_TOKENS", 50)  # one prompt a step: the others wait, then catch up
+    streamed = evq._serve_text(model, ids, 40, policies, "fp16", None, 4, "torch", score=score)
+    for a, b in zip(kept, streamed):
+        assert "logits" not in b and a["held"] == b["held"] and a["tokens"] == b["tokens"]
+        want, got = score.of(a["logits"]), b["scores"].result()
+        assert torch.allclose(want["kl"], got["kl"], atol=1e-6) and torch.equal(want["top1"], got["top1"])
+        assert torch.allclose(want["nll"], got["nll"], atol=1e-6)
+    with pytest.raises(ValueError, match="scored 0 positions"):
+        score.row().result()
+
+
 def _kl(p_logits, q_logits) -> float:
     p, q = torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
     return float((p.exp() * (p - q)).sum(-1).mean())

@@ -1,4 +1,4 @@
-"""Notebook 07's build tasks: the H2O checker names the planted mistakes, and the references plugged into
+"""Notebook 07's build tasks: the checkers name the planted mistakes, and the references plugged into
 the policies through the notebook's own call (SinksWindow / HeavyHitters(..., keep=...)) evict exactly as
 kvlab's own rules do in the engine."""
 
@@ -7,6 +7,28 @@ import pytest
 from kvlab import check
 from kvlab.cache import evict as ev
 from kvlab.engine import LLM, SamplingParams
+from kvlab.validate import cdiv
+
+
+def test_sinks_window_blocks_checker_names_the_budget_in_blocks(capsys):
+    assert check.sinks_window_blocks(ev.sinks_window_blocks)
+
+    def kept(n, bs, budget, sinks, budget_blocks=lambda budget, bs: budget // bs):
+        total, b, s = cdiv(n, bs), budget_blocks(budget, bs), cdiv(sinks, bs)
+        if total <= b:
+            return list(range(total))
+        return sorted(set(range(min(s, total))) | set(range(total - (b - s), total)))
+
+    assert check.sinks_window_blocks(kept)
+    mistakes = {
+        "the budget is in tokens: it holds budget // block_size": lambda *a: kept(*a, budget_blocks=lambda b, bs: b),
+        "rounds down": lambda *a: kept(*a, budget_blocks=cdiv),
+    }
+    for why, fn in mistakes.items():
+        capsys.readouterr()
+        assert not check.sinks_window_blocks(fn)
+        out = capsys.readouterr().out
+        assert out.startswith("[fail] sinks_window_blocks: ") and why in out, out
 
 
 def test_h2o_keep_checker_names_the_mistakes(capsys):
@@ -17,12 +39,31 @@ def test_h2o_keep_checker_names_the_mistakes(capsys):
         "the recent newest blocks stay": lambda l, b, r, s: top(l, b, r, s)[:b],
         "the MOST attention": lambda l, b, r, s: l[-r:] + sorted(l[:-r], key=lambda x: (s[x], x))[:b - r],
         "the earlier block wins": lambda l, b, r, s: l[-r:] + sorted(l[:-r], key=lambda x: (-s[x], -x))[:b - r],
+        "keep budget blocks in all": lambda l, b, r, s: l[-r:] + sorted(l[:-r], key=lambda x: (-s[x], x))[:b],
     }
     for why, fn in mistakes.items():
         capsys.readouterr()
         assert not check.h2o_keep(fn)
         out = capsys.readouterr().out
         assert out.startswith("[fail] h2o_keep: ") and why in out, out
+
+
+def test_copy_or_recompute_checker_names_the_mistakes(capsys):
+    from kvlab.check.evict import copy_and_recompute
+
+    assert check.copy_or_recompute(copy_and_recompute)
+
+    def planted(tokens, cfg, link, flops, head_dim=True, recompute_tokens=True):
+        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim if head_dim else 1) * 2
+        return tokens * per_token / link, 2 * cfg.num_params * (tokens if recompute_tokens else 1) / flops
+
+    mistakes = {"each head stores head_dim numbers": lambda *a: planted(*a, head_dim=False),
+                "the prefill recomputes every one of the tokens": lambda *a: planted(*a, recompute_tokens=False)}
+    for why, fn in mistakes.items():
+        capsys.readouterr()
+        assert not check.copy_or_recompute(fn)
+        out = capsys.readouterr().out
+        assert out.startswith("[fail] copy_or_recompute: ") and why in out, out
 
 
 def _serve(model, policy):

@@ -294,3 +294,30 @@ def test_cells_that_run_the_kernels_are_marked(book):
         code = "".join(cell["source"])
         if cell["cell_type"] == "code" and any(name in code for name in NEEDS_TRITON):
             assert code.startswith(kernels.CELL_MARKER), f"{book.name}: mark this cell:\n{code[:300]}"
+
+
+def test_setup_hands_freed_memory_back_after_every_cell_on_linux_only(monkeypatch):
+    """kvlab.setup() registers one post-cell hook that calls glibc's malloc_trim; elsewhere, nothing."""
+    from kvlab import env
+
+    class Events:
+        def __init__(self):
+            self.callbacks = {"post_run_cell": []}
+
+        def register(self, name, fn):
+            self.callbacks[name].append(fn)
+
+    shell = SimpleNamespace(events=Events())
+    if not sys.platform.startswith("linux"):
+        assert env.return_memory_after_cells(shell) is False
+        return
+    trimmed = []
+    monkeypatch.setattr(env, "_glibc_trim", lambda: (lambda pad: trimmed.append(pad)))
+    assert env.return_memory_after_cells(shell) and env.return_memory_after_cells(shell)
+    assert shell.events.callbacks["post_run_cell"] == [env._trim_after_cell]  # once, however often setup runs
+    shell.events.callbacks["post_run_cell"][0](None)
+    assert trimmed == [0]
+    monkeypatch.undo()
+    assert env._glibc_trim() is not None  # the real glibc on this Linux
+    monkeypatch.setattr(env.sys, "platform", "darwin")
+    assert env._glibc_trim() is None and env.return_memory_after_cells(SimpleNamespace(events=Events())) is False

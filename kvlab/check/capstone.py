@@ -67,11 +67,12 @@ def max_held(fn: Callable[[list, int, int, int], int]) -> bool:
 
 
 def fp8_scales(fn: Callable) -> bool:
-    """``fn(absmax (L, H), strategy)``: absmax / 448, zero-guarded; (L, 1) "tensor", (L, H) "attn_head"."""
+    """``fn(absmax (L, H), strategy)``: absmax / 448, 1.0 below 1e-6; (L, 1) "tensor", (L, H) "attn_head"."""
     g = torch.Generator().manual_seed(6)
     table = torch.rand(5, 3, generator=g) * 20
     table[2, 1] = 0.0  # a head that never saw a value above zero
     table[4] = 0.0  # a whole layer of them
+    table = torch.cat([table, torch.tensor([[1e-8, 5e-7, 0.0]])])  # near zero, not zero: below 1e-6 is guarded too
     cases = [((table.clone(), s), ref_fp8_scales(table.clone(), s)) for s in ("attn_head", "tensor")]
     def hint(args, got, expected):
         absmax, strategy = args
@@ -94,6 +95,9 @@ def fp8_scales(fn: Callable) -> bool:
             return "divide by 448: the scale is what one step of the grid is worth, absmax / 448"
         if not torch.isfinite(got).all() or bool((got[amax < 1e-6] == 0).any()):
             return "an abs-max below 1e-6 gets scale 1.0 (the zero guard): a zero scale would divide by zero"
+        tiny = (amax > 0) & (amax < 1e-6)
+        if bool((got[amax == 0] == 1).all()) and bool((got[tiny] != 1).any()):
+            return "the zero guard covers an abs-max below 1e-6, not only exactly 0: scale 1.0 there too"
         return None
     return run_task("fp8_scales", fn, cases, hint=hint,  # exact: the checkpoint must hold the pool's own scales
                    same=lambda a, b: isinstance(a, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))

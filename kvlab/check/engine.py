@@ -36,7 +36,8 @@ def admission_rule(fn: Callable[[int, int, int, int, int, int], "str | None"]) -
             return False
         want = ref_admission_rule(*args)
         if got != want:
-            r, _, _, n, f, w = args
+            r, m, b, n, f, w = args
+            holds = {"token budget": b <= 0, "seq limit": r >= m, "no blocks": n > f - (w if r else 0)}
             hint = ""
             if r == 0 and want == "no blocks" and got is None:
                 hint = ("alone, only the watermark is waived: a request needing more blocks than are free still "
@@ -45,6 +46,15 @@ def admission_rule(fn: Callable[[int, int, int, int, int, int], "str | None"]) -
                 hint = "with nothing running there is nobody to preempt, so the watermark does not apply. "
             elif args[2] < 0 and want == "token budget":
                 hint = "budget_left can be negative (a step's budget overdrawn): no tokens left means <= 0. "
+            elif r and want is None and got == "no blocks" and n == f - w:
+                hint = ("needing exactly the blocks the watermark leaves (blocks_free - watermark_blocks) still fits: "
+                        "wait only when blocks_needed is greater (>, not >=). ")
+            elif r and want == "no blocks" and got is None and n <= f:
+                hint = ("with others running, the watermark stays free for their next tokens: wait when blocks_needed "
+                        "> blocks_free - watermark_blocks. ")
+            elif want is not None and isinstance(got, str) and holds.get(got):
+                hint = ("several reasons hold here: return the first in the order 'token budget', 'seq limit', "
+                        "'no blocks'. ")
             elif got not in ("token budget", "seq limit", "no blocks", None):
                 hint = "return one of 'token budget', 'seq limit', 'no blocks', or None to admit. "
             print(f"[fail] admission_rule: {hint}For {call}: yours {got!r}, expected {want!r}")
@@ -74,8 +84,12 @@ class _Pool:
         self.running, self.decoding = list(running), set(decoding)
         self.tokens, self.held, self.free = dict(tokens), dict(held), free
         self.preempted, self.appended = [], []
+        self.asking, self.gave_way = None, set()  # whose append failed last; who preempted itself
 
     def append(self, sid):
+        if sid in self.gave_way:
+            raise ValueError(f"sequence {sid} preempted itself: stop there (it is back in the queue), do not append "
+                             "it again")
         if sid in self.preempted:
             raise ValueError(f"sequence {sid} was preempted this step: it is back in the queue and cannot decode")
         if sid not in self.decoding:
@@ -84,11 +98,13 @@ class _Pool:
             raise ValueError(f"sequence {sid} already has its slot this step: append once per decode")
         if self.tokens[sid] % 4 == 0:  # the last block is full: a new one
             if not self.free:
+                self.asking = sid
                 return False
             self.free -= 1
             self.held[sid] += 1
         self.tokens[sid] += 1
         self.appended.append(sid)
+        self.asking = None
         return True
 
     def preempt(self, sid):
@@ -97,6 +113,8 @@ class _Pool:
         self.free += self.held[sid]
         self.running.remove(sid)
         self.preempted.append(sid)
+        if sid == self.asking:
+            self.gave_way.add(sid)
 
 
 # (running ids oldest first, decoding ids, tokens each holds, blocks each holds, free blocks); blocks of 4
@@ -150,6 +168,9 @@ def chunk_prefills(fn: Callable) -> bool:
             return "the budget is shared: subtract each chunk before sizing the next"
         if all(g in (0, n) for g, n in zip(got, need)):
             return "a prompt that does not fit whole takes a chunk of what is left: the rest follows next step"
+        if sum(got) == min(budget, sum(need)):
+            return ("in order: each prefill takes all it needs before the next gets anything; only the one that "
+                    "meets the end of the budget is chunked")
         return None
     return run_task("chunk_prefills", lambda u, b: fn(list(u), b), cases,
                    same=lambda a, b: isinstance(a, (list, tuple)) and list(a) == b, hint=hint, learner=fn)

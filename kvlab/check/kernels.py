@@ -158,6 +158,8 @@ def block_walk(fn) -> bool:
             return "read this sequence's row of the table: table_ptr + seq * s_table + page"
         if torch.equal(offsets, want_offsets - head * s_head):
             return "add head * s_head: each KV head sits at its own offset inside a slot"
+        if torch.equal(offsets, want_offsets - torch.arange(bs) * (s_tok - 1)):
+            return "consecutive slots are s_tok elements apart: add offs_t * s_tok, not offs_t"
         if torch.equal(offsets, want_offsets) and not torch.equal(mask, want_mask):
             if bool(mask.all()):
                 return "mask the slots past seq_len: the last page is partly empty"

@@ -101,7 +101,8 @@ def decode_loop(fn: Callable) -> bool:
 
 
 def static_write(fn: Callable) -> bool:
-    """``fn(buffer, new, start) -> view of the filled slots``, writing ``new`` into ``buffer`` in place."""
+    """``fn(buffer, new, start) -> view of the filled slots``, writing ``new`` into ``buffer`` in place; the
+    view must share the buffer's memory (a copy passes the values but allocates every step)."""
     shapes = [((2, 2, 8, 4), 1, 0, 3), ((2, 2, 8, 4), 2, 3, 1), ((3, 1, 6, 2), 3, 5, 1), ((2, 2, 8, 4), 1, 0, 8)]
     cases = []
     for i, (shape, b, start, q) in enumerate(shapes):
@@ -131,6 +132,9 @@ def static_write(fn: Callable) -> bool:
                 return ("write into the reserved buffer itself (buffer[...] = new): a static cache never allocates, "
                         "the returned view must show the buffer's own memory")
             return "write at slots start .. start + q_len of the first B rows (the new tokens' batch), nowhere else"
+        if tensor_same(view, want_view) and not _shares(view, written):
+            return ("return a view of the buffer (a slice, buffer[:B, :, :start + q_len]), not a copy: .clone() "
+                    "allocates at every step, which a static cache exists to avoid")
         if view.shape == new.shape:
             return "return every filled slot, from slot 0, not only the new ones: attention reads the whole sequence"
         if view.shape[2] == buf.shape[2]:
@@ -138,4 +142,11 @@ def static_write(fn: Callable) -> bool:
         if view.shape[0] == buf.shape[0] != new.shape[0]:
             return "return the batch's own rows (the first B), not every reserved row"
         return None
-    return run_task("static_write", run, cases, same=tensor_same, hint=hint, learner=fn)
+    def same(got, expected):  # the right values, and in the buffer's own memory: a view, not a copy
+        return tensor_same(got, expected) and _shares(*got)
+    return run_task("static_write", run, cases, same=same, hint=hint, learner=fn)
+
+
+def _shares(view, buffer) -> bool:
+    """``view`` lies in ``buffer``'s memory (a slice of it), not in a copy."""
+    return isinstance(view, torch.Tensor) and view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()

@@ -116,6 +116,9 @@ def append_slot(fn: Callable) -> bool:
         if not full and table[-1] in shared and copy is None:
             return ("the last block is shared (ref_count > 1): writing into it would change the other sequence's "
                     "tokens; take a fresh block, return (old, new) as copy, and write there")
+        if not full and table[-1] in shared and len(after) == len(table) + 1 and after[:-1] == list(table):
+            return ("replace the shared last block in block_table (block_table[-1] = the fresh block), do not append: "
+                    "the fresh block is the shared one's copy and takes its place")
         if after == list(table) and expected[2] != list(table):
             return "change block_table itself (append, or replace the last entry): the manager reads it after your call"
         if slot != expected[0]:
@@ -183,6 +186,9 @@ def prefix_hits(fn: Callable) -> bool:
         if len(got) > len(expected) and got[:len(expected)] == expected:
             return ("stop at the first miss: a block's K/V are only valid after every block before it, so a later "
                     "hit behind a miss cannot be used")
+        if not got and expected:
+            return ("no hit, though the cache holds the prompt's first block: the chain starts from None, block 0's "
+                    "key is block_hash(None, its tokens)")
         return None
     return run_task("prefix_hits", run, cases, same=lambda x, y: isinstance(x, (list, tuple)) and list(x) == y,
                    hint=hint, learner=fn)

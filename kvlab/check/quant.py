@@ -33,6 +33,11 @@ def quantize_per_head(fn: Callable) -> bool:
         x = args[0]
         if (x.abs().amax(dim=(0, 2)) < 1e-6).any() and not torch.equal(scale, expected[1]):
             return "the zero guard: scale 1.0 where a head's absmax is below 1e-6, not only where it is 0"
+        amax = x.abs().amax(dim=(0, 2), keepdim=True)
+        for grid in (128, 255, 256):
+            if torch.allclose(scale.float(), torch.where(amax < 1e-6, torch.ones_like(amax), amax / grid)):
+                return (f"scale = absmax / 127, not / {grid}: the grid is -127 .. 127, and a head's largest magnitude "
+                        "lands exactly on 127")
         if torch.equal(q, torch.trunc(x / expected[1]).clamp(-127, 127).to(torch.int8)):
             return "truncation: round half to even (torch.round) before the cast"
         r = x / expected[1]
@@ -76,6 +81,11 @@ def quantize_static(fn: Callable) -> bool:
             return "values beyond the calibrated range wrapped around: int8 does not saturate, clamp before .to(torch.int8)"
         if (got == -128).any():
             return "-128 appears: clamp to -127..127, a symmetric grid (notebook text, section 2)"
+        r = x / sc
+        if torch.equal(got, torch.trunc(r).clamp(-127, 127).to(torch.int8)):
+            return "truncation: round half to even (torch.round) before the clamp and the cast, as in Task 1"
+        if torch.equal(got, (r.sign() * (r.abs() + 0.5).floor()).clamp(-127, 127).to(torch.int8)):
+            return "half away from zero: 0.5 -> 1 and -2.5 -> -3, where half to even (torch.round) gives 0 and -2"
         return None
     return run_task("quantize_static", fn, cases, same=tensor_same, hint=hint)
 

@@ -34,6 +34,7 @@ def kv_token_bytes(fn: Callable[[int, int, int, int, int, int], int]) -> bool:
                            (expected * 2, "the factor 2 is K and V, counted once"),
                            (expected / layers, "every layer keeps its own K and V for the token"),
                            (expected / kv_heads, "every KV head stores its own head_dim values"),
+                           (expected / dim, "each KV head stores head_dim values for the token: multiply by head_dim"),
                            (expected / nbytes, "that counts values: multiply by the bytes per element")):
             if got == wrong:
                 return why

@@ -28,10 +28,15 @@ def _as_eviction_config(name, spec) -> tuple:
     return policy, fmt
 
 
+PREFILL_TOKENS = 1024  # _serve_text's prompt tokens in one forward at most (one prompt, if longer)
+
+
 def _serve_text(model, tokens: list[int], prompt_len: int, policies: list, fmt: str, calibration, block_size: int,
-                attn_backend: str, greedy: int = 0) -> list[dict]:
+                attn_backend: str, greedy: int = 0, score=None) -> list[dict]:
     """One batch, a request per policy: the prompt, then the rest forced one token a step with the policy
-    acting after each, then ``greedy`` argmax tokens; per request its logits, tokens and what it held."""
+    acting after each, then ``greedy`` argmax tokens; per request its logits, tokens and what it held.
+    ``score``: a :class:`_Scores` that takes each scored position's logits as the step makes them (per
+    request ``"scores"`` instead of ``"logits"``: a batch of 16 holds 16 x the text's logits otherwise)."""
     rows, forced = len(policies), tokens[prompt_len:]
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and len(tokens) + greedy > limit:
@@ -40,17 +45,76 @@ def _serve_text(model, tokens: list[int], prompt_len: int, policies: list, fmt: 
     bm = BlockManager(nb, block_size, enable_prefix_caching=False)
     cache = (PagedKVCache.from_model(model, nb, block_size, dtype=torch.float32) if fmt == "fp32" else
              QuantizedPagedKVCache.from_model(model, nb, block_size, named_config(fmt), calibration))
+    # prompts prefilled a few at a time (about PREFILL_TOKENS a step): 16 prompts in one forward held
+    # 0.9 GiB of activations at once; each request's own computation is the same either way
+    at_once = max(1, min(rows, PREFILL_TOKENS // (prompt_len + 1)))
     llm = LLM(model, block_manager=bm, cache=cache, attn_backend=attn_backend, max_num_seqs=rows,
-              max_num_batched_tokens=rows * (prompt_len + 1), watermark=0.0)
+              max_num_batched_tokens=at_once * (prompt_len + 1), watermark=0.0)
     params = [SamplingParams(max_tokens=len(forced) + greedy, ignore_eos=True, eviction=p, forced_token_ids=forced,
                              return_logits=True) for p in policies]
+    if score is None:
+        outputs = [(o.logits[1:len(forced)], o.token_ids, llm.seqs[o.request_id]) for o in llm.generate(
+            [tokens[:prompt_len]] * rows, params)]
+    else:  # the same requests, stepped here: each step's logits scored and dropped
+        ids = llm.add_requests([tokens[:prompt_len]] * rows, params)
+        scorers, seen = [score.row() for _ in ids], [0] * rows
+        while llm.has_unfinished():
+            llm.step()
+            for r, i in enumerate(ids):
+                seq = llm.seqs[i]
+                for lg in seq.logits:  # output k's logits: k = 1 .. len(forced) - 1 are scored
+                    if 1 <= seen[r] < len(forced):
+                        scorers[r].add(lg)
+                    seen[r] += 1
+                seq.logits.clear()
+        outputs = [(scorers[r], llm.seqs[i].output_token_ids, llm.seqs[i]) for r, i in enumerate(ids)]
     out = []
-    for o in llm.generate([tokens[:prompt_len]] * rows, params):
-        m = llm.seqs[o.request_id].metrics
-        out.append({"logits": o.logits[1:len(forced)], "tokens": o.token_ids[len(forced):],
+    for scored, token_ids, seq in outputs:
+        m = seq.metrics
+        out.append({"logits" if score is None else "scores": scored, "tokens": list(token_ids[len(forced):]),
                     "held": {"blocks": m.held_blocks, "tokens": m.held_tokens,
                              "bytes": m.held_blocks * cache.bytes_per_block}})
     return out
+
+
+class _Scores:
+    """Per-position scores of logits against the reference's log-probabilities ``ref`` (P, V) and the
+    ``targets`` (P,): KL(ref || p), the target's negative log-likelihood, whether the argmax agrees.
+    Logits arrive a position at a time (:meth:`row`) or all at once (:meth:`of`): only 3 numbers a
+    position are kept, never the (P, V) logits of every cache."""
+
+    def __init__(self, ref: torch.Tensor, targets: torch.Tensor):
+        self.ref, self.targets = ref, targets
+        self.p_ref, self.top_ref = ref.exp(), ref.argmax(-1)
+
+    def of(self, logits) -> dict:
+        row = self.row()
+        for lg in logits:
+            row.add(lg)
+        return row.result()
+
+    def row(self) -> "_ScoreRow":
+        return _ScoreRow(self)
+
+
+class _ScoreRow:
+    def __init__(self, scores: _Scores):
+        self.s, self.kl, self.nll, self.top = scores, [], [], []
+
+    def add(self, logits: torch.Tensor) -> None:
+        t = len(self.kl)
+        if t >= len(self.s.targets):
+            raise ValueError(f"more than the {len(self.s.targets)} scored positions")
+        lp = torch.log_softmax(logits.float(), -1)
+        self.kl.append(float((self.s.p_ref[t] * (self.s.ref[t] - lp)).sum()))
+        self.nll.append(-float(lp[self.s.targets[t]]))
+        self.top.append(bool(lp.argmax() == self.s.top_ref[t]))
+
+    def result(self) -> dict:
+        if len(self.kl) != len(self.s.targets):
+            raise ValueError(f"scored {len(self.kl)} positions, expected {len(self.s.targets)}")
+        return {"kl": torch.tensor(self.kl), "nll": torch.tensor(self.nll, dtype=torch.float64),
+                "top1": torch.tensor(self.top)}
 
 
 def _check_prompt_len(prompt_len, tokens: list[int]) -> None:
@@ -101,49 +165,51 @@ def eviction_quality(model, tokens: list[int], prompt_len: int, configs: dict, c
     groups: dict[str, list[str]] = {}
     for n, (_, fmt) in specs.items():
         groups.setdefault(fmt, []).append(n)
-    logits: dict[str, list[torch.Tensor]] = {n: [] for n in specs}
     held: dict[str, dict] = {}
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
-    logits["full"] = (reference["full_logits"] if reference is not None else
-                      forced_logits(model, tokens, prompt_len, "fp32", None, block_size)[0])
+    full_logits = (reference["full_logits"] if reference is not None else
+                   forced_logits(model, tokens, prompt_len, "fp32", None, block_size)[0])
     seconds["full"] = time.perf_counter() - t0
+    # position t - 1's logits (fed token t - 1) predict token t, for t = prompt_len + 1 .. n_tok - 1
+    targets = torch.tensor(tokens[prompt_len + 1:n_tok])
+    ref = torch.log_softmax(torch.stack(full_logits), -1)
+    ref_nll = -ref.gather(1, targets[:, None])[:, 0].double()
+    score = _Scores(ref, targets)
+    scores: dict[str, dict] = {}
     for fmt, names in groups.items():
         t0 = time.perf_counter()
         evicting = [n for n in names if specs[n][0] is not None]
         keeping = [n for n in names if specs[n][0] is None]
         if keeping:  # every token kept: the whole text in two forwards, shared by the group's full caches
             lg, hd = forced_logits(model, tokens, prompt_len, fmt, calibration, block_size)
+            scored = score.of(lg)
+            del lg
             for n in keeping:
-                logits[n], held[n] = lg, hd
+                scores[n], held[n] = scored, hd
         if evicting:  # the policy acts after every token: a step per token
             fed = _serve_text(model, tokens, prompt_len, [specs[n][0] for n in evicting], fmt, calibration,
-                              block_size, attn_backend)
+                              block_size, attn_backend, score=score)
             for n, row in zip(evicting, fed):
-                logits[n] = row["logits"]
+                scores[n] = row["scores"].result()
                 held[n] = row["held"]
         seconds[fmt] = time.perf_counter() - t0
-    # position t - 1's logits (fed token t - 1) predict token t, for t = prompt_len + 1 .. n_tok - 1
-    targets = torch.tensor(tokens[prompt_len + 1:n_tok])
-    ref = torch.log_softmax(torch.stack(logits["full"]), -1)
-    ref_nll = -ref.gather(1, targets[:, None])[:, 0].double()
     fp16_full = cdiv(n_tok - 1, block_size) * QuantizedPagedKVCache.from_model(
         model, 1, block_size, named_config("fp16")).bytes_per_block
     out = {"tokens": n_tok, "prompt_len": prompt_len, "scored": len(targets), "ppl_full": math.exp(ref_nll.mean()),
-           "fp16_full_bytes": fp16_full, "seconds": seconds, "token_ids": tokens, "full_logits": logits["full"],
+           "fp16_full_bytes": fp16_full, "seconds": seconds, "token_ids": tokens, "full_logits": full_logits,
            "configs": {}}
     for n in configs:
-        lp = torch.log_softmax(torch.stack(logits[n]), -1)
-        nll = -lp.gather(1, targets[:, None])[:, 0].double()
+        sc = scores[n]
+        nll = sc["nll"]
         d = nll - ref_nll
         se = float(d.std() / math.sqrt(max(len(d) - 1, 1)))
         mean = float(d.mean())
         policy, fmt = specs[n]
         out["configs"][n] = {
             "policy": None if policy is None else policy.name, "budget": None if policy is None else policy.budget,
-            "format": fmt, "kl": float((ref.exp() * (ref - lp)).sum(-1).mean()),
-            "kl_per_position": (ref.exp() * (ref - lp)).sum(-1),
-            "top1": float((lp.argmax(-1) == ref.argmax(-1)).double().mean()),
+            "format": fmt, "kl": float(sc["kl"].mean()), "kl_per_position": sc["kl"],
+            "top1": float(sc["top1"].double().mean()),
             "ppl": math.exp(float(nll.mean())), "delta_ppl_pct": 100 * (math.exp(mean) - 1),
             "delta_ppl_ci95": tuple(100 * (math.exp(mean + z * 1.96 * se) - 1) for z in (-1, 1)),
             **held[n], "bytes_share": held[n]["bytes"] / fp16_full}
