@@ -121,7 +121,8 @@ class _KernelMemory:
             self.sampler.reset()  # this cell's peak starts here
         yield
         peak = self.sampler.reset() if self.sampler is not None else 0
-        item.user_properties.append(("nbcell", [item.path.stem, item.cell_num, peak]))
+        private = self.sampler.last_private if self.sampler is not None else 0
+        item.user_properties.append(("nbcell", [item.path.stem, item.cell_num, peak, private]))
 
 
 def _notebook_table(terminalreporter) -> list[str]:
@@ -131,11 +132,12 @@ def _notebook_table(terminalreporter) -> list[str]:
         for r in reports:
             for name, value in getattr(r, "user_properties", ()):
                 if name == "nbcell" and r.when == "call":
-                    nb, code_num, peak = value
+                    nb, code_num, peak, private = value
                     path = Path(str(r.fspath))
                     row = rows.setdefault(nb, dict(notebook=nb, wall_s=0.0, peak_bytes=0, peak_cell=-1, cells=[],
-                                                   path=path))
+                                                   path=path, private_bytes=0))
                     row["wall_s"] += r.duration
+                    row["private_bytes"] = max(row["private_bytes"], private)
                     if peak > row["peak_bytes"]:
                         row["peak_bytes"], row["peak_cell"] = peak, code_num
                     row["cells"].append((code_num, r.duration))

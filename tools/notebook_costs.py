@@ -5,7 +5,9 @@
 
 Each notebook runs headless in a fresh kernel (nbclient, as Run All does), alone: run nothing else
 beside it, two torch processes on 2 cores slow each other many times over. Memory is the resident
-set of the kernel's whole process tree (the kernel and every child it starts), sampled every 0.2 s.
+set of the kernel's whole process tree (the kernel and every child it starts), sampled every 0.2 s,
+and its private part: without the pages mapped from files (the model's weights, 0.5 GiB, are mapped
+from its safetensors file, shared by every kernel and given back under pressure; see tree_memory).
 ``make test`` prints the same table from its nbval run (tests/conftest.py uses :class:`TreePeak`
 and :func:`table`).
 """
@@ -24,35 +26,42 @@ ROOT = Path(__file__).resolve().parent.parent
 GIB = 2 ** 30
 
 
-def tree_rss(proc: psutil.Process) -> int:
-    """Resident bytes of a process and all its descendants (0 for any that has gone)."""
-    total = 0
+def tree_memory(proc: psutil.Process) -> tuple[int, int]:
+    """(resident, private) bytes of a process and all its descendants. Private leaves out pages mapped
+    from files (Linux's RssFile + RssShmem, psutil's ``shared``): the model's safetensors are mapped,
+    not copied, so its 0.5 GiB of weights are resident but shared by every kernel that loads it and given
+    back to the file under pressure. Where psutil has no ``shared`` (macOS), private = resident."""
+    rss = private = 0
     try:
         procs = [proc, *proc.children(recursive=True)]
     except psutil.Error:
-        return 0
+        return 0, 0
     for p in procs:
         try:
-            total += p.memory_info().rss
+            m = p.memory_info()
         except psutil.Error:
-            pass
-    return total
+            continue
+        rss += m.rss
+        private += m.rss - getattr(m, "shared", 0)
+    return rss, private
 
 
 class TreePeak:
-    """Samples the resident memory of process ``pid`` and its descendants every ``interval`` seconds
-    in a thread; ``peak`` is the largest sum seen since the last :meth:`reset`."""
+    """Samples the memory of process ``pid`` and its descendants every ``interval`` seconds in a thread;
+    ``peak`` is the largest resident sum seen since the last :meth:`reset`, ``private_peak`` the largest
+    private sum (:func:`tree_memory`)."""
 
     def __init__(self, pid: int, interval: float = 0.2):
         self.proc = psutil.Process(pid)
         self.interval = interval
-        self.peak = 0
+        self.peak = self.private_peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def sample(self) -> int:
-        rss = tree_rss(self.proc)
+        rss, private = tree_memory(self.proc)
         self.peak = max(self.peak, rss)
+        self.private_peak = max(self.private_peak, private)
         return rss
 
     def _run(self):
@@ -64,15 +73,19 @@ class TreePeak:
         return self
 
     def reset(self) -> int:
-        """The peak so far, and start a new one from the current sample."""
-        peak, self.peak = self.peak, 0
+        """The resident peak so far (:attr:`last_private`: the private one), and start new ones from the
+        current sample."""
+        peak, private = self.peak, self.private_peak
+        self.peak = self.private_peak = 0
         self.sample()
+        self.last_private = max(private, self.private_peak)
         return max(peak, self.peak)
 
     def stop(self) -> int:
         self._stop.set()
         self._thread.join()
         self.sample()
+        self.last_private = self.private_peak
         return self.peak
 
 
@@ -86,7 +99,7 @@ def run_notebook(path: Path, timeout: int = 1800, kernel: str = "python3") -> di
     cells: list[tuple[int, float]] = []
     started: dict[int, float] = {}
     sampler: list[TreePeak] = []
-    peaks: list[tuple[int, int]] = []  # (peak bytes, cell index) per cell
+    peaks: list[tuple[int, int, int]] = []  # (peak bytes, cell index, private peak bytes) per cell
 
     def on_start(cell, cell_index):
         if not sampler and client.km is not None and client.km.has_kernel:
@@ -96,7 +109,7 @@ def run_notebook(path: Path, timeout: int = 1800, kernel: str = "python3") -> di
     def on_done(cell, cell_index, execute_reply):
         cells.append((cell_index, time.perf_counter() - started[cell_index]))
         if sampler:
-            peaks.append((sampler[0].reset(), cell_index))  # this cell's peak
+            peaks.append((sampler[0].reset(), cell_index, sampler[0].last_private))  # this cell's peaks
 
     client = NotebookClient(nb, timeout=timeout, kernel_name=kernel, resources={"metadata": {"path": str(path.parent)}},
                             on_cell_start=on_start, on_cell_executed=on_done)
@@ -108,23 +121,27 @@ def run_notebook(path: Path, timeout: int = 1800, kernel: str = "python3") -> di
         error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
     wall = time.perf_counter() - t0
     if sampler:
-        peaks.append((sampler[0].stop(), -1))
-    peak, peak_cell = max(peaks, default=(0, -1))
-    return dict(notebook=path.stem, wall_s=wall, peak_bytes=peak, peak_cell=peak_cell, cells=cells, error=error)
+        peaks.append((sampler[0].stop(), -1, sampler[0].last_private))
+    peak, peak_cell, _ = max(peaks, default=(0, -1, 0))
+    private = max((p for _, _, p in peaks), default=0)
+    return dict(notebook=path.stem, wall_s=wall, peak_bytes=peak, peak_cell=peak_cell, private_bytes=private,
+                cells=cells, error=error)
 
 
 def table(rows: list[dict], slowest: int = 5) -> list[str]:
-    """One line per notebook: wall time, peak memory, its ``slowest`` cells (seconds (cell index))."""
-    lines = [f"{'notebook':<28}{'Run All':>9}{'peak mem':>10}{'in cell':>8}  slowest cells: seconds (cell index)"]
+    """One line per notebook: wall time, peak memory (resident, and private: without the mapped model
+    file, :func:`tree_memory`), its ``slowest`` cells (seconds (cell index))."""
+    lines = [f"{'notebook':<28}{'Run All':>9}{'peak mem':>10}{'private':>10}{'in cell':>8}  slowest cells: seconds (cell index)"]
     for r in rows:
         top = sorted(r["cells"], key=lambda c: -c[1])[:slowest]
         cells = ", ".join(f"{s:.0f} ({i})" for i, s in top)
         where = r.get("peak_cell", -1)
-        lines.append(f"{r['notebook']:<28}{r['wall_s']:>8.0f}s{r['peak_bytes'] / GIB:>7.2f} GiB"
-                     f"{where if where >= 0 else '-':>8}  {cells}"
+        lines.append(f"{r['notebook']:<28}{r['wall_s']:>8.0f}s{r['peak_bytes'] / GIB:>6.2f} GiB"
+                     f"{r.get('private_bytes', 0) / GIB:>6.2f} GiB{where if where >= 0 else '-':>8}  {cells}"
                      + (f"  FAILED {r['error']}" if r.get("error") else ""))
     total = sum(r["wall_s"] for r in rows)
-    lines.append(f"{'all':<28}{total:>8.0f}s{max((r['peak_bytes'] for r in rows), default=0) / GIB:>7.2f} GiB{'':>8}")
+    lines.append(f"{'all':<28}{total:>8.0f}s{max((r['peak_bytes'] for r in rows), default=0) / GIB:>6.2f} GiB"
+                 f"{max((r.get('private_bytes', 0) for r in rows), default=0) / GIB:>6.2f} GiB")
     return lines
 
 
