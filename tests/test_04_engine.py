@@ -231,7 +231,8 @@ def test_batched_prefill_attention_equals_the_reference(h_q, h_kv, block_size, w
 
 
 def test_prefill_is_batched_only_where_padding_pays():
-    assert not PrefillIndex.pays([60], [60], 16)  # one chunk: nothing to batch
+    assert PrefillIndex.pays([60], [60], 16)  # one chunk: one call, no padding (faster than the spec's loop)
+    assert not PrefillIndex.pays([], [], 16)  # decodes only: no prefill
     assert PrefillIndex.pays([60, 45, 80, 62], [60, 45, 80, 62], 16)  # admissions of similar prompts
     assert not PrefillIndex.pays([300, 40, 30], [300, 40, 30], 16)  # one long chunk would pad the others 10x
 
