@@ -60,7 +60,8 @@ def free_port() -> int:
 # JupyterLab settings for a run nobody watches: every cell in the DOM (no virtual scrolling, so
 # every output can be checked and photographed) and no news / update toast over the outputs.
 LAB_SETTINGS = {
-    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+    # recordTiming: each cell's execution timestamps in its metadata (rerun_sections re-runs the quick ones)
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none", "recordTiming": True},
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false",
                                                                         "checkForUpdates": False},
 }
@@ -614,23 +615,68 @@ _RERUN_STATE_JS = """(i) => {
 }"""
 
 
+def _rerun(page, i: int, timeout: float) -> list[str]:
+    """Run cell ``i`` again and wait for the kernel: the errors it showed."""
+    t0 = time.monotonic()
+    page.evaluate(_RERUN_JS, i)
+    while True:
+        time.sleep(0.5)
+        state = page.evaluate(_RERUN_STATE_JS, i)
+        if state["done"] and state["kernel"] == "idle":
+            break
+        if time.monotonic() - t0 > timeout:
+            state["errors"].append(f"still running after {timeout:.0f} s")
+            break
+    if state["error"]:
+        state["errors"].append(state["error"])
+    return state["errors"]
+
+
 def rerun_cells(page, name: str, runs: dict[str, list[int]], timeout: float = 600) -> list[str]:
     """After Run All, re-run each task's cells in order, as a room does (its stub or solution and checker,
     then every cell that plugs it in): the problems, one line per cell that raised."""
     problems = []
     for task, cells in runs.items():
         for i in cells:
-            t0 = time.monotonic()
-            page.evaluate(_RERUN_JS, i)
-            while True:
-                time.sleep(0.5)
-                state = page.evaluate(_RERUN_STATE_JS, i)
-                if state["done"] and state["kernel"] == "idle":
-                    break
-                if time.monotonic() - t0 > timeout:
-                    state["errors"].append(f"still running after {timeout:.0f} s")
-                    break
-            if state["error"]:
-                state["errors"].append(state["error"])
-            problems += [f"{name}: re-running task {task}'s cell {i} after Run All raised {e}" for e in state["errors"]]
+            problems += [f"{name}: re-running task {task}'s cell {i} after Run All raised {e}"
+                         for e in _rerun(page, i, timeout)]
     return problems
+
+
+_CELL_SECONDS_JS = """() => {
+  const cells = window.jupyterapp.shell.currentWidget.content.model.cells;
+  const out = [];
+  for (let i = 0; i < cells.length; i++) {
+    const ex = cells.get(i).getMetadata('execution');
+    const a = ex && (ex['iopub.execute_input'] || ex['iopub.status.busy']), b = ex && ex['shell.execute_reply'];
+    out.push(a && b ? (Date.parse(b) - Date.parse(a)) / 1000 : null);
+  }
+  return out;
+}"""
+
+
+def cell_seconds(page) -> list[float | None]:
+    """Each cell's last run time in seconds (JupyterLab's recordTiming, LAB_SETTINGS), None if unknown."""
+    return page.evaluate(_CELL_SECONDS_JS)
+
+
+def rerun_sections(page, name: str, sections: dict[str, list[int]], quick_s: float = 3.0,
+                   timeout: float = 600) -> tuple[list[str], dict]:
+    """After Run All, re-run each section from its first cell, as a room does when it goes back: the last
+    section first, so each one meets the names every later section bound (the hazard: a later cell rebinds
+    a name an earlier one reads). Every cell that took at most ``quick_s`` in Run All; a slower one keeps
+    its state from Run All (re-running all of them would be a second Run All of the suite, ~12 minutes
+    on 2 cores). Returns (problems, counts)."""
+    seconds = cell_seconds(page)
+    problems, ran, kept = [], 0, 0
+    if sections and all(seconds[i] is None for cells in sections.values() for i in cells):
+        return [f"{name}: no cell run times recorded (JupyterLab's recordTiming), so no section was re-run"], {}
+    for title, cells in reversed(sections.items()):
+        for i in cells:
+            if seconds[i] is None or seconds[i] > quick_s:
+                kept += 1
+                continue
+            ran += 1
+            problems += [f"{name}: re-running section '{title}' from its first cell, cell {i} raised {e}"
+                         for e in _rerun(page, i, timeout)]
+    return problems, {"section cells re-run": ran, "section cells slower than quick_s": kept}

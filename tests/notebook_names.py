@@ -259,3 +259,18 @@ def task_cells(cells: list[dict]) -> dict[str, list[int]]:
         idx += [i for i, c in main if c["cell_type"] == "code" and i not in idx
                 and re.search(r"check\.use\(\s*[\"']" + name + r"[\"']", "".join(c["source"]))]
     return out
+
+
+def section_cells(cells: list[dict]) -> dict[str, list[int]]:
+    """Per main-path section (its ``## `` heading; "(opening)" for the cells before the first), its code
+    cells in order: what a room re-runs when it goes back to a section and runs it again from its start."""
+    out: dict[str, list[int]] = {}
+    title = "(opening)"
+    for i, c in main_path_cells(cells):
+        if c["cell_type"] == "markdown":
+            heading = next((line[3:].strip() for line in "".join(c["source"]).splitlines() if line.startswith("## ")), None)
+            if heading is not None:
+                title = heading
+            continue
+        out.setdefault(title, []).append(i)
+    return out

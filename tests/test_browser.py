@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import browser_helpers as bh
-from notebook_names import printed_words, task_cells
+from notebook_names import printed_words, section_cells, task_cells
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))  # 06 and later are picked up as they land
@@ -96,9 +96,10 @@ def browser():
 
 
 def _run_and_check(lab, browser, name: str, shots: Path, say, rerun: dict[str, list[int]] | None = None,
-                   **check) -> tuple[list[str], dict]:
+                   sections: dict[str, list[int]] | None = None, **check) -> tuple[list[str], dict]:
     """Open ``name``, run all, then re-run each task's cells in ``rerun`` (its stub or solution and checker,
-    then the cells that plug it in); return (problems, timings). The kernel is shut down afterwards."""
+    then the cells that plug it in) and each section of ``sections`` from its first cell (the quick cells,
+    bh.rerun_sections); return (problems, timings). The kernel is shut down afterwards."""
     if shots.exists():
         shutil.rmtree(shots)
     shots.mkdir(parents=True)
@@ -121,6 +122,10 @@ def _run_and_check(lab, browser, name: str, shots: Path, say, rerun: dict[str, l
         t2 = time.monotonic()  # issue 55: a room re-runs a task's cells after Run All, so do we
         problems += bh.rerun_cells(page, name, rerun or {})
         reran = time.monotonic() - t2
+        t3 = time.monotonic()
+        again, section_counts = bh.rerun_sections(page, name, sections or {})
+        problems += again
+        resections = time.monotonic() - t3
     finally:
         page.close()
         (shots / "browser-console.txt").write_text("\n".join(console) + "\n")  # JS errors, for debugging
@@ -129,7 +134,7 @@ def _run_and_check(lab, browser, name: str, shots: Path, say, rerun: dict[str, l
         except OSError as e:
             say(f"  (could not shut the kernels down: {e})")
     timings = {"open_s": round(opened, 1), "run_s": round(ran, 1), "check_s": round(checked, 1),
-               "rerun_s": round(reran, 1), **counts}
+               "rerun_s": round(reran, 1), "sections_s": round(resections, 1), **section_counts, **counts}
     (shots / "report.json").write_text(json.dumps({"notebook": name, **timings, "problems": problems}, indent=1))
     return problems, timings
 
@@ -141,15 +146,18 @@ def test_notebook_widgets_render_and_react(path, lab, browser, capsys, record_pr
             print(line, flush=True)
 
     shots = ARTIFACTS / path.stem
-    problems, t = _run_and_check(lab, browser, path.name, shots, say,
-                                 rerun=task_cells(json.loads(path.read_text())["cells"]))
+    cells = json.loads(path.read_text())["cells"]
+    problems, t = _run_and_check(lab, browser, path.name, shots, say, rerun=task_cells(cells),
+                                 sections=section_cells(cells))
     executed = shots / path.name
     printed = printed_words(json.loads(executed.read_text())) if executed.exists() else None
     words = "" if printed is None else (f"; prints {sum(printed.values())} words on its main path (most: "
                                         + ", ".join(f"cell {i} {n}" for i, n in sorted(printed.items(),
                                                                                       key=lambda x: -x[1])[:3]) + ")")
     line = (f"{path.name}: ran in {t['run_s']:.0f} s (opened {t['open_s']:.0f} s, checked "
-            f"{t['check_s']:.0f} s, its tasks' cells re-run {t['rerun_s']:.0f} s); {t['widget views']} widget views, {t['figures']} figures, "
+            f"{t['check_s']:.0f} s, its tasks' cells re-run {t['rerun_s']:.0f} s, its sections' quick cells "
+            f"{t['sections_s']:.0f} s: {t.get('section cells re-run', 0)} re-run, "
+            f"{t.get('section cells slower than quick_s', 0)} kept); {t['widget views']} widget views, {t['figures']} figures, "
             f"{t['slider widgets']} slider widgets{words}; screenshots in {shots}")
     say(f"\n[browser] {line}")
     record_property("browser", line)  # xdist workers print nothing: tests/conftest.py lists these at the end
@@ -250,3 +258,20 @@ def test_rerunning_a_task_after_run_all_is_checked(lab, browser):
                                  rerun={"planted": [1, 0, 1]})
     assert problems == ["zz_rerun.ipynb: re-running task planted's cell 1 after Run All raised "
                         "TypeError: object of type 'int' has no len()"], problems
+
+
+def test_rerunning_each_section_from_its_first_cell_is_checked(lab, browser):
+    """The section re-run, planted: section 1 reads a name section 2 rebinds, so going back to section 1
+    after Run All raises; the opening, re-run last, binds it again. A slow cell is not re-run."""
+    name = "zz_sections.ipynb"
+    nb = _notebook(["ctx = [1, 2]", "n = len(ctx)", "ctx = 3", "import time\ntime.sleep(4)\nslow = ctx"])
+    md = lambda i, src: {"cell_type": "markdown", "id": f"md-{i}", "metadata": {}, "source": src}  # noqa: E731
+    c = nb["cells"]
+    nb["cells"] = [md(0, "# planted"), c[0], md(1, "## 1. Reads ctx"), c[1], md(2, "## 2. Rebinds ctx"), c[2], c[3]]
+    (lab.root / name).write_text(json.dumps(nb))
+    sections = section_cells(nb["cells"])
+    assert sections == {"(opening)": [1], "1. Reads ctx": [3], "2. Rebinds ctx": [5, 6]}
+    problems, t = _run_and_check(lab, browser, name, ARTIFACTS / "zz_sections", print, settle=4, sections=sections)
+    assert problems == ["zz_sections.ipynb: re-running section '1. Reads ctx' from its first cell, cell 3 raised "
+                        "TypeError: object of type 'int' has no len()"], problems
+    assert t["section cells re-run"] == 3 and t["section cells slower than quick_s"] == 1, t
