@@ -29,8 +29,8 @@ def _as_eviction_config(name, spec) -> tuple:
 
 
 #: _serve_text's prompt tokens in one forward at most (one prompt, if longer): notebook 07's 16 x 320 at once
-#: held 0.9 GiB of activations (3 at a time: 0.2 GiB); its 5 x 540 (the pass keys) one at a time ran ~20 %
-#: slower than all at once (13 s against 11 s on 2 cores)
+#: held 0.9 GiB of activations (3 at a time: 0.2 GiB); its 5 x 540 (the pass keys) one at a time ran 13 s, all
+#: at once 11 s (2 cores; measured before a lone prompt's prefill took the batched call, PrefillIndex.pays)
 PREFILL_TOKENS = 1024
 
 
