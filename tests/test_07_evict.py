@@ -360,3 +360,41 @@ def test_forced_tokens_are_checked_against_the_vocabulary(tiny):
     with pytest.raises(ValueError, match="forced_token_ids"):
         llm.add_request([5, 6, 7], SamplingParams(max_tokens=2, forced_token_ids=[10**6]))
     assert not llm.has_unfinished()
+
+
+@pytest.mark.parametrize("name", ["h2o", "snapkv"])
+def test_a_prompt_hit_in_the_prefix_cache_scores_like_one_computed(tiny, name):
+    """A scoring request whose prompt blocks are prefix hits gets the attention of the rows it did not
+    compute from the request that did (the engine keeps each prompt block's rows by its hash): the same
+    scores, kept positions and tokens as with no prefix cache. Without those rows the scores differ."""
+    model, _ = tiny
+    prompt, params = _prompt(model, 37, seed=3), SamplingParams(max_tokens=12, ignore_eos=True)
+
+    def follow(shared: bool, forget_rows: bool = False):
+        eng = LLM(model, None, num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=64,
+                  enable_prefix_caching=shared, eviction=POLICIES[name]())
+        eng.generate([prompt], params)  # the first request computes the prompt (and, shared, leaves its blocks)
+        if forget_rows:
+            eng._prompt_rows.clear()
+        scores, kept = [], []
+        rid = eng.add_request(prompt, params)
+
+        def after_step(stats):
+            bm = eng.block_manager
+            if rid in bm.seqs and eng.seqs[rid].num_computed_tokens >= len(prompt):
+                scores.append(eng.eviction_scores(rid).clone())
+                kept.append(bm.logical_blocks(rid))
+        eng.on_step = after_step
+        while eng.has_unfinished():
+            eng.step()
+        return eng.seqs[rid].output_token_ids, scores, kept, eng.block_manager.counters["prefix_hits"]
+
+    tokens, scores, kept, hits = follow(True)
+    ref_tokens, ref_scores, ref_kept, ref_hits = follow(False)
+    assert hits == 9 and ref_hits == 0  # the 9 full blocks of 37 tokens were hits, the last one computed
+    assert tokens == ref_tokens and kept == ref_kept
+    assert len(scores) == len(ref_scores) == 11  # every step but the last, which finishes it
+    for a, b in zip(scores, ref_scores):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    _, blind, _, _ = follow(True, forget_rows=True)
+    assert not torch.allclose(blind[0], ref_scores[0], rtol=1e-3)  # the kept rows are what made them equal

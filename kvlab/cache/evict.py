@@ -320,22 +320,30 @@ def kept_positions(logical: list[int], kept_len: int, block_size: int) -> torch.
 
 class AttentionMass:
     """Per watched sequence, the attention its queries at ``>= from_pos`` give each key, summed over
-    heads, queries and layers. Recomputed in PyTorch from the pool whatever backend ran."""
+    heads, queries and layers. Recomputed in PyTorch from the pool whatever backend ran. Per recorded
+    sequence, also every query row's attention (``rows[i]``: (queries, keys), summed over heads and
+    layers): a prompt block's rows, kept with the prefix cache, stand in for the rows a later request
+    that hits that block does not compute."""
 
-    def __init__(self, watch: dict[int, tuple[int, int]]):
-        self.watch = watch
+    def __init__(self, watch: dict[int, tuple[int, int]], record=()):
+        self.watch, self.record = watch, set(record)
         self.mass: dict[int, torch.Tensor] = {}
+        self.rows: dict[int, torch.Tensor] = {}
 
     def observe(self, layer: int, q: torch.Tensor, pool, batch, scale: float) -> None:
         starts = [0]
         for n in batch.query_lens:
             starts.append(starts[-1] + n)
-        for i, (end, from_pos) in self.watch.items():
+        for i in sorted(set(self.watch) | self.record):
             q_len, ctx = batch.query_lens[i], batch.seq_lens[i]
-            first = max(0, from_pos - (end - q_len))  # the first query row that counts
-            if first >= q_len:
+            first = q_len  # the first query row that counts for the policy
+            if i in self.watch:
+                end, from_pos = self.watch[i]
+                first = max(0, from_pos - (end - q_len))
+            top = 0 if i in self.record else first  # the first row computed here
+            if top >= q_len:
                 continue
-            qi = q[starts[i] + first:starts[i + 1]].float()  # (n_q, H_q, D)
+            qi = q[starts[i] + top:starts[i + 1]].float()  # (n_q, H_q, D)
             k, _ = pool.read(layer, torch.as_tensor(batch.block_tables[i], dtype=torch.long))
             k = k.flatten(0, 1)[:ctx]  # (ctx, H_kv, D) in the order attention reads the kept keys
             h_kv = k.shape[1]
@@ -343,10 +351,17 @@ class AttentionMass:
             if getattr(pool, "rotate_k", False):  # stored keys are rotated: q . k == (q H) . (k H)
                 qg = rotate(qg)
             s = torch.einsum("qhgd,khd->hgqk", qg, k) * scale  # (H_kv, G, n_q, ctx)
-            row = torch.arange(ctx - q_len + first, ctx)[:, None]  # each query's index among the kept keys
+            row = torch.arange(ctx - q_len + top, ctx)[:, None]  # each query's index among the kept keys
             s = s.masked_fill(torch.arange(ctx)[None, :] > row, float("-inf"))
-            m = torch.softmax(s, dim=-1).sum(dim=(0, 1, 2))  # (ctx,)
-            self.mass[i] = m if i not in self.mass else self.mass[i] + m
+            p = torch.softmax(s, dim=-1)
+            if i in self.record:
+                p = p.sum(dim=(0, 1))  # (n_q, ctx)
+                self.rows[i] = p if i not in self.rows else self.rows[i] + p
+                m = p[first - top:].sum(dim=0) if first < q_len else None
+            else:
+                m = p.sum(dim=(0, 1, 2))  # (ctx,)
+            if m is not None:
+                self.mass[i] = m if i not in self.mass else self.mass[i] + m
 
 
 class EvictionState:

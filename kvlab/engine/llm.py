@@ -134,6 +134,10 @@ class LLM:
         self.block_manager, self.cache = block_manager, cache
         self.eviction = eviction
         self._evict_states: dict[int, EvictionState] = {}
+        # once a scoring policy is served with prefix caching: each computed prompt block's query rows
+        # (their attention, summed over heads and layers), by block hash, for the requests that hit it
+        self._record_rows = eviction is not None and eviction.needs_scores
+        self._prompt_rows: dict[bytes, torch.Tensor] = {}
         windows = [a.sliding_window for a in layers]  # every layer slides: the stats count blocks out of every window
         block_manager.sliding_window = max(windows) if None not in windows else None
         rules = {n: f for n, f in (("admission_rule", admission_rule), ("schedule_decodes", schedule_decodes),
@@ -204,6 +208,8 @@ class LLM:
         return self._enqueue(*self._check(prompt, sampling_params), arrival)
 
     def _enqueue(self, ids: list[int], params: SamplingParams, arrival: float | None = None) -> int:
+        if params.eviction is not None and params.eviction.needs_scores:
+            self._record_rows = True
         seq = Sequence(next(self._ids), ids, params, time.perf_counter() if arrival is None else arrival,
                        self.scheduler.step_count)
         self.seqs[seq.seq_id] = seq
@@ -279,6 +285,7 @@ class LLM:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):  # their K/V are in the pool now
             seq.num_computed_tokens += n
         try:
+            self._keep_rows(batch, observer)
             self._evict(batch, observer)
         finally:  # a plugged-in policy that raises still leaves every sampled token committed
             outputs, finished = self._append(batch, rows, sampled, now, logits)
@@ -312,7 +319,36 @@ class LLM:
         state = self._evict_states.get(seq.seq_id)
         if state is None or state.owner is not blocks:  # new, or readmitted after a preemption: start over
             state = self._evict_states[seq.seq_id] = EvictionState(blocks)
+            self._add_cached_rows(seq, state)
         return state
+
+    def _add_cached_rows(self, seq: Sequence, state: EvictionState) -> None:
+        """A scoring request whose prompt hit the prefix cache: the attention of the rows it does not
+        compute, as recorded when they were (``_keep_rows``); a block computed unrecorded adds nothing."""
+        policy, blocks, bs = self._policy(seq.params), self.block_manager.seqs[seq.seq_id], self.block_manager.block_size
+        if policy is None or not policy.needs_scores or not blocks.cached_tokens:
+            return
+        from_pos = policy.observe_from(len(seq.prompt_token_ids))
+        for b in range(blocks.cached_tokens // bs):
+            rows = self._prompt_rows.get(blocks.hashes[b]) if from_pos is not None and from_pos < (b + 1) * bs else None
+            if rows is not None:
+                state.add(rows[max(0, from_pos - b * bs):].sum(dim=0), torch.arange((b + 1) * bs))
+
+    def _keep_rows(self, batch, observer: AttentionMass | None) -> None:
+        """The recorded query rows of every prompt block this forward computed whole, by block hash."""
+        if observer is None or not observer.rows:
+            return
+        bm = self.block_manager
+        bs = bm.block_size
+        if len(self._prompt_rows) > 2 * bm.num_blocks:  # only blocks the prefix cache still holds can be hit
+            self._prompt_rows = {h: r for h, r in self._prompt_rows.items() if h in bm.hash_to_block}
+        for i, rows in observer.rows.items():
+            seq, blocks = batch.seqs[i], bm.seqs.get(batch.seqs[i].seq_id)
+            end = seq.num_computed_tokens  # counted already: this forward computed [start, end)
+            start = end - batch.num_new_tokens[i]
+            for b in range(-(-start // bs), min(end, len(seq.prompt_token_ids)) // bs):
+                if blocks is not None and b < len(blocks.hashes) and blocks.hashes[b] not in self._prompt_rows:
+                    self._prompt_rows[blocks.hashes[b]] = rows[b * bs - start:(b + 1) * bs - start, :(b + 1) * bs].clone()
 
     def eviction_scores(self, seq_id: int) -> torch.Tensor | None:
         """A running sequence's attention scores per logical position (a scoring policy), or None."""
@@ -321,8 +357,14 @@ class LLM:
 
     def _observer(self, batch) -> AttentionMass | None:
         """For policies that score blocks: which sequences' attention to watch in this forward."""
-        watch = {}
+        watch, record = {}, []
+        bm = self.block_manager
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            blocks = bm.seqs.get(seq.seq_id)
+            start, bs = seq.num_computed_tokens, bm.block_size
+            if (self._record_rows and bm.enable_prefix_caching and blocks is not None and blocks.logical is None
+                    and min(start + n, len(seq.prompt_token_ids)) // bs > -(-start // bs)):
+                record.append(i)  # whole prompt blocks computed here: their rows are kept for later hits
             policy = self._policy(seq.params)
             if policy is None or not policy.needs_scores:
                 continue
@@ -330,7 +372,7 @@ class LLM:
             from_pos = watch_from(policy, self._state(seq), len(seq.prompt_token_ids), end)
             if from_pos is not None:
                 watch[i] = (end, from_pos)
-        return AttentionMass(watch) if watch else None
+        return AttentionMass(watch, record) if watch or record else None
 
     def _evict(self, batch, observer: AttentionMass | None) -> None:
         """Each running sequence through its policy; blocks go only once its prompt is computed."""

@@ -34,6 +34,29 @@ def _as_eviction_config(name, spec) -> tuple:
 PREFILL_TOKENS = 1024
 
 
+def _leader(policies) -> int:
+    """Which request prefills a prompt the others share: a scoring policy's if there is one (the engine
+    then keeps the prompt's attention rows for the requests that hit its blocks), else the first."""
+    return next((k for k, p in enumerate(policies) if p is not None and p.needs_scores), 0)
+
+
+def _prefill_once(llm, prompts: list, params: list, lead: int) -> list[list[int]]:
+    """Every prompt served once per params: the ``lead`` request of each prompt is queued first and run
+    until its prompt is computed, then the others, which find its full blocks in the prefix cache and
+    compute only the last, partial one (a prompt prefilled once, not once per policy). Returns the
+    request ids, ``ids[prompt][params]``; the caller steps the engine to the end."""
+    ids = [[None] * len(params) for _ in prompts]
+    for k, prompt in enumerate(prompts):
+        ids[k][lead] = llm.add_request(prompt, params[lead])
+    while llm.has_unfinished() and any(llm.seqs[ids[k][lead]].num_computed_tokens < len(p) for k, p in enumerate(prompts)):
+        llm.step()
+    for k, prompt in enumerate(prompts):
+        for c, pc in enumerate(params):
+            if c != lead:
+                ids[k][c] = llm.add_request(prompt, pc)
+    return ids
+
+
 def _serve_text(model, tokens: list[int], prompt_len: int, policies: list, fmt: str, calibration, block_size: int,
                 attn_backend: str, greedy: int = 0, score=None) -> list[dict]:
     """One batch, a request per policy: the prompt, then the rest forced one token a step with the policy
@@ -45,7 +68,7 @@ def _serve_text(model, tokens: list[int], prompt_len: int, policies: list, fmt: 
     if limit is not None and len(tokens) + greedy > limit:
         raise ValueError(f"tokens ({len(tokens)}) + generated ({greedy}) exceed the model's context of {limit}")
     nb = rows * (cdiv(len(tokens) + greedy, block_size) + 1) + 1
-    bm = BlockManager(nb, block_size, enable_prefix_caching=False)
+    bm = BlockManager(nb, block_size)  # prefix caching: the prompt is prefilled once (_prefill_once)
     cache = (PagedKVCache.from_model(model, nb, block_size, dtype=torch.float32) if fmt == "fp32" else
              QuantizedPagedKVCache.from_model(model, nb, block_size, named_config(fmt), calibration))
     # prompts prefilled a few at a time (PREFILL_TOKENS a step); each request computes the same either way
@@ -54,11 +77,12 @@ def _serve_text(model, tokens: list[int], prompt_len: int, policies: list, fmt: 
               max_num_batched_tokens=at_once * (prompt_len + 1), watermark=0.0)
     params = [SamplingParams(max_tokens=len(forced) + greedy, ignore_eos=True, eviction=p, forced_token_ids=forced,
                              return_logits=True) for p in policies]
+    ids = _prefill_once(llm, [tokens[:prompt_len]], params, _leader(policies))[0]
     if score is None:
-        outputs = [(o.logits[1:len(forced)], o.token_ids, llm.seqs[o.request_id]) for o in llm.generate(
-            [tokens[:prompt_len]] * rows, params)]
-    else:  # the same requests, stepped here: each step's logits scored and dropped
-        ids = llm.add_requests([tokens[:prompt_len]] * rows, params)
+        while llm.has_unfinished():
+            llm.step()
+        outputs = [(llm.seqs[i].logits[1:len(forced)], llm.seqs[i].output_token_ids, llm.seqs[i]) for i in ids]
+    else:  # each step's logits scored and dropped
         scorers, seen = [score.row() for _ in ids], [0] * rows
         while llm.has_unfinished():
             llm.step()
@@ -313,12 +337,16 @@ def passkey(model, tokenizer, policies: dict, n: int = 6, filler_repeats: int = 
     prompts, keys, starts = passkey_prompts(tokenizer, n, filler_repeats, seed, haystack, question_starts=True)
     longest = max(map(len, prompts))
     answers = {name: [] for name in policies}
-    if cut == "after the prompt":
-        for name, policy in policies.items():
-            llm = LLM(model, tokenizer, num_blocks=n * cdiv(longest + 8, block_size) + 8, block_size=block_size,
-                      max_num_seqs=n, max_num_batched_tokens=max(512, longest), eviction=policy,
-                      enable_prefix_caching=False)
-            answers[name] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))]
+    if cut == "after the prompt":  # one engine: each prompt prefilled once, then cut by every policy
+        names = list(policies)
+        llm = LLM(model, tokenizer, num_blocks=n * cdiv(longest + 8, block_size) + 3 * n * len(names) + 8,
+                  block_size=block_size, max_num_seqs=n * len(names), max_num_batched_tokens=max(512, longest))
+        ids = _prefill_once(llm, prompts, [SamplingParams(max_tokens=8, ignore_eos=True, eviction=policies[name])
+                                           for name in names], _leader(policies.values()))
+        while llm.has_unfinished():
+            llm.step()
+        for c, name in enumerate(names):
+            answers[name] = [llm.seqs[row[c]].output_token_ids for row in ids]
     else:
         for prompt, at in zip(prompts, starts):
             for name, ids in answers_after_cut(model, prompt, at, policies, 8, block_size).items():
