@@ -40,18 +40,18 @@ def _leader(policies) -> int:
     return next((k for k, p in enumerate(policies) if p is not None and p.needs_scores), 0)
 
 
-def _prefill_once(llm, prompts: list, params: list, lead: int) -> list[list[int]]:
-    """Every prompt served once per params: the ``lead`` request of each prompt is queued first and run
-    until its prompt is computed, then the others, which find its full blocks in the prefix cache and
-    compute only the last, partial one (a prompt prefilled once, not once per policy). Returns the
-    request ids, ``ids[prompt][params]``; the caller steps the engine to the end."""
-    ids = [[None] * len(params) for _ in prompts]
+def _prefill_once(llm, prompts: list, params: list[list], lead: int) -> list[list[int]]:
+    """Every prompt ``k`` served once per ``params[k][c]``: the ``lead`` request of each prompt is queued
+    first and run until its prompt is computed, then the others, which find its full blocks in the prefix
+    cache and compute only the last, partial one (a prompt prefilled once, not once per policy). Returns
+    the request ids, ``ids[k][c]``; the caller steps the engine to the end."""
+    ids = [[None] * len(row) for row in params]
     for k, prompt in enumerate(prompts):
-        ids[k][lead] = llm.add_request(prompt, params[lead])
+        ids[k][lead] = llm.add_request(prompt, params[k][lead])
     while llm.has_unfinished() and any(llm.seqs[ids[k][lead]].num_computed_tokens < len(p) for k, p in enumerate(prompts)):
         llm.step()
     for k, prompt in enumerate(prompts):
-        for c, pc in enumerate(params):
+        for c, pc in enumerate(params[k]):
             if c != lead:
                 ids[k][c] = llm.add_request(prompt, pc)
     return ids
@@ -77,7 +77,7 @@ def _serve_text(model, tokens: list[int], prompt_len: int, policies: list, fmt: 
               max_num_batched_tokens=at_once * (prompt_len + 1), watermark=0.0)
     params = [SamplingParams(max_tokens=len(forced) + greedy, ignore_eos=True, eviction=p, forced_token_ids=forced,
                              return_logits=True) for p in policies]
-    ids = _prefill_once(llm, [tokens[:prompt_len]], params, _leader(policies))[0]
+    ids = _prefill_once(llm, [tokens[:prompt_len]], [params], _leader(policies))[0]
     if score is None:
         while llm.has_unfinished():
             llm.step()
@@ -336,21 +336,21 @@ def passkey(model, tokenizer, policies: dict, n: int = 6, filler_repeats: int = 
         raise ValueError(f"cut must be one of {CUTS}, got {cut!r}")
     prompts, keys, starts = passkey_prompts(tokenizer, n, filler_repeats, seed, haystack, question_starts=True)
     longest = max(map(len, prompts))
-    answers = {name: [] for name in policies}
-    if cut == "after the prompt":  # one engine: each prompt prefilled once, then cut by every policy
-        names = list(policies)
-        llm = LLM(model, tokenizer, num_blocks=n * cdiv(longest + 8, block_size) + 3 * n * len(names) + 8,
-                  block_size=block_size, max_num_seqs=n * len(names), max_num_batched_tokens=max(512, longest))
-        ids = _prefill_once(llm, prompts, [SamplingParams(max_tokens=8, ignore_eos=True, eviction=policies[name])
-                                           for name in names], _leader(policies.values()))
-        while llm.has_unfinished():
-            llm.step()
-        for c, name in enumerate(names):
-            answers[name] = [llm.seqs[row[c]].output_token_ids for row in ids]
-    else:
-        for prompt, at in zip(prompts, starts):
-            for name, ids in answers_after_cut(model, prompt, at, policies, 8, block_size).items():
-                answers[name].append(ids)
+    # one engine: each prompt (cut before the question: its document) prefilled once, then cut by every
+    # policy; before the question, the question is fed after the cut (forced) as answers_after_cut does
+    names = list(policies)
+    cuts = [len(p) if cut == "after the prompt" else at for p, at in zip(prompts, starts)]
+    asks = [p[at:] for p, at in zip(prompts, cuts)]
+    longest_ask = max(map(len, asks))
+    llm = LLM(model, tokenizer, block_size=block_size, max_num_seqs=n * len(names), max_num_batched_tokens=max(512, longest),
+              num_blocks=n * cdiv(longest + 8, block_size) + n * len(names) * (cdiv(longest_ask + 8, block_size) + 2) + 8)
+    params = [[SamplingParams(max_tokens=len(ask) + 8, ignore_eos=True, eviction=policies[name], forced_token_ids=ask)
+               for name in names] for ask in asks]
+    ids = _prefill_once(llm, [p[:at] for p, at in zip(prompts, cuts)], params, _leader(policies.values()))
+    while llm.has_unfinished():
+        llm.step()
+    answers = {name: [llm.seqs[row[c]].output_token_ids[len(ask):] for row, ask in zip(ids, asks)]
+               for c, name in enumerate(names)}
     out = {}
     for name, ids in answers.items():
         text = [tokenizer.decode(a) for a in ids]
