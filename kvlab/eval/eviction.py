@@ -362,29 +362,30 @@ def passkey(model, tokenizer, policies: dict, n: int = 6, filler_repeats: int = 
 
 
 def kept_blocks(model, prompt: list[int], policies, budgets, max_tokens: int = 8, block_size: int = 16) -> dict:
-    """The logical blocks each (budget, policy) kept at the last step, their scores, the pool's counters."""
-    out = {}
-    for budget in budgets:
-        out[budget] = {}
-        for name in policies:
-            policy = make_policy(name, budget)
-            llm = LLM(model, None, num_blocks=cdiv(len(prompt) + max_tokens, block_size) + 4, block_size=block_size,
-                      max_num_seqs=1, max_num_batched_tokens=max(512, len(prompt)), eviction=policy,
-                      enable_prefix_caching=False)
-            snap = {}
+    """The logical blocks each (budget, policy) kept at the last step, their scores, the pool's counters.
+    The runs go one after another through one engine whose pool fits one run: the first (a scoring
+    policy's, so the engine keeps the prompt's attention rows) computes the prompt, the others find its
+    blocks in the prefix cache, each alone in the pool as in a pool of its own."""
+    runs = [(budget, name) for budget in budgets for name in policies]
+    lead = next((k for k, (b, n) in enumerate(runs) if make_policy(n, b).needs_scores), 0)
+    llm = LLM(model, None, num_blocks=cdiv(len(prompt) + max_tokens, block_size) + 4, block_size=block_size,
+              max_num_seqs=1, max_num_batched_tokens=max(512, len(prompt)))
+    bm = llm.block_manager
+    out = {budget: {} for budget in budgets}
+    for budget, name in [runs[lead]] + runs[:lead] + runs[lead + 1:]:
+        policy, snap, dropped_before = make_policy(name, budget), {}, bm.counters["policy_evictions"]
 
-            def record(stats, llm=llm, snap=snap):
-                bm = llm.block_manager
-                for sid in bm.seqs:
-                    s, n = llm.eviction_scores(sid), bm.num_tokens(sid)
-                    scores = None
-                    if s is not None and policy.needs_scores:
-                        scores = [float(s[i * block_size:(i + 1) * block_size].sum()) for i in range(cdiv(n, block_size))]
-                    snap.update(kept=bm.logical_blocks(sid), num_blocks=cdiv(n, block_size), scores=scores,
-                                dropped=bm.counters["policy_evictions"], free=bm.num_free_blocks, tokens=n,
-                                pool=bm.num_blocks)
+        def record(stats, policy=policy, snap=snap, dropped_before=dropped_before):
+            for sid in bm.seqs:
+                s, n = llm.eviction_scores(sid), bm.num_tokens(sid)
+                scores = None
+                if s is not None and policy.needs_scores:
+                    scores = [float(s[i * block_size:(i + 1) * block_size].sum()) for i in range(cdiv(n, block_size))]
+                snap.update(kept=bm.logical_blocks(sid), num_blocks=cdiv(n, block_size), scores=scores,
+                            dropped=bm.counters["policy_evictions"] - dropped_before, free=bm.num_free_blocks,
+                            tokens=n, pool=bm.num_blocks)
 
-            llm.on_step = record
-            llm.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-            out[budget][name] = snap
-    return out
+        llm.on_step = record
+        llm.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True, eviction=policy))
+        out[budget][name] = snap
+    return {budget: {name: out[budget][name] for name in policies} for budget in budgets}
