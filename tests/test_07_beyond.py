@@ -216,3 +216,35 @@ def test_router_findings_are_computed_from_the_runs():
     assert lines[3].endswith("round-robin +300, +400; least-loaded +280, +380; prefix-affinity +260, +360")
     with pytest.raises(ValueError, match="sims must hold"):
         fleet.router_findings([r for r in sims if r["replicas"] != 1], requests=40)
+
+
+def test_kept_blocks_equal_each_run_in_a_pool_of_its_own(tiny):
+    """kept_blocks runs every (budget, policy) through one engine, the prompt computed once and found in
+    the prefix cache by the later runs: what each kept, dropped and left free equals that run alone in
+    a pool of its own, with no prefix cache; H2O's and SnapKV's scores too, to float rounding."""
+    from kvlab.validate import cdiv
+    from kvlab.engine import LLM, SamplingParams
+    model, _ = tiny
+    prompt = list(range(5, 5 + 45))
+    policies, budgets = ("window", "sinks+window", "h2o", "snapkv"), (24, 32)
+    runs = evq.kept_blocks(model, prompt, policies, budgets, max_tokens=6, block_size=4)
+    for budget in budgets:
+        for name in policies:
+            policy = ev.make_policy(name, budget)
+            llm = LLM(model, None, num_blocks=cdiv(len(prompt) + 6, 4) + 4, block_size=4, max_num_seqs=1,
+                      max_num_batched_tokens=512, eviction=policy, enable_prefix_caching=False)
+            alone = {}
+
+            def record(stats, llm=llm, alone=alone):
+                bm = llm.block_manager
+                for sid in bm.seqs:
+                    alone.update(kept=bm.logical_blocks(sid), dropped=bm.counters["policy_evictions"],
+                                 free=bm.num_free_blocks, scores=llm.eviction_scores(sid))
+            llm.on_step = record
+            llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))
+            got = runs[budget][name]
+            assert (got["kept"], got["dropped"], got["free"]) == (alone["kept"], alone["dropped"], alone["free"])
+            assert got["dropped"] > 0  # 45 tokens in a budget of 24 or 32: blocks went
+            if policy.needs_scores:
+                want = [float(alone["scores"][i * 4:(i + 1) * 4].sum()) for i in range(len(got["scores"]))]
+                assert got["scores"] == pytest.approx(want, rel=1e-5)
