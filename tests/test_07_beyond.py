@@ -40,22 +40,31 @@ def test_eviction_quality_full_cache_is_the_reference(tiny):
             eviction_quality(model, wrong, 40, {"w": ev.SlidingWindow(16)}, block_size=4, reference=r)
 
 
-def test_scores_taken_as_the_steps_run_equal_scores_of_the_kept_logits(tiny, monkeypatch):
-    """_serve_text(score=...) drops each step's logits once scored (16 requests held 16 x the text's
-    logits otherwise) and prefills a few prompts a step: the same numbers as scoring the kept logits."""
+def test_one_batch_sharing_the_prompt_scores_each_policy_as_served_alone(tiny, monkeypatch):
+    """_serve_text serves every policy in one batch, the prompt prefilled once (the others find its blocks
+    in the prefix cache; H2O gets the attention of the rows it did not compute), and scores each step's
+    logits as they come, then drops them: the same numbers and held blocks as each policy served alone
+    in an engine of its own, no prefix cache, its logits kept and scored after."""
+    from kvlab.cache import BlockManager, QuantizedPagedKVCache
+    from kvlab.engine import LLM, SamplingParams
     model, _ = tiny
     ids = list(range(3, 3 + 60))
-    policies = [ev.SlidingWindow(16), ev.SinksWindow(16, sinks=4), None]
+    policies = [ev.SlidingWindow(16), ev.SinksWindow(16, sinks=4), ev.HeavyHitters(16), None]
     ref = torch.log_softmax(torch.stack(evq.forced_logits(model, ids, 40, "fp32", block_size=4)[0]), -1)
     score = evq._Scores(ref, torch.tensor(ids[41:]))
-    kept = evq._serve_text(model, ids, 40, policies, "fp16", None, 4, "torch")
-    monkeypatch.setattr(evq, "PREFILL_TOKENS", 50)  # one prompt a step: the others wait, then catch up
+    monkeypatch.setattr(evq, "PREFILL_TOKENS", 50)  # one prompt a step: the others wait, then hit its blocks
     streamed = evq._serve_text(model, ids, 40, policies, "fp16", None, 4, "torch", score=score)
-    for a, b in zip(kept, streamed):
-        assert "logits" not in b and a["held"] == b["held"] and a["tokens"] == b["tokens"]
-        want, got = score.of(a["logits"]), b["scores"].result()
-        assert torch.allclose(want["kl"], got["kl"], atol=1e-6) and torch.equal(want["top1"], got["top1"])
-        assert torch.allclose(want["nll"], got["nll"], atol=1e-6)
+    forced = ids[40:]
+    for policy, got in zip(policies, streamed):
+        cache = QuantizedPagedKVCache.from_model(model, 64, 4, evq.named_config("fp16"), None)
+        llm = LLM(model, block_manager=BlockManager(64, 4, enable_prefix_caching=False), cache=cache, max_num_seqs=1,
+                  max_num_batched_tokens=64)
+        out = llm.generate([ids[:40]], SamplingParams(max_tokens=len(forced), ignore_eos=True, eviction=policy,
+                                                      forced_token_ids=forced, return_logits=True))[0]
+        want, have = score.of(out.logits[1:len(forced)]), got["scores"].result()
+        assert "logits" not in got and got["held"]["blocks"] == llm.seqs[out.request_id].metrics.held_blocks
+        assert torch.allclose(want["kl"], have["kl"], atol=1e-5) and torch.equal(want["top1"], have["top1"])
+        assert torch.allclose(want["nll"], have["nll"], atol=1e-5)
     with pytest.raises(ValueError, match="scored 0 positions"):
         score.row().result()
 
@@ -63,6 +72,23 @@ def test_scores_taken_as_the_steps_run_equal_scores_of_the_kept_logits(tiny, mon
 def _kl(p_logits, q_logits) -> float:
     p, q = torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
     return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def _stepwise(model, ids, prompt_len, fmt, calibration, block_size=4) -> dict:
+    """The engine a step per token, every token kept: the scored logits and what the cache held."""
+    from kvlab.cache import BlockManager, PagedKVCache, QuantizedPagedKVCache
+    from kvlab.engine import LLM, SamplingParams
+    nb = -(-len(ids) // block_size) + 1
+    cache = (PagedKVCache.from_model(model, nb, block_size, dtype=torch.float32) if fmt == "fp32" else
+             QuantizedPagedKVCache.from_model(model, nb, block_size, evq.named_config(fmt), calibration))
+    llm = LLM(model, block_manager=BlockManager(nb, block_size, enable_prefix_caching=False), cache=cache,
+              max_num_seqs=1, max_num_batched_tokens=64)
+    forced = ids[prompt_len:]
+    out = llm.generate([ids[:prompt_len]], evq.SamplingParams(max_tokens=len(forced), ignore_eos=True,
+                                                              forced_token_ids=forced, return_logits=True))[0]
+    m = llm.seqs[out.request_id].metrics
+    return {"logits": out.logits[1:len(forced)],
+            "held": {"blocks": m.held_blocks, "tokens": m.held_tokens, "bytes": m.held_blocks * cache.bytes_per_block}}
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "int8", "k8v4", "int4"])
@@ -76,10 +102,10 @@ def test_a_kept_cache_scores_in_two_forwards_what_it_scores_a_token_a_step(smoll
     calibration = calibrate(model, [ids[:20]], progress=False)  # scales from the text's start: later values clip
     full = torch.stack(evq.forced_logits(model, ids, 30, "fp32", block_size=4)[0])
     if fmt == "fp16":  # the FP32 reference itself (test_eviction_quality_full_cache_is_the_reference on tiny too)
-        (fp32,) = evq._serve_text(model, ids, 30, [None], "fp32", None, 4, "torch")
+        fp32 = _stepwise(model, ids, 30, "fp32", None)
         assert torch.allclose(full, torch.stack(fp32["logits"]).float(), atol=1e-3)
     chunked, held = evq.forced_logits(model, ids, 30, fmt, calibration, block_size=4)
-    (stepwise,) = evq._serve_text(model, ids, 30, [None], fmt, calibration, 4, "torch")
+    stepwise = _stepwise(model, ids, 30, fmt, calibration)
     a, b = torch.stack(chunked), torch.stack(stepwise["logits"]).float()
     assert len(chunked) == 53 - 30 - 1 and held == stepwise["held"]
     with pytest.raises(ValueError, match="prompt_len"):

@@ -403,3 +403,35 @@ def after_forward(policy: EvictionPolicy, bm, seq_id: int, state: EvictionState,
     bm.evict(seq_id, drop)
     state.done = True
     return len(drop)
+
+
+def add_cached_rows(state: EvictionState, store: dict, policy, blocks, prompt_len: int, block_size: int) -> None:
+    """A scoring request whose prompt hit the prefix cache: the attention of the rows it does not compute,
+    as :func:`keep_rows` recorded them by block hash (a block computed unrecorded, before any scoring
+    request came or split across two chunks, adds nothing)."""
+    if policy is None or not policy.needs_scores or not blocks.cached_tokens:
+        return
+    from_pos = policy.observe_from(prompt_len)
+    for b in range(blocks.cached_tokens // block_size) if from_pos is not None else ():
+        rows = store.get(blocks.hashes[b]) if from_pos < (b + 1) * block_size else None
+        if rows is not None:
+            state.add(rows[max(0, from_pos - b * block_size):].sum(dim=0), torch.arange((b + 1) * block_size))
+
+
+def keep_rows(store: dict, batch, observer: AttentionMass | None, bm) -> dict:
+    """``store`` with the recorded query rows of every prompt block this forward computed whole, by block
+    hash (``rows[k]``: the attention query ``k`` of the block gave each key); only blocks the prefix
+    cache still holds stay."""
+    if observer is None or not observer.rows:
+        return store
+    bs = bm.block_size
+    if len(store) > 2 * bm.num_blocks:
+        store = {h: r for h, r in store.items() if h in bm.hash_to_block}
+    for i, rows in observer.rows.items():
+        seq, blocks = batch.seqs[i], bm.seqs.get(batch.seqs[i].seq_id)
+        end = seq.num_computed_tokens  # counted already: this forward computed [start, end)
+        start = end - batch.num_new_tokens[i]
+        for b in range(-(-start // bs), min(end, len(seq.prompt_token_ids)) // bs):
+            if blocks is not None and b < len(blocks.hashes) and blocks.hashes[b] not in store:
+                store[blocks.hashes[b]] = rows[b * bs - start:(b + 1) * bs - start, :(b + 1) * bs].clone()
+    return store

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.cache import BlockManager, PagedKVCache, QuantizedPagedKVCache
-from kvlab.cache.evict import AttentionMass, EvictionPolicy, EvictionState, after_forward, watch_from
+from kvlab.cache.evict import (AttentionMass, EvictionPolicy, EvictionState, add_cached_rows, after_forward, keep_rows,
+                               watch_from)
 from kvlab.cache.paged import check_token_ids
 from kvlab.calibrate import default_calibration
 from kvlab.engine.metrics import StepStats, summarize
@@ -285,7 +286,7 @@ class LLM:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):  # their K/V are in the pool now
             seq.num_computed_tokens += n
         try:
-            self._keep_rows(batch, observer)
+            self._prompt_rows = keep_rows(self._prompt_rows, batch, observer, self.block_manager)
             self._evict(batch, observer)
         finally:  # a plugged-in policy that raises still leaves every sampled token committed
             outputs, finished = self._append(batch, rows, sampled, now, logits)
@@ -319,36 +320,9 @@ class LLM:
         state = self._evict_states.get(seq.seq_id)
         if state is None or state.owner is not blocks:  # new, or readmitted after a preemption: start over
             state = self._evict_states[seq.seq_id] = EvictionState(blocks)
-            self._add_cached_rows(seq, state)
+            add_cached_rows(state, self._prompt_rows, self._policy(seq.params), blocks, len(seq.prompt_token_ids),
+                            self.block_manager.block_size)
         return state
-
-    def _add_cached_rows(self, seq: Sequence, state: EvictionState) -> None:
-        """A scoring request whose prompt hit the prefix cache: the attention of the rows it does not
-        compute, as recorded when they were (``_keep_rows``); a block computed unrecorded adds nothing."""
-        policy, blocks, bs = self._policy(seq.params), self.block_manager.seqs[seq.seq_id], self.block_manager.block_size
-        if policy is None or not policy.needs_scores or not blocks.cached_tokens:
-            return
-        from_pos = policy.observe_from(len(seq.prompt_token_ids))
-        for b in range(blocks.cached_tokens // bs):
-            rows = self._prompt_rows.get(blocks.hashes[b]) if from_pos is not None and from_pos < (b + 1) * bs else None
-            if rows is not None:
-                state.add(rows[max(0, from_pos - b * bs):].sum(dim=0), torch.arange((b + 1) * bs))
-
-    def _keep_rows(self, batch, observer: AttentionMass | None) -> None:
-        """The recorded query rows of every prompt block this forward computed whole, by block hash."""
-        if observer is None or not observer.rows:
-            return
-        bm = self.block_manager
-        bs = bm.block_size
-        if len(self._prompt_rows) > 2 * bm.num_blocks:  # only blocks the prefix cache still holds can be hit
-            self._prompt_rows = {h: r for h, r in self._prompt_rows.items() if h in bm.hash_to_block}
-        for i, rows in observer.rows.items():
-            seq, blocks = batch.seqs[i], bm.seqs.get(batch.seqs[i].seq_id)
-            end = seq.num_computed_tokens  # counted already: this forward computed [start, end)
-            start = end - batch.num_new_tokens[i]
-            for b in range(-(-start // bs), min(end, len(seq.prompt_token_ids)) // bs):
-                if blocks is not None and b < len(blocks.hashes) and blocks.hashes[b] not in self._prompt_rows:
-                    self._prompt_rows[blocks.hashes[b]] = rows[b * bs - start:(b + 1) * bs - start, :(b + 1) * bs].clone()
 
     def eviction_scores(self, seq_id: int) -> torch.Tensor | None:
         """A running sequence's attention scores per logical position (a scoring policy), or None."""

@@ -58,16 +58,15 @@ def _prefill_once(llm, prompts: list, params: list[list], lead: int) -> list[lis
 
 
 def _serve_text(model, tokens: list[int], prompt_len: int, policies: list, fmt: str, calibration, block_size: int,
-                attn_backend: str, greedy: int = 0, score=None) -> list[dict]:
+                attn_backend: str, score) -> list[dict]:
     """One batch, a request per policy: the prompt, then the rest forced one token a step with the policy
-    acting after each, then ``greedy`` argmax tokens; per request its logits, tokens and what it held.
-    ``score``: a :class:`_Scores` that takes each scored position's logits as the step makes them (per
-    request ``"scores"`` instead of ``"logits"``: a batch of 16 holds 16 x the text's logits otherwise)."""
+    acting after each; per request its scores and what it held. ``score``: a :class:`_Scores` that takes
+    each scored position's logits as the step makes them (a batch of 16 would hold 16 x the text's logits)."""
     rows, forced = len(policies), tokens[prompt_len:]
     limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is not None and len(tokens) + greedy > limit:
-        raise ValueError(f"tokens ({len(tokens)}) + generated ({greedy}) exceed the model's context of {limit}")
-    nb = rows * (cdiv(len(tokens) + greedy, block_size) + 1) + 1
+    if limit is not None and len(tokens) > limit:
+        raise ValueError(f"tokens ({len(tokens)}) exceed the model's context of {limit}")
+    nb = rows * (cdiv(len(tokens), block_size) + 1) + 1
     bm = BlockManager(nb, block_size)  # prefix caching: the prompt is prefilled once (_prefill_once)
     cache = (PagedKVCache.from_model(model, nb, block_size, dtype=torch.float32) if fmt == "fp32" else
              QuantizedPagedKVCache.from_model(model, nb, block_size, named_config(fmt), calibration))
@@ -75,32 +74,22 @@ def _serve_text(model, tokens: list[int], prompt_len: int, policies: list, fmt: 
     at_once = max(1, min(rows, PREFILL_TOKENS // (prompt_len + 1)))
     llm = LLM(model, block_manager=bm, cache=cache, attn_backend=attn_backend, max_num_seqs=rows,
               max_num_batched_tokens=at_once * (prompt_len + 1), watermark=0.0)
-    params = [SamplingParams(max_tokens=len(forced) + greedy, ignore_eos=True, eviction=p, forced_token_ids=forced,
+    params = [SamplingParams(max_tokens=len(forced), ignore_eos=True, eviction=p, forced_token_ids=forced,
                              return_logits=True) for p in policies]
     ids = _prefill_once(llm, [tokens[:prompt_len]], [params], _leader(policies))[0]
-    if score is None:
-        while llm.has_unfinished():
-            llm.step()
-        outputs = [(llm.seqs[i].logits[1:len(forced)], llm.seqs[i].output_token_ids, llm.seqs[i]) for i in ids]
-    else:  # each step's logits scored and dropped
-        scorers, seen = [score.row() for _ in ids], [0] * rows
-        while llm.has_unfinished():
-            llm.step()
-            for r, i in enumerate(ids):
-                seq = llm.seqs[i]
-                for lg in seq.logits:  # output k's logits: k = 1 .. len(forced) - 1 are scored
-                    if 1 <= seen[r] < len(forced):
-                        scorers[r].add(lg)
-                    seen[r] += 1
-                seq.logits.clear()
-        outputs = [(scorers[r], llm.seqs[i].output_token_ids, llm.seqs[i]) for r, i in enumerate(ids)]
-    out = []
-    for scored, token_ids, seq in outputs:
-        m = seq.metrics
-        out.append({"logits" if score is None else "scores": scored, "tokens": list(token_ids[len(forced):]),
-                    "held": {"blocks": m.held_blocks, "tokens": m.held_tokens,
-                             "bytes": m.held_blocks * cache.bytes_per_block}})
-    return out
+    scorers, seen = [score.row() for _ in ids], [0] * rows
+    while llm.has_unfinished():  # each step's logits scored and dropped
+        llm.step()
+        for r, i in enumerate(ids):
+            seq = llm.seqs[i]
+            for lg in seq.logits:  # output k's logits: k = 1 .. len(forced) - 1 are scored
+                if 1 <= seen[r] < len(forced):
+                    scorers[r].add(lg)
+                seen[r] += 1
+            seq.logits.clear()
+    return [{"scores": scorers[r], "held": {"blocks": llm.seqs[i].metrics.held_blocks, "tokens": llm.seqs[i].metrics.held_tokens,
+                                            "bytes": llm.seqs[i].metrics.held_blocks * cache.bytes_per_block}}
+            for r, i in enumerate(ids)]
 
 
 class _Scores:
@@ -254,10 +243,27 @@ def answers_after_cut(model, tokens: list[int], cut: int, policies: dict, max_to
     if not isinstance(policies, dict) or not policies:
         raise ValueError("policies must be a non-empty dict name -> policy (or None: the full cache)")
     specs = {n: _as_eviction_config(n, p)[0] for n, p in policies.items()}
-    paged_attention_spec(model)
-    rows = _serve_text(model, tokens, cut, list(specs.values()), "fp32", None, block_size, attn_backend,
-                      greedy=max_tokens)
-    return {n: row["tokens"] for n, row in zip(specs, rows)}
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and len(tokens) + max_tokens > limit:
+        raise ValueError(f"tokens ({len(tokens)}) + generated ({max_tokens}) exceed the model's context of {limit}")
+    return {n: a[0] for n, a in _after_cuts(model, None, [tokens], [cut], specs, max_tokens, block_size, attn_backend).items()}
+
+
+def _after_cuts(model, tokenizer, prompts: list, cuts: list[int], policies: dict, max_tokens: int, block_size: int,
+                attn_backend: str = "torch") -> dict[str, list[list[int]]]:
+    """Per policy, each prompt's greedy answer with the cache cut at its ``cut``: one engine, each prompt's
+    part before the cut prefilled once (:func:`_prefill_once`), the rest fed after the cut (forced)."""
+    names, asks = list(policies), [p[at:] for p, at in zip(prompts, cuts)]
+    longest, longest_ask = max(map(len, prompts)), max(map(len, asks))
+    llm = LLM(model, tokenizer, block_size=block_size, max_num_seqs=len(prompts) * len(names), attn_backend=attn_backend,
+              max_num_batched_tokens=max(512, longest), num_blocks=len(prompts) * cdiv(longest + max_tokens, block_size)
+              + len(prompts) * len(names) * (cdiv(longest_ask + max_tokens, block_size) + 2) + 8)
+    params = [[SamplingParams(max_tokens=len(ask) + max_tokens, ignore_eos=True, eviction=policies[name],
+                              forced_token_ids=ask) for name in names] for ask in asks]
+    ids = _prefill_once(llm, [p[:at] for p, at in zip(prompts, cuts)], params, _leader(policies.values()))
+    while llm.has_unfinished():
+        llm.step()
+    return {name: [llm.seqs[row[c]].output_token_ids[len(ask):] for row, ask in zip(ids, asks)] for c, name in enumerate(names)}
 
 
 # ---- at equal bytes, the pass key, the blocks kept ------------------------------------------------------
@@ -336,21 +342,9 @@ def passkey(model, tokenizer, policies: dict, n: int = 6, filler_repeats: int = 
         raise ValueError(f"cut must be one of {CUTS}, got {cut!r}")
     prompts, keys, starts = passkey_prompts(tokenizer, n, filler_repeats, seed, haystack, question_starts=True)
     longest = max(map(len, prompts))
-    # one engine: each prompt (cut before the question: its document) prefilled once, then cut by every
-    # policy; before the question, the question is fed after the cut (forced) as answers_after_cut does
-    names = list(policies)
+    # each prompt (before the question: its document) prefilled once, then cut by every policy
     cuts = [len(p) if cut == "after the prompt" else at for p, at in zip(prompts, starts)]
-    asks = [p[at:] for p, at in zip(prompts, cuts)]
-    longest_ask = max(map(len, asks))
-    llm = LLM(model, tokenizer, block_size=block_size, max_num_seqs=n * len(names), max_num_batched_tokens=max(512, longest),
-              num_blocks=n * cdiv(longest + 8, block_size) + n * len(names) * (cdiv(longest_ask + 8, block_size) + 2) + 8)
-    params = [[SamplingParams(max_tokens=len(ask) + 8, ignore_eos=True, eviction=policies[name], forced_token_ids=ask)
-               for name in names] for ask in asks]
-    ids = _prefill_once(llm, [p[:at] for p, at in zip(prompts, cuts)], params, _leader(policies.values()))
-    while llm.has_unfinished():
-        llm.step()
-    answers = {name: [llm.seqs[row[c]].output_token_ids[len(ask):] for row, ask in zip(ids, asks)]
-               for c, name in enumerate(names)}
+    answers = _after_cuts(model, tokenizer, prompts, cuts, policies, 8, block_size)
     out = {}
     for name, ids in answers.items():
         text = [tokenizer.decode(a) for a in ids]
