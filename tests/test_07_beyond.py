@@ -274,3 +274,25 @@ def test_kept_blocks_equal_each_run_in_a_pool_of_its_own(tiny):
             if policy.needs_scores:
                 want = [float(alone["scores"][i * 4:(i + 1) * 4].sum()) for i in range(len(got["scores"]))]
                 assert got["scores"] == pytest.approx(want, rel=1e-5)
+
+
+def test_quantize_or_evict_serves_also_in_its_batch_and_scores_it_apart(tiny):
+    """``also`` rides in the policies' batch (their steps shared) yet scores as served alone
+    (eviction_quality with the same full-cache reference), and stays out of the configs and verdicts."""
+    model, _ = tiny
+    ids = [3 + (11 * i) % 250 for i in range(90)]
+    tilted = {"h2o r=0.75 @32": ev.HeavyHitters(32, recent=0.75)}
+    calibration = calibrate(model, [ids[:40]], progress=False)
+    qe = evq.quantize_or_evict(model, ids, 50, calibration, formats=("int8",), policies=("window", "h2o"),
+                               extra_budgets=(), block_size=4, also=tilted)
+    assert set(qe["also"]) == set(tilted) and not set(tilted) & set(qe["result"]["configs"])
+    assert [v["format"] for v in qe["verdicts"]] == ["int8"] and "h2o@" + str(qe["budgets"]["int8"]) in qe["result"]["configs"]
+    alone = eviction_quality(model, ids, 50, tilted, calibration, block_size=4, reference=qe["result"])["configs"]
+    for name in tilted:
+        assert qe["also"][name]["kl"] == pytest.approx(alone[name]["kl"], rel=1e-4, abs=1e-7)
+        assert qe["also"][name]["tokens"] == alone[name]["tokens"] and qe["also"][name]["top1"] == alone[name]["top1"]
+    with pytest.raises(ValueError, match="also"):
+        evq.quantize_or_evict(model, ids, 50, calibration, formats=("int8",), policies=("window",), block_size=4,
+                              also={"window@" + str(qe["budgets"]["int8"]): ev.SlidingWindow(16)})
+    with pytest.raises(ValueError, match="also"):
+        evq.quantize_or_evict(model, ids, 50, calibration, formats=("int8",), policies=("window",), block_size=4, also=[1])

@@ -296,9 +296,12 @@ def equal_bytes_verdict(fmt: dict, policy: dict) -> tuple[str, float | None]:
 
 
 def quantize_or_evict(model, tokens: list[int], prompt_len: int, calibration=None, formats=FORMATS,
-                      policies=tuple(POLICIES), extra_budgets=(64,), block_size: int = 16, options=None) -> dict:
+                      policies=tuple(POLICIES), extra_budgets=(64,), block_size: int = 16, options=None,
+                      also: dict | None = None) -> dict:
     """Every format against the best policy at the same bytes, one verdict each. SnapKV keeps every answer
-    token, so it gets ``budget - answer tokens`` for its prompt (too small: it does not take part)."""
+    token, so it gets ``budget - answer tokens`` for its prompt (too small: it does not take part).
+    ``also``: more configs (as :func:`eviction_quality` takes them) served in the same batch, a step per
+    token shared with the policies', scored apart (``["also"]``), outside the verdicts."""
     options = options or {}
     budgets = equal_byte_budgets(model, len(tokens) - 1, formats, block_size, calibration)
     answer = len(tokens) - 1 - prompt_len  # tokens fed after the prompt: SnapKV keeps them all
@@ -316,8 +319,14 @@ def quantize_or_evict(model, tokens: list[int], prompt_len: int, calibration=Non
             if policy is not None:
                 configs[f"{p}@{b}"] = (policy, "fp16")
                 where[f"{p}@{b}"] = b
-    result = eviction_quality(model, tokens, prompt_len, configs, calibration=calibration, block_size=block_size)
+    if also is not None and not isinstance(also, dict):
+        raise ValueError(f"also must be a dict name -> (policy, format) or None, got {type(also).__name__}")
+    if set(also or {}) & set(configs):
+        raise ValueError(f"also must not reuse the names of the compared configs: {sorted(set(also) & set(configs))}")
+    result = eviction_quality(model, tokens, prompt_len, {**configs, **(also or {})}, calibration=calibration,
+                              block_size=block_size)
     cs = result["configs"]
+    extra = {n: cs.pop(n) for n in also or {}}
     verdicts = []
     for f in formats:
         b = budgets[f]
@@ -328,7 +337,7 @@ def quantize_or_evict(model, tokens: list[int], prompt_len: int, calibration=Non
             "format": f, "budget": b, "bytes_share": cs[f]["bytes_share"], "kl_format": cs[f]["kl"],
             "best_policy": best, "kl_best_policy": rivals[best]["kl"] if best else None,
             "verdict": verdict, "factor": factor})
-    return {"result": result, "budgets": budgets, "where": where, "verdicts": verdicts}
+    return {"result": result, "budgets": budgets, "where": where, "verdicts": verdicts, "also": extra}
 
 
 CUTS = ("after the prompt", "before the question")  # where passkey() cuts the cache
