@@ -398,3 +398,23 @@ def test_teacher_forced_predicts_greedy_generation(tiny):
         teacher_forced(model, [prompts[0] + answers[0]], [], int4)
     with pytest.raises(ValueError, match="each start"):
         teacher_forced(model, [prompts[0] + answers[0]], [0], int4)
+
+
+def test_evaluate_takes_a_calibration_per_config(tiny):
+    """A dict of calibrations gives each config its own scales against one FP run: the same numbers as
+    one evaluate per calibration (notebook 03's shrunk-scales sweep); a dict that misses a config is refused."""
+    from kvlab.calibrate import calibrate
+    from kvlab.eval import evaluate
+    from kvlab.quant import named_config
+    model, _ = tiny
+    ids = [3 + (13 * i) % 250 for i in range(70)]
+    cal = calibrate(model, [ids[:24]], progress=False)
+    configs = {("static", f): named_config("int8", policy="static") for f in (2, 8)}
+    together = evaluate(model, ids, configs, {k: cal.shrunk(k[1]) for k in configs}, window=70, stride=70, chunk=16)
+    for key in configs:
+        alone = evaluate(model, ids, {"s": configs[key]}, cal.shrunk(key[1]), window=70, stride=70, chunk=16)
+        for field in ("kl", "top1", "k_clip_rate", "delta_ppl_pct"):
+            assert together["configs"][key][field] == pytest.approx(alone["configs"]["s"][field], rel=1e-9, abs=1e-12)
+    assert together["configs"][("static", 8)]["k_clip_rate"] > together["configs"][("static", 2)]["k_clip_rate"]
+    with pytest.raises(ValueError, match="one entry per config"):
+        evaluate(model, ids, configs, {("static", 2): cal}, window=70, stride=70, chunk=16)

@@ -127,9 +127,14 @@ def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: 
     """Perplexity, KL(FP || config) and top-1 agreement of each config against FP, on the same positions.
 
     ``delta_ppl_ci95`` is a paired 95 % interval from per-token NLL differences, positions taken as
-    independent (not quite): a scale of the noise on THIS text, not across texts."""
+    independent (not quite): a scale of the noise on THIS text, not across texts. ``calibration``: one for
+    every config, or a dict config name -> its own (configs compared on one FP run)."""
     tokens = check_tokens(tokens, model.config.vocab_size)
     _check_configs(configs)
+    if isinstance(calibration, dict) and set(calibration) != set(configs):
+        raise ValueError(f"calibration as a dict needs one entry per config: {sorted(map(str, configs))}, got "
+                         f"{sorted(map(str, calibration))}")
+    scales = calibration if isinstance(calibration, dict) else dict.fromkeys(configs, calibration)
     check_scoring(len(tokens), window, stride, chunk, block_size)
     paged_attention_spec(model)  # a model the paged attention cannot run is refused before any work
     names = ["fp"] + list(configs)
@@ -143,8 +148,8 @@ def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: 
     stats = {}
     for w_start, w_end, first in _windows(len(tokens), window, stride):
         ids = tokens[w_start:w_end]
-        runners = {n: PoolRunner(model, FP32 if n == "fp" else configs[n], calibration, [ids], block_size)
-                   for n in names}
+        runners = {n: PoolRunner(model, FP32 if n == "fp" else configs[n], None if n == "fp" else scales[n], [ids],
+                                 block_size) for n in names}
         for c0 in range(0, len(ids) - 1, chunk):
             piece = ids[c0:min(c0 + chunk, len(ids) - 1)]  # the last token is only a target
             targets = torch.tensor(ids[c0 + 1:c0 + 1 + len(piece)])
