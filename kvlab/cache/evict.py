@@ -407,8 +407,7 @@ def after_forward(policy: EvictionPolicy, bm, seq_id: int, state: EvictionState,
 
 def add_cached_rows(state: EvictionState, store: dict, policy, blocks, prompt_len: int, block_size: int) -> None:
     """A scoring request whose prompt hit the prefix cache: the attention of the rows it does not compute,
-    as :func:`keep_rows` recorded them by block hash (a block computed unrecorded, before any scoring
-    request came or split across two chunks, adds nothing)."""
+    as :func:`keep_rows` kept them (a block computed unrecorded, or across two chunks, adds nothing)."""
     if policy is None or not policy.needs_scores or not blocks.cached_tokens:
         return
     from_pos = policy.observe_from(prompt_len)
@@ -419,9 +418,7 @@ def add_cached_rows(state: EvictionState, store: dict, policy, blocks, prompt_le
 
 
 def keep_rows(store: dict, batch, observer: AttentionMass | None, bm) -> dict:
-    """``store`` with the recorded query rows of every prompt block this forward computed whole, by block
-    hash (``rows[k]``: the attention query ``k`` of the block gave each key); only blocks the prefix
-    cache still holds stay."""
+    """``store`` + the query rows of each prompt block this forward computed whole, by block hash."""
     if observer is None or not observer.rows:
         return store
     bs = bm.block_size

@@ -29,22 +29,19 @@ def _as_eviction_config(name, spec) -> tuple:
 
 
 #: _serve_text's prompt tokens in one forward at most (one prompt, if longer): notebook 07's 16 x 320 at once
-#: held 0.9 GiB of activations (3 at a time: 0.2 GiB); its 5 x 540 (the pass keys) one at a time ran 13 s, all
-#: at once 11 s (2 cores; measured before a lone prompt's prefill took the batched call, PrefillIndex.pays)
+#: held 0.9 GiB of activations (3 at a time: 0.2 GiB); now one prompt leads, the rest hit its blocks
 PREFILL_TOKENS = 1024
 
 
 def _leader(policies) -> int:
-    """Which request prefills a prompt the others share: a scoring policy's if there is one (the engine
-    then keeps the prompt's attention rows for the requests that hit its blocks), else the first."""
+    """The request that prefills a shared prompt: a scoring policy's (its attention rows are kept), else the first."""
     return next((k for k, p in enumerate(policies) if p is not None and p.needs_scores), 0)
 
 
 def _prefill_once(llm, prompts: list, params: list[list], lead: int) -> list[list[int]]:
-    """Every prompt ``k`` served once per ``params[k][c]``: the ``lead`` request of each prompt is queued
-    first and run until its prompt is computed, then the others, which find its full blocks in the prefix
-    cache and compute only the last, partial one (a prompt prefilled once, not once per policy). Returns
-    the request ids, ``ids[k][c]``; the caller steps the engine to the end."""
+    """Prompt ``k`` queued once per ``params[k][c]``: its ``lead`` request first, run until the prompt is
+    computed, then the others, which find its full blocks in the prefix cache and compute only the last,
+    partial one. Returns the request ids ``ids[k][c]``; the caller steps the engine to the end."""
     ids = [[None] * len(row) for row in params]
     for k, prompt in enumerate(prompts):
         ids[k][lead] = llm.add_request(prompt, params[k][lead])
@@ -87,9 +84,9 @@ def _serve_text(model, tokens: list[int], prompt_len: int, policies: list, fmt: 
                     scorers[r].add(lg)
                 seen[r] += 1
             seq.logits.clear()
-    return [{"scores": scorers[r], "held": {"blocks": llm.seqs[i].metrics.held_blocks, "tokens": llm.seqs[i].metrics.held_tokens,
-                                            "bytes": llm.seqs[i].metrics.held_blocks * cache.bytes_per_block}}
-            for r, i in enumerate(ids)]
+    held = [llm.seqs[i].metrics for i in ids]
+    return [{"scores": sc, "held": {"blocks": m.held_blocks, "tokens": m.held_tokens, "bytes": m.held_blocks
+                                    * cache.bytes_per_block}} for sc, m in zip(scorers, held)]
 
 
 class _Scores:
@@ -251,8 +248,7 @@ def answers_after_cut(model, tokens: list[int], cut: int, policies: dict, max_to
 
 def _after_cuts(model, tokenizer, prompts: list, cuts: list[int], policies: dict, max_tokens: int, block_size: int,
                 attn_backend: str = "torch") -> dict[str, list[list[int]]]:
-    """Per policy, each prompt's greedy answer with the cache cut at its ``cut``: one engine, each prompt's
-    part before the cut prefilled once (:func:`_prefill_once`), the rest fed after the cut (forced)."""
+    """Per policy, each prompt's greedy answer, the cache cut at ``cut`` (the rest forced after it), one engine."""
     names, asks = list(policies), [p[at:] for p, at in zip(prompts, cuts)]
     longest, longest_ask = max(map(len, prompts)), max(map(len, asks))
     llm = LLM(model, tokenizer, block_size=block_size, max_num_seqs=len(prompts) * len(names), attn_backend=attn_backend,

@@ -131,10 +131,9 @@ def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: 
     every config, or a dict config name -> its own (configs compared on one FP run)."""
     tokens = check_tokens(tokens, model.config.vocab_size)
     _check_configs(configs)
-    if isinstance(calibration, dict) and set(calibration) != set(configs):
-        raise ValueError(f"calibration as a dict needs one entry per config: {sorted(map(str, configs))}, got "
-                         f"{sorted(map(str, calibration))}")
     scales = calibration if isinstance(calibration, dict) else dict.fromkeys(configs, calibration)
+    if set(scales) != set(configs):
+        raise ValueError(f"calibration as a dict needs one entry per config: {sorted(map(str, configs))}")
     check_scoring(len(tokens), window, stride, chunk, block_size)
     paged_attention_spec(model)  # a model the paged attention cannot run is refused before any work
     names = ["fp"] + list(configs)
