@@ -42,14 +42,14 @@ def test_eviction_quality_full_cache_is_the_reference(tiny):
 
 def test_one_batch_sharing_the_prompt_scores_each_policy_as_served_alone(tiny, monkeypatch):
     """_serve_text serves every policy in one batch, the prompt prefilled once (the others find its blocks
-    in the prefix cache; H2O gets the attention of the rows it did not compute), and scores each step's
+    in the prefix cache; the second H2O gets the attention of the rows it did not compute), and scores each step's
     logits as they come, then drops them: the same numbers and held blocks as each policy served alone
     in an engine of its own, no prefix cache, its logits kept and scored after."""
     from kvlab.cache import BlockManager, QuantizedPagedKVCache
     from kvlab.engine import LLM, SamplingParams
     model, _ = tiny
     ids = list(range(3, 3 + 60))
-    policies = [ev.SlidingWindow(16), ev.SinksWindow(16, sinks=4), ev.HeavyHitters(16), None]
+    policies = [ev.SlidingWindow(16), ev.SinksWindow(16, sinks=4), ev.HeavyHitters(16), None, ev.HeavyHitters(20)]
     ref = torch.log_softmax(torch.stack(evq.forced_logits(model, ids, 40, "fp32", block_size=4)[0]), -1)
     score = evq._Scores(ref, torch.tensor(ids[41:]))
     monkeypatch.setattr(evq, "PREFILL_TOKENS", 50)  # one prompt a step: the others wait, then hit its blocks
@@ -296,3 +296,22 @@ def test_quantize_or_evict_serves_also_in_its_batch_and_scores_it_apart(tiny):
                               also={"window@" + str(qe["budgets"]["int8"]): ev.SlidingWindow(16)})
     with pytest.raises(ValueError, match="also"):
         evq.quantize_or_evict(model, ids, 50, calibration, formats=("int8",), policies=("window",), block_size=4, also=[1])
+
+
+def test_after_cuts_equal_each_policy_served_alone(tiny):
+    """passkey's path (_after_cuts): three prompts sharing a 30-token start, each prefilled once in one
+    engine (the leads hit each other's blocks in the same step, the others hit the leads'), cut four
+    tokens before the end: every policy's answers equal it served alone, no prefix cache."""
+    from kvlab.engine import LLM, SamplingParams
+    model, _ = tiny
+    prompts = [list(range(5, 35)) + [40 + k] * 3 + list(range(100 + k, 110 + k)) for k in range(3)]
+    cuts = [len(p) - 4 for p in prompts]
+    policies = {"full": None, "window": ev.SlidingWindow(16), "h2o": ev.HeavyHitters(16),
+                "snapkv": ev.PromptSelect(20, window=6, kernel=3)}
+    got = evq._after_cuts(model, None, prompts, cuts, policies, 5, 4)
+    for name, policy in policies.items():
+        for k, (p, at) in enumerate(zip(prompts, cuts)):
+            llm = LLM(model, None, num_blocks=64, block_size=4, max_num_seqs=1, enable_prefix_caching=False)
+            out = llm.generate([p[:at]], SamplingParams(max_tokens=9, ignore_eos=True, eviction=policy,
+                                                        forced_token_ids=p[at:]))[0]
+            assert got[name][k] == out.token_ids[4:], (name, k)

@@ -398,3 +398,34 @@ def test_a_prompt_hit_in_the_prefix_cache_scores_like_one_computed(tiny, name):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     _, blind, _, _ = follow(True, forget_rows=True)
     assert not torch.allclose(blind[0], ref_scores[0], rtol=1e-3)  # the kept rows are what made them equal
+
+
+@pytest.mark.parametrize("name", ["h2o", "snapkv"])
+def test_prefix_hits_in_the_same_step_and_across_chunks_score_as_computed(tiny, name):
+    """A request that hits blocks the one before it computes in that very forward (both in one step), and
+    one that hits blocks computed in chunks of 18 tokens ending inside blocks of 4: each one's scores
+    after its prompt equal those of the prompt computed alone with no prefix cache."""
+    model, _ = tiny
+    prompt, params = _prompt(model, 37, seed=5), SamplingParams(max_tokens=3, ignore_eos=True)
+
+    def first_scores(shared: bool, budget: int, batches: list[int]) -> tuple[list, int]:
+        eng = LLM(model, None, num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=budget,
+                  enable_prefix_caching=shared, eviction=POLICIES[name]())
+        got = {}
+
+        def after_step(stats):
+            for sid in eng.block_manager.seqs:
+                if sid not in got and eng.seqs[sid].num_computed_tokens >= len(prompt):
+                    got[sid] = (stats.step, eng.eviction_scores(sid).clone())
+        eng.on_step = after_step
+        for n in batches:
+            eng.generate([prompt] * n, params)
+        return [got[k] for k in sorted(got)], eng.block_manager.counters["prefix_hits"]
+
+    ((_, alone),), _ = first_scores(False, 64, [1])
+    pair, hits = first_scores(True, 64, [2])  # one step: A computes 37 tokens, B hits its 9 blocks
+    assert hits == 9 and pair[0][0] == pair[1][0]  # both prompts done in the same step
+    chunked, hits = first_scores(True, 18, [1, 1])  # A in chunks 18 + 18 + 1, then B hits its 9 blocks
+    assert hits == 9
+    for _, scores in pair + chunked:
+        torch.testing.assert_close(scores, alone, rtol=1e-5, atol=1e-6)

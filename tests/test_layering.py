@@ -176,10 +176,11 @@ MAX_LIBRARY_LINES, MAX_FILE_LINES = 14_000, 450
 #: 16,950 (issue 54, 2 GiB a notebook; issue 55 item 5, every rule a task states is checked): eviction scores
 #: taken as the steps run instead of 16 requests' logits held (eval/eviction.py), the post-cell memory trim
 #: (env.py), the checkers' new rules and named hints (a view not a copy, the 1e-6 guard, reason order, ...)
-#: 17,030 (issue 54, notebook 07 in ~2 minutes): a prompt prefilled once for every eviction policy, the
-#: engine keeping each prompt block's attention rows for the scoring requests that hit it (cache/evict.py
-#: add_cached_rows, keep_rows; eval/eviction.py _prefill_once, _after_cuts): pass keys 3-4x faster
-HOUSE_NOW = 17_030
+#: 17,050 (issue 54, notebook 07 in ~2 minutes): a prompt prefilled once for every eviction policy, the
+#: engine keeping each prompt block's attention rows (joined across chunks) for the scoring requests that
+#: hit it, in a later step or the same one (cache/evict.py add_cached_rows, keep_rows; eval/eviction.py
+#: _prefill_once, _after_cuts): pass keys 3-4x faster; evaluate's calibration per config (03's sweep)
+HOUSE_NOW = 17_050
 
 
 def _private_uses(path: Path, module: str):

@@ -372,6 +372,7 @@ class EvictionState:
         self.owner = owner
         self.scores = torch.zeros(0, dtype=torch.float64)
         self.done = False
+        self.hits_scored = False  # the recorded rows of its prefix hits added (add_cached_rows)
 
     def add(self, mass: torch.Tensor, positions: torch.Tensor) -> None:
         n = int(positions.max()) + 1 if len(positions) else 0
@@ -407,7 +408,7 @@ def after_forward(policy: EvictionPolicy, bm, seq_id: int, state: EvictionState,
 
 def add_cached_rows(state: EvictionState, store: dict, policy, blocks, prompt_len: int, block_size: int) -> None:
     """A scoring request whose prompt hit the prefix cache: the attention of the rows it does not compute,
-    as :func:`keep_rows` kept them (a block computed unrecorded, or across two chunks, adds nothing)."""
+    as :func:`keep_rows` kept them (after the forward that computed them, even in the same step)."""
     if policy is None or not policy.needs_scores or not blocks.cached_tokens:
         return
     from_pos = policy.observe_from(prompt_len)
@@ -417,18 +418,30 @@ def add_cached_rows(state: EvictionState, store: dict, policy, blocks, prompt_le
             state.add(rows[max(0, from_pos - b * block_size):].sum(dim=0), torch.arange((b + 1) * block_size))
 
 
-def keep_rows(store: dict, batch, observer: AttentionMass | None, bm) -> dict:
-    """``store`` + the query rows of each prompt block this forward computed whole, by block hash."""
+def keep_rows(store: dict, partial: dict, batch, observer: AttentionMass | None, bm) -> dict:
+    """``store`` + the query rows of each prompt block a recorded sequence completed in this forward, by
+    block hash; a block's first rows, computed in an earlier chunk, wait in ``partial[seq_id]``."""
     if observer is None or not observer.rows:
         return store
     bs = bm.block_size
-    if len(store) > 2 * bm.num_blocks:
-        store = {h: r for h, r in store.items() if h in bm.hash_to_block}
+    if len(store) > 2 * bm.num_blocks:  # keep what a prefix hit can still find: on the device or the host
+        store = {h: r for h, r in store.items() if h in bm.hash_to_block or (bm.host_blocks and h in bm.host.entries)}
     for i, rows in observer.rows.items():
         seq, blocks = batch.seqs[i], bm.seqs.get(batch.seqs[i].seq_id)
         end = seq.num_computed_tokens  # counted already: this forward computed [start, end)
-        start = end - batch.num_new_tokens[i]
-        for b in range(-(-start // bs), min(end, len(seq.prompt_token_ids)) // bs):
+        start, prompt_len = end - batch.num_new_tokens[i], len(seq.prompt_token_ids)
+        b0, done = start // bs, partial.pop(seq.seq_id, None)
+        if start % bs:  # this forward began inside block b0: its first rows came earlier, or it is not kept
+            if done is None or done[0] != b0 or len(done[1]) != start % bs:
+                b0 += 1
+            else:
+                keys = max(rows.shape[1], (b0 + 1) * bs)
+                rows = torch.cat([torch.nn.functional.pad(done[1], (0, keys - done[1].shape[1])),
+                                  torch.nn.functional.pad(rows, (0, keys - rows.shape[1]))])
+                start = b0 * bs
+        for b in range(b0, min(end, prompt_len) // bs):
             if blocks is not None and b < len(blocks.hashes) and blocks.hashes[b] not in store:
                 store[blocks.hashes[b]] = rows[b * bs - start:(b + 1) * bs - start, :(b + 1) * bs].clone()
+        if end < prompt_len and end % bs and (end // bs) * bs >= start:  # its rows so far, for the next chunk
+            partial[seq.seq_id] = (end // bs, rows[(end // bs) * bs - start:end - start].clone())
     return store

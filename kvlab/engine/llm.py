@@ -139,6 +139,7 @@ class LLM:
         # (their attention, summed over heads and layers), by block hash, for the requests that hit it
         self._record_rows = eviction is not None and eviction.needs_scores
         self._prompt_rows: dict[bytes, torch.Tensor] = {}
+        self._partial_rows: dict[int, tuple] = {}  # seq id -> (block, its rows so far): a chunk ended inside it
         windows = [a.sliding_window for a in layers]  # every layer slides: the stats count blocks out of every window
         block_manager.sliding_window = max(windows) if None not in windows else None
         rules = {n: f for n, f in (("admission_rule", admission_rule), ("schedule_decodes", schedule_decodes),
@@ -286,7 +287,7 @@ class LLM:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):  # their K/V are in the pool now
             seq.num_computed_tokens += n
         try:
-            self._prompt_rows = keep_rows(self._prompt_rows, batch, observer, self.block_manager)
+            self._prompt_rows = keep_rows(self._prompt_rows, self._partial_rows, batch, observer, self.block_manager)
             self._evict(batch, observer)
         finally:  # a plugged-in policy that raises still leaves every sampled token committed
             outputs, finished = self._append(batch, rows, sampled, now, logits)
@@ -320,8 +321,6 @@ class LLM:
         state = self._evict_states.get(seq.seq_id)
         if state is None or state.owner is not blocks:  # new, or readmitted after a preemption: start over
             state = self._evict_states[seq.seq_id] = EvictionState(blocks)
-            add_cached_rows(state, self._prompt_rows, self._policy(seq.params), blocks, len(seq.prompt_token_ids),
-                            self.block_manager.block_size)
         return state
 
     def eviction_scores(self, seq_id: int) -> torch.Tensor | None:
@@ -335,10 +334,10 @@ class LLM:
         bm = self.block_manager
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             blocks = bm.seqs.get(seq.seq_id)
-            start, bs = seq.num_computed_tokens, bm.block_size
+            start = seq.num_computed_tokens
             if (self._record_rows and bm.enable_prefix_caching and blocks is not None and blocks.logical is None
-                    and min(start + n, len(seq.prompt_token_ids)) // bs > -(-start // bs)):
-                record.append(i)  # whole prompt blocks computed here: their rows are kept for later hits
+                    and start < len(seq.prompt_token_ids)):
+                record.append(i)  # prompt rows computed here: kept by block for the requests that hit it
             policy = self._policy(seq.params)
             if policy is None or not policy.needs_scores:
                 continue
@@ -355,9 +354,12 @@ class LLM:
             policy = self._policy(seq.params)
             if policy is None or seq.seq_id not in bm.seqs:
                 continue
-            mass = observer.mass.get(i) if observer is not None else None
-            after_forward(policy, bm, seq.seq_id, self._state(seq), len(seq.prompt_token_ids),
-                          seq.num_computed_tokens, mass)
+            mass, state = observer.mass.get(i) if observer is not None else None, self._state(seq)
+            if not state.hits_scored:  # after keep_rows: hits on blocks computed in this very step too
+                add_cached_rows(state, self._prompt_rows, policy, bm.seqs[seq.seq_id], len(seq.prompt_token_ids),
+                                bm.block_size)
+                state.hits_scored = True
+            after_forward(policy, bm, seq.seq_id, state, len(seq.prompt_token_ids), seq.num_computed_tokens, mass)
 
     def _abort_step(self, saved_counters, reason: str) -> None:
         self.block_manager.drop_pending_transfers()  # copies the failed step may not have made

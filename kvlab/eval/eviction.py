@@ -35,7 +35,7 @@ PREFILL_TOKENS = 1024
 
 def _leader(policies) -> int:
     """The request that prefills a shared prompt: a scoring policy's (its attention rows are kept), else the first."""
-    return next((k for k, p in enumerate(policies) if p is not None and p.needs_scores), 0)
+    return next((k for k, p in enumerate(policies) if getattr(p, "needs_scores", False)), 0)
 
 
 def _prefill_once(llm, prompts: list, params: list[list], lead: int) -> list[list[int]]:
