@@ -10,7 +10,7 @@ from kvlab.engine.scheduler import admission_rule as ref_admission_rule
 from kvlab.engine.scheduler import chunk_prefills as ref_chunk_prefills
 from kvlab.engine.scheduler import schedule_decodes as ref_schedule_decodes
 from kvlab.check.core import run_task
-from kvlab.check.progress import record
+from kvlab.check.kept import passed
 
 
 def admission_rule(fn: Callable[[int, int, int, int, int, int], "str | None"]) -> bool:
@@ -73,7 +73,7 @@ def admission_rule(fn: Callable[[int, int, int, int, int, int], "str | None"]) -
               f"yours {got[i] if i < len(got) else 'nothing'}, expected {expected[i] if i < len(expected) else 'nothing'}")
         return False
     print(f"[ok] admission_rule: {len(cases)} decisions and a {len(expected)}-event scheduler trace match")
-    record("admission_rule", fn)
+    passed("admission_rule", fn)
     return True
 
 

@@ -1,0 +1,165 @@
+"""The parts a participant wrote, kept for them (notebook 06 assembles its engine from them).
+
+When a participant's own function passes its checker, its source is kept beside the progress record,
+with the task, the kvlab version and the time; the latest pass wins. ``check.mine()`` lists what is kept,
+``check.forget(name)`` drops one. Nothing kept runs at ``import kvlab``: :func:`part` compiles one only when
+asked, and refuses it by name, in one line, when its task's parameters changed since (another kvlab) or its
+record is damaged.
+"""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+import json
+import math
+import os
+import textwrap
+from pathlib import Path
+
+import torch
+
+from kvlab.check.progress import EXERCISES, is_learners, progress_file, record
+from kvlab.files import warn, write_atomic
+
+#: each task's parameters, as its notebook's stub states them; a kept part records the ones it was written for
+SIGNATURES = {
+    "kv_token_bytes": ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "bytes_per_element"),
+    "mla_bytes_per_token": ("num_layers", "num_heads", "kv_lora_rank", "rope_dim", "bytes_per_element"),
+    "grow": ("cached", "new"), "decode_loop": ("step", "prompt_ids", "new_tokens"),
+    "static_write": ("buffer", "new", "start"), "slot_mapping": ("block_table", "block_size", "start", "end"),
+    "append_slot": ("block_table", "num_tokens", "block_size", "ref_count", "take_block"),
+    "prefix_hits": ("token_ids", "block_size", "cached", "block_hash"),
+    "blocks_after_fork": ("prompt_len", "block_size", "n", "steps"), "quantize_per_head": ("x",),
+    "quantize_static": ("x", "scale"), "pack_int4": ("q",),
+    "admission_rule": ("num_running", "max_num_seqs", "budget_left", "blocks_needed", "blocks_free", "watermark_blocks"),
+    "schedule_decodes": ("running", "decoding", "append", "preempt"), "chunk_prefills": ("uncomputed", "budget"),
+    "block_walk": ("table_ptr", "seq", "page", "seq_len", "s_table", "s_blk", "s_tok", "head", "s_head", "BLOCK_SIZE"),
+    "online_softmax_update": ("m", "l", "acc", "s", "v", "v_scale"), "dequant_int8": ("codes", "scale"),
+    "max_held": ("lengths", "shared_tokens", "num_blocks", "block_size"), "fp8_scales": ("absmax", "strategy"),
+    "sinks_window_blocks": ("num_tokens", "block_size", "budget", "sinks"),
+    "h2o_keep": ("logical", "budget", "recent", "scores"),
+    "copy_or_recompute": ("tokens", "cfg", "link_bytes_per_s", "flops_per_s"),
+}
+_FIELDS = ("name", "source", "signature", "jit", "kvlab", "kept")
+
+
+def kept_file() -> Path:
+    """``$KVLAB_KEPT``, else ``kept_parts.json`` beside the progress file (:func:`progress_file`)."""
+    return Path(os.environ.get("KVLAB_KEPT") or progress_file().with_name("kept_parts.json"))
+
+
+def _load() -> dict:
+    path = kept_file()
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:  # unreadable or damaged: what is kept is a convenience, start over
+        warn(f"kept parts file {str(path)!r} is unreadable ({type(e).__name__}); starting a new one")
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _save(data: dict) -> None:
+    try:
+        write_atomic(kept_file(), json.dumps(data, indent=1), "kept parts file")  # never a half-written file
+    except ValueError as e:  # a read-only home must not break an exercise that passed
+        print(f"(your part was not kept: {e})")
+
+
+def passed(exercise: str, fn) -> None:
+    """A checker passed ``fn``: the progress record, and the part kept if it is the participant's own."""
+    record(exercise, fn)
+    keep(exercise, fn)
+
+
+def keep(exercise: str, fn) -> None:
+    """Keep a participant's function that just passed ``exercise``'s checker (kvlab's own are not kept)."""
+    if exercise not in SIGNATURES or not is_learners(fn):
+        return
+    f = getattr(fn, "fn", fn)  # a @triton.jit function keeps the Python one in .fn
+    try:
+        source = textwrap.dedent(inspect.getsource(f))
+    except (OSError, TypeError):  # defined where Python keeps no source (exec): nothing to keep
+        return
+    from kvlab import __version__
+
+    data = _load()
+    data[exercise] = {"name": f.__name__, "source": source, "signature": list(SIGNATURES[exercise]),
+                      "jit": f is not fn, "kvlab": __version__,
+                      "kept": datetime.datetime.now().isoformat(timespec="minutes")}
+    _save(data)
+
+
+def _task(name: str) -> str:
+    notebook, task, _ = EXERCISES[name]
+    return f"{notebook[:2]} {task}"
+
+
+def _problem(name: str, rec) -> str | None:
+    """Why a kept record cannot run (one line), or None."""
+    if not isinstance(rec, dict) or not all(k in rec for k in _FIELDS) or not isinstance(rec["source"], str):
+        return "its record is damaged"
+    if tuple(rec["signature"]) != SIGNATURES[name]:
+        return (f"written for another version of the task, ({', '.join(rec['signature'])}); the task now takes "
+                f"({', '.join(SIGNATURES[name])})")
+    return None
+
+
+def part(name: str):
+    """The kept function for ``name``, compiled now, or None (nothing kept, or refused with one line)."""
+    _name(name)
+    rec = _load().get(name)
+    if rec is None:
+        return None
+    problem = _problem(name, rec)
+    if problem is None:
+        namespace = {"torch": torch, "math": math}
+        if rec["jit"]:
+            import triton  # a kernel part: only where triton is installed (the caller checks)
+            import triton.language as tl
+
+            namespace.update(triton=triton, tl=tl)
+        try:
+            exec(compile(rec["source"], f"<your {name}, kept {rec['kept']}>", "exec"), namespace)
+            fn = namespace[rec["name"]]
+        except Exception as e:  # a part that passed once but no longer compiles here
+            problem = f"its source does not run here ({type(e).__name__}: {e})"
+    if problem is not None:
+        print(f"[refused] your {name} ({_task(name)}): {problem}; kvlab's runs in its place")
+        return None
+    return fn
+
+
+def _name(name) -> str:
+    if not isinstance(name, str) or name not in SIGNATURES:
+        raise ValueError(f"name must be one of the build tasks {sorted(SIGNATURES)}, got {name!r}")
+    return name
+
+
+def mine() -> dict:
+    """Print and return what is kept: ``{task: (function name, kept when, kvlab version) or None}``."""
+    data = _load()
+    out = {}
+    print(f"your parts kept: {sum(n in data for n in SIGNATURES)} of {len(SIGNATURES)}  ({kept_file()})")
+    for name, (notebook, task, what) in EXERCISES.items():
+        rec = data.get(name)
+        problem = None if rec is None else _problem(name, rec)
+        out[name] = None if rec is None or problem else (rec["name"], rec["kept"], rec["kvlab"])
+        mark = ("-" if rec is None else f"refused: {problem}" if problem else
+                f"{rec['name']}() kept {rec['kept']} (kvlab {rec['kvlab']})")
+        print(f"  {notebook[:2]} {task:<7} {name:<22} {mark}")
+    return out
+
+
+def forget(name: str) -> bool:
+    """Drop your kept part for ``name`` (kvlab's own runs in its place); True if one was kept."""
+    data = _load()
+    if _name(name) not in data:
+        print(f"nothing kept for {name}")
+        return False
+    del data[name]
+    _save(data)
+    print(f"forgot your {name} ({_task(name)}); kvlab's runs in its place")
+    return True
