@@ -258,7 +258,8 @@ def grade_one(path, notebook: str, timeout_s: float = DEFAULT_TIMEOUT_S, memory_
         copy = work / Path(path).name
         shutil.copyfile(path, copy)
         out, log = scratch / f"result-{os.urandom(8).hex()}.json", scratch / "worker.log"
-        env = dict(os.environ, KVLAB_PROGRESS=str(scratch / "progress.json"), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, KVLAB_PROGRESS=str(scratch / "progress.json"), KVLAB_KEPT=str(scratch / "kept_parts.json"),
+                   PYTHONUNBUFFERED="1")
         cmd = [python or sys.executable, "-m", "kvlab.grade", str(copy), notebook, str(timeout_s), str(out),
                str(memory_gb or 0)]
         limit = timeout_s + 360

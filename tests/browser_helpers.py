@@ -114,6 +114,7 @@ class JupyterLab:
                    JUPYTER_RUNTIME_DIR=str(home / "runtime"), IPYTHONDIR=str(home / "ipython"),
                    JUPYTER_PREFER_ENV_PATH="1", PYTHONUNBUFFERED="1",
                    KVLAB_PROGRESS=str(home / "progress.json"),  # a fresh progress list: not the learner's own
+                   KVLAB_KEPT=str(home / "kept_parts.json"),  # nor the learner's kept parts
                    # the kernel's "python" is this environment's python
                    PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
                    **self.extra_env)

@@ -92,8 +92,10 @@ def smollm2():
 
 @pytest.fixture(autouse=True)
 def _progress_elsewhere(tmp_path, monkeypatch):
-    """Checkers record passed exercises; tests must never write into the learner's own progress file."""
+    """Checkers record passed exercises and keep the parts; tests must never write into the learner's own
+    progress file or kept parts (kept beside the progress file unless $KVLAB_KEPT says otherwise)."""
     monkeypatch.setenv("KVLAB_PROGRESS", str(tmp_path / "progress.json"))
+    monkeypatch.delenv("KVLAB_KEPT", raising=False)
 
 
 class _KernelMemory:

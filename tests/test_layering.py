@@ -180,9 +180,9 @@ MAX_LIBRARY_LINES, MAX_FILE_LINES = 14_000, 450
 #: engine keeping each prompt block's attention rows (joined across chunks) for the scoring requests that
 #: hit it, in a later step or the same one (cache/evict.py add_cached_rows, keep_rows; eval/eviction.py
 #: _prefill_once, _after_cuts): pass keys 3-4x faster; evaluate's calibration per config (03's sweep)
-#: 17,215 (issue 56 item 1, "your engine"): kvlab/check/kept.py keeps the parts a participant passed
+#: 17,240 (issue 56 item 1, "your engine"): kvlab/check/kept.py keeps the parts a participant passed
 #: (source, task, version, time), lists and forgets them, and refuses a stale or damaged one by name
-HOUSE_NOW = 17_215
+HOUSE_NOW = 17_240
 
 
 def _private_uses(path: Path, module: str):

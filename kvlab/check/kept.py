@@ -12,9 +12,11 @@ from __future__ import annotations
 import datetime
 import inspect
 import json
+import linecache
 import math
 import os
 import textwrap
+import types
 from pathlib import Path
 
 import torch
@@ -41,7 +43,8 @@ SIGNATURES = {
     "h2o_keep": ("logical", "budget", "recent", "scores"),
     "copy_or_recompute": ("tokens", "cfg", "link_bytes_per_s", "flops_per_s"),
 }
-_FIELDS = ("name", "source", "signature", "jit", "kvlab", "kept")
+_FIELDS = {"name": str, "source": str, "signature": list, "jit": bool, "kvlab": str, "kept": str}
+KERNEL_TASKS = ("block_walk", "online_softmax_update", "dequant_int8")  # @triton.jit parts (notebook 05)
 
 
 def kept_file() -> Path:
@@ -55,17 +58,23 @@ def _load() -> dict:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as e:  # unreadable or damaged: what is kept is a convenience, start over
-        warn(f"kept parts file {str(path)!r} is unreadable ({type(e).__name__}); starting a new one")
+    except (OSError, ValueError) as e:  # unreadable or damaged: set aside (your code is in it), start over
+        try:
+            os.replace(path, path.with_name(path.name + ".bad"))
+        except OSError:
+            pass
+        warn(f"kept parts file {str(path)!r} is unreadable ({type(e).__name__}); set aside as .bad, starting a new one")
         return {}
     return data if isinstance(data, dict) else {}
 
 
-def _save(data: dict) -> None:
+def _save(data: dict, what: str) -> bool:
     try:
         write_atomic(kept_file(), json.dumps(data, indent=1), "kept parts file")  # never a half-written file
     except ValueError as e:  # a read-only home must not break an exercise that passed
-        print(f"(your part was not kept: {e})")
+        warn(f"{what}: {e}")
+        return False
+    return True
 
 
 def passed(exercise: str, fn) -> None:
@@ -79,17 +88,27 @@ def keep(exercise: str, fn) -> None:
     if exercise not in SIGNATURES or not is_learners(fn):
         return
     f = getattr(fn, "fn", fn)  # a @triton.jit function keeps the Python one in .fn
-    try:
+    try:  # whatever goes wrong here, the pass stands: one line, never a traceback after [ok]
         source = textwrap.dedent(inspect.getsource(f))
-    except (OSError, TypeError):  # defined where Python keeps no source (exec): nothing to keep
-        return
-    from kvlab import __version__
+        if not _same_code(source, f):  # its file changed since it was imported: that source is not what passed
+            raise ValueError("its file changed since")
+        from kvlab import __version__
 
-    data = _load()
-    data[exercise] = {"name": f.__name__, "source": source, "signature": list(SIGNATURES[exercise]),
-                      "jit": f is not fn, "kvlab": __version__,
-                      "kept": datetime.datetime.now().isoformat(timespec="minutes")}
-    _save(data)
+        data = _load()
+        data[exercise] = {"name": f.__name__, "source": source, "signature": list(SIGNATURES[exercise]),
+                          "jit": exercise in KERNEL_TASKS, "kvlab": __version__,
+                          "kept": datetime.datetime.now().isoformat(timespec="minutes")}
+        _save(data, "(your part was not kept")
+    except Exception as e:  # no source (a %%time cell, exec, a prompt) or a changed file
+        warn(f"(your {exercise} passed but was not kept: Python has no source for it here ({type(e).__name__}: "
+             f"{e}); define it in a plain cell)")
+
+
+def _same_code(source: str, f) -> bool:
+    """Whether ``source`` compiles to the bytecode of ``f`` (line numbers aside)."""
+    code = compile(source, "<kept>", "exec")
+    return any(isinstance(c, types.CodeType) and c.co_name == f.__name__ and c.co_code == f.__code__.co_code
+               for c in code.co_consts)
 
 
 def _task(name: str) -> str:
@@ -99,7 +118,9 @@ def _task(name: str) -> str:
 
 def _problem(name: str, rec) -> str | None:
     """Why a kept record cannot run (one line), or None."""
-    if not isinstance(rec, dict) or not all(k in rec for k in _FIELDS) or not isinstance(rec["source"], str):
+    if (not isinstance(rec, dict) or not all(isinstance(rec.get(k), t) for k, t in _FIELDS.items())
+            or not rec["name"].isidentifier() or not all(isinstance(p, str) for p in rec["signature"])
+            or rec["jit"] != (name in KERNEL_TASKS)):
         return "its record is damaged"
     if tuple(rec["signature"]) != SIGNATURES[name]:
         return (f"written for another version of the task, ({', '.join(rec['signature'])}); the task now takes "
@@ -116,15 +137,18 @@ def part(name: str):
     problem = _problem(name, rec)
     if problem is None:
         namespace = {"torch": torch, "math": math}
-        if rec["jit"]:
-            import triton  # a kernel part: only where triton is installed (the caller checks)
-            import triton.language as tl
-
-            namespace.update(triton=triton, tl=tl)
+        filename = f"<your {name}, kept {rec['kept']}>"
+        # as IPython does for a cell: the source where inspect finds it (@triton.jit reads it back)
+        linecache.cache[filename] = (len(rec["source"]), None, rec["source"].splitlines(True), filename)
         try:
-            exec(compile(rec["source"], f"<your {name}, kept {rec['kept']}>", "exec"), namespace)
+            if rec["jit"]:
+                import triton  # a kernel part: only where triton is installed
+                import triton.language as tl
+
+                namespace.update(triton=triton, tl=tl)
+            exec(compile(rec["source"], filename, "exec"), namespace)
             fn = namespace[rec["name"]]
-        except Exception as e:  # a part that passed once but no longer compiles here
+        except Exception as e:  # no triton here, or a part that passed once but no longer compiles here
             problem = f"its source does not run here ({type(e).__name__}: {e})"
     if problem is not None:
         print(f"[refused] your {name} ({_task(name)}): {problem}; kvlab's runs in its place")
@@ -141,11 +165,11 @@ def _name(name) -> str:
 def mine() -> dict:
     """Print and return what is kept: ``{task: (function name, kept when, kvlab version) or None}``."""
     data = _load()
+    problems = {name: _problem(name, data[name]) for name in SIGNATURES if name in data}
     out = {}
-    print(f"your parts kept: {sum(n in data for n in SIGNATURES)} of {len(SIGNATURES)}  ({kept_file()})")
+    print(f"your parts kept: {sum(p is None for p in problems.values())} of {len(SIGNATURES)}  ({kept_file()})")
     for name, (notebook, task, what) in EXERCISES.items():
-        rec = data.get(name)
-        problem = None if rec is None else _problem(name, rec)
+        rec, problem = data.get(name), problems.get(name)
         out[name] = None if rec is None or problem else (rec["name"], rec["kept"], rec["kvlab"])
         mark = ("-" if rec is None else f"refused: {problem}" if problem else
                 f"{rec['name']}() kept {rec['kept']} (kvlab {rec['kvlab']})")
@@ -155,11 +179,12 @@ def mine() -> dict:
 
 def forget(name: str) -> bool:
     """Drop your kept part for ``name`` (kvlab's own runs in its place); True if one was kept."""
-    data = _load()
-    if _name(name) not in data:
+    data = _load() if _name(name) else {}
+    if name not in data:
         print(f"nothing kept for {name}")
         return False
     del data[name]
-    _save(data)
+    if not _save(data, f"could not forget your {name}"):
+        return False
     print(f"forgot your {name} ({_task(name)}); kvlab's runs in its place")
     return True
