@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kvlab.check.progress import EXERCISES, is_learners, progress_file, record
+from kvlab.check.progress import EXERCISES, is_learners, progress_file, read_record, record
 from kvlab.files import warn, write_atomic
 
 #: each task's parameters, as its notebook's stub states them; a kept part records the ones it was written for
@@ -53,19 +53,7 @@ def kept_file() -> Path:
 
 
 def _load() -> dict:
-    path = kept_file()
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as e:  # unreadable or damaged: set aside (your code is in it), start over
-        try:
-            os.replace(path, path.with_name(path.name + ".bad"))
-        except OSError:
-            pass
-        warn(f"kept parts file {str(path)!r} is unreadable ({type(e).__name__}); set aside as .bad, starting a new one")
-        return {}
-    return data if isinstance(data, dict) else {}
+    return read_record(kept_file(), "kept parts file", set_aside=True)  # the participant's code is in it
 
 
 def _save(data: dict, what: str) -> bool:

@@ -43,16 +43,28 @@ def progress_file():
     return Path(os.environ.get("KVLAB_PROGRESS") or cache_dir() / "progress.json")
 
 
-def _load_progress() -> dict:
-    path = progress_file()
+def read_record(path: Path, what: str, set_aside: bool = False) -> dict:
+    """A JSON dict kept for the learner, or {} when missing; unreadable or damaged: a warning, start over
+    (``set_aside``: the damaged file kept as ``<name>.bad``)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as e:  # unreadable or damaged: progress is a convenience, start over
-        warn(f"progress file {str(path)!r} is unreadable ({type(e).__name__}); starting a new one")
+    except (OSError, ValueError) as e:
+        aside = ""
+        if set_aside:
+            try:
+                os.replace(path, path.with_name(path.name + ".bad"))
+                aside = "set aside as .bad, "
+            except OSError:
+                pass
+        warn(f"{what} {str(path)!r} is unreadable ({type(e).__name__}); {aside}starting a new one")
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _load_progress() -> dict:
+    return read_record(progress_file(), "progress file")  # a convenience: a damaged one starts over
 
 
 def is_learners(fn) -> bool:
