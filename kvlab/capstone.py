@@ -148,6 +148,7 @@ def serve(llm, prompts, output_lens, p: Plan, max_len: int = 512) -> dict:
 def measure(llm, ids, reads: DecodeReads, p: Plan, max_len: int = 512) -> dict:
     s = llm.summary(ids)
     steps = llm.step_stats
+    pos = {sid: k for k, sid in enumerate(ids)}  # the scheduler's decisions by request, not engine ids
     # the steps in which the budget turned a request away: a deferral for lack of blocks or seats, or a
     # preemption. The requests running then are what the budget holds (not the token budget per step)
     bound = {e.step for e in llm.trace
@@ -169,7 +170,8 @@ def measure(llm, ids, reads: DecodeReads, p: Plan, max_len: int = 512) -> dict:
                limited=[st.step in bound for st in steps],  # whether the budget turned a request away that step
                kv_read_per_decode_step=statistics.mean(kv_read) if kv_read else 0.0,
                kv_read_per_token=sum(kv_read) / max(sum(reads.rows.values()), 1),  # per generated token
-               tokens=[llm.seqs[i].output_token_ids for i in ids])
+               tokens=[llm.seqs[i].output_token_ids for i in ids],
+               decisions=[(e.step, pos[e.seq_id], e.action, e.reason) for e in llm.trace if e.seq_id in pos])
     if quantized(llm.cache):
         out.update(saturation_summary(llm.cache.saturation()))
     return out

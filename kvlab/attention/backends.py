@@ -136,6 +136,43 @@ class TritonBackend(AttentionBackend):
                                     v_own=v_new, **kw)
 
 
+class SkeletonBackend(AttentionBackend):
+    """Decodes through notebook 05's skeleton kernel with the ``walk``, ``update`` and ``dequant`` it is
+    handed (a participant's, notebook 06's "your engine"); writes and prefills as the reference backend.
+    Over an INT8 pool the kernel reads the cached context and the own new token joins at full precision,
+    as in the spec, merged by the kernel's log-sum-exp. Interpreted on a CPU: a few requests only."""
+
+    name = "skeleton"
+    batched_decode = True
+    runs_decode = "notebook 05's skeleton kernel, with the walk, update and dequantization it is handed"
+
+    def __init__(self, walk, update, dequant):
+        self.walk, self.update, self.dequant = walk, update, dequant
+
+    def check(self, pool) -> None:
+        TritonBackend.check(self, pool)
+        if pool.is_quantized and (pool.rotate_k or any(f.dtype != "int8" or f.granularity != "per-head"
+                                                       for layer in range(pool.num_layers) for f in pool.formats(layer))):
+            raise ValueError("the skeleton kernel reads float pools and INT8 per-head pools without rotation")
+
+    def decode(self, q, pool, layer: int, index, scale: float, k_new=None, v_new=None, **features) -> torch.Tensor:
+        if any(features.get(f) is not None for f in ("window", "softcap", "sinks")):
+            raise ValueError("the skeleton kernel has no sliding window, soft-cap or sinks")
+        fns = dict(walk=self.walk, update=self.update, dequant=self.dequant)
+        if not pool.is_quantized:  # the own token is in the pages already, at the pool's precision
+            return kernels.skeleton.skeleton_decode(q, *pool.layer_pages(layer), index.table, index.seq_lens, scale,
+                                                    **fns).to(q.dtype)
+        ks, vs = pool.k[layer], pool.v[layer]
+        out, lse = kernels.skeleton.skeleton_decode(q, ks.data, vs.data, index.table, index.seq_lens - 1, scale,
+                                                    ks.scale.flatten(), vs.scale.flatten(), return_lse=True, **fns)
+        g = q.shape[1] // k_new.shape[1]  # the own token, at full precision: one more key, folded in by its lse
+        s_own = (q.float() * k_new.float().repeat_interleave(g, dim=1)).sum(-1) * scale  # (B, H_q)
+        top = torch.maximum(lse, s_own)
+        w_ctx, w_own = torch.exp(lse - top), torch.exp(s_own - top)
+        v_own = v_new.float().repeat_interleave(g, dim=1)
+        return ((out * w_ctx[..., None] + v_own * w_own[..., None]) / (w_ctx + w_own)[..., None]).to(q.dtype)
+
+
 #: the backends by the name ``attn_backend=`` takes
 BACKENDS = {b.name: b for b in (AttentionBackend(), TorchBackend(), TritonBackend())}
 BACKEND_NAMES = tuple(BACKENDS)
@@ -150,5 +187,5 @@ def get_backend(backend) -> AttentionBackend:
     return BACKENDS[backend]
 
 
-__all__ = ["AttentionBackend", "TorchBackend", "TritonBackend", "BACKENDS", "BACKEND_NAMES", "get_backend",
+__all__ = ["AttentionBackend", "TorchBackend", "TritonBackend", "SkeletonBackend", "BACKENDS", "BACKEND_NAMES", "get_backend",
            "spec_attention"]

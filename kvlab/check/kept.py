@@ -10,6 +10,7 @@ record is damaged.
 from __future__ import annotations
 
 import datetime
+import dis
 import inspect
 import json
 import linecache
@@ -93,10 +94,19 @@ def keep(exercise: str, fn) -> None:
 
 
 def _same_code(source: str, f) -> bool:
-    """Whether ``source`` compiles to the bytecode of ``f`` (line numbers aside)."""
+    """Whether ``source`` compiles to the instructions of ``f``: line numbers and jump offsets aside, and
+    Python 3.11's two ways to call a module's function (LOAD_METHOD alone, or LOAD_ATTR after a LOAD_GLOBAL
+    that knows the name came from an import in the same file)."""
     code = compile(source, "<kept>", "exec")
-    return any(isinstance(c, types.CodeType) and c.co_name == f.__name__ and c.co_code == f.__code__.co_code
+    return any(isinstance(c, types.CodeType) and c.co_name == f.__name__ and _ops(c) == _ops(f.__code__)
                for c in code.co_consts)
+
+
+def _ops(code) -> list:
+    jumps = set(dis.hasjrel) | set(dis.hasjabs)
+    return [("LOAD_ATTR" if i.opname == "LOAD_METHOD" else i.opname,
+             _ops(i.argval) if isinstance(i.argval, types.CodeType) else None if i.opcode in jumps else repr(i.argval))
+            for i in dis.get_instructions(code) if i.opname not in ("CACHE", "NOP", "EXTENDED_ARG")]
 
 
 def _task(name: str) -> str:
@@ -114,6 +124,11 @@ def _problem(name: str, rec) -> str | None:
         return (f"written for another version of the task, ({', '.join(rec['signature'])}); the task now takes "
                 f"({', '.join(SIGNATURES[name])})")
     return None
+
+
+def kept_names() -> set[str]:
+    """The tasks with a kept record (refused ones included: :func:`part` says why, as it reads them)."""
+    return set(_load()) & set(SIGNATURES)
 
 
 def part(name: str):

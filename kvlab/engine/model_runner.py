@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from kvlab.attention import BACKEND_NAMES, BACKENDS, DecodeIndex, PrefillIndex
+from kvlab.attention import BACKEND_NAMES, BACKENDS, AttentionBackend, DecodeIndex, PrefillIndex
 from kvlab.engine.prepack import PrepackedLinears
 from kvlab.hf import PagedBatch, attention_implementation, model_configs, register_paged_attention
 
@@ -22,10 +22,13 @@ class ModelRunner:
     (:meth:`~kvlab.engine.prepack.PrepackedLinears.shared`, CPU fp32 only)."""
 
     def __init__(self, model, cache, attn_backend: str = "reference", prepack: bool = False):
-        if not isinstance(attn_backend, str) or attn_backend not in BACKENDS:
+        if isinstance(attn_backend, AttentionBackend):  # one built with its own functions (notebook 06's skeleton)
+            self.backend = attn_backend
+        elif not isinstance(attn_backend, str) or attn_backend not in BACKENDS:
             raise ValueError(f"attn_backend must be one of {BACKEND_NAMES}, got {attn_backend!r}")
+        else:
+            self.backend = BACKENDS[attn_backend]
         self.model, self.cache, self.attn_backend = model, cache, attn_backend
-        self.backend = BACKENDS[attn_backend]
         self.backend.check(cache)  # a pool the backend cannot run fails here, not in the middle of a step
         self.device = next(model.parameters()).device
         self.attn_name = register_paged_attention()

@@ -1,0 +1,270 @@
+"""Your engine (issue 56): notebook 06 assembles ``LLM`` from the parts a participant passed (kept by
+``kvlab.check``) and kvlab's for the rest. With every part kept it serves the capstone workload token for
+token as kvlab's engine; with none it is kvlab's and says so; a kept part that passed its checker but
+changes the engine is found by request, step and name; a part that raises stops the run in one line; a
+stale or damaged record is refused by name."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from kvlab import capstone as C
+from kvlab import check
+from kvlab.calibrate import calibrate, default_calibration
+from kvlab.check import kept
+from kvlab.bench.engine import make_workload
+from kvlab.engine import scheduler
+from kvlab.yours import ENGINE_PARTS, KERNEL_PARTS, YourEngine
+from kvlab import kernels
+
+if kernels.available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def block_walk(table_ptr, seq, page, seq_len, s_table, s_blk, s_tok, head, s_head, BLOCK_SIZE: tl.constexpr):
+        blk = tl.load(table_ptr + seq * s_table + page).to(tl.int64)
+        slot = tl.arange(0, BLOCK_SIZE)
+        return blk * s_blk + slot * s_tok + head * s_head, page * BLOCK_SIZE + slot < seq_len
+
+    @triton.jit
+    def online_softmax_update(m, l, acc, s, v, v_scale):
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        acc = acc * alpha[:, None] + tl.sum((p * v_scale[None, :])[:, :, None] * v[None, :, :], axis=1)
+        return m_new, l * alpha + tl.sum(p, axis=1), acc
+
+    @triton.jit
+    def dequant_int8(codes, scale):
+        return codes.to(tl.float32) * scale
+
+
+# ---- a participant's answers, as they would write them in notebooks 02-04 ---------------------------------
+
+def slot_mapping(block_table, block_size, start, end):
+    return [block_table[t // block_size] * block_size + t % block_size for t in range(start, end)]
+
+
+def append_slot(block_table, num_tokens, block_size, ref_count, take_block):
+    copy = None
+    if num_tokens % block_size == 0:
+        block_table.append(take_block())
+    elif ref_count(block_table[-1]) > 1:
+        copy = (block_table[-1], take_block())
+        block_table[-1] = copy[1]
+    return block_table[-1] * block_size + num_tokens % block_size, copy
+
+
+def prefix_hits(token_ids, block_size, cached, block_hash):
+    hits, key = [], None
+    for i in range((len(token_ids) - 1) // block_size):
+        key = block_hash(key, token_ids[i * block_size:(i + 1) * block_size])
+        if key not in cached:
+            break
+        hits.append(cached[key])
+    return hits
+
+
+def quantize_static(x, scale):
+    return torch.clamp(torch.round(x.float() / scale), -127, 127).to(torch.int8)
+
+
+def admission_rule(num_running, max_num_seqs, budget_left, blocks_needed, blocks_free, watermark_blocks):
+    if budget_left <= 0:
+        return "token budget"
+    if num_running >= max_num_seqs:
+        return "seq limit"
+    if blocks_needed > blocks_free - (watermark_blocks if num_running else 0):
+        return "no blocks"
+    return None
+
+
+def schedule_decodes(running, decoding, append, preempt):
+    out = []
+    for sid in list(running):
+        if sid not in running or sid not in decoding:
+            continue
+        while not append(sid):
+            victim = running[-1]
+            preempt(victim)
+            if victim == sid:
+                break
+        if sid in running:
+            out.append(sid)
+    return out
+
+
+def chunk_prefills(uncomputed, budget):
+    out = []
+    for n in uncomputed:
+        out.append(min(n, budget))
+        budget -= out[-1]
+    return out
+
+
+def slot_mapping_capped(block_table, block_size, start, end):  # right while a sequence holds at most 8 blocks
+    return [block_table[min(t // block_size, 7)] * block_size + t % block_size for t in range(start, end)]
+
+
+def chunk_prefills_raising(uncomputed, budget):  # fails once a step's budget is partly spent
+    if budget < 256:
+        raise IndexError("list index out of range")
+    out = []
+    for n in uncomputed:
+        out.append(min(n, budget))
+        budget -= out[-1]
+    return out
+
+
+def chunk_prefills_helped(uncomputed, budget):  # leans on a helper of the notebook's, which is not kept
+    return chunk_prefills(uncomputed, budget)
+
+
+def _pass_all(names):
+    """Each part through its own checker, as a participant passing the task: the checker keeps it."""
+    for name in names:
+        assert getattr(check, name)(globals()[name]), name
+
+
+# ---- the capstone workload (SmolLM2, notebook 06's 48 requests) --------------------------------------------
+
+@pytest.fixture(scope="module")
+def capstone(smollm2):
+    model, tok = smollm2
+    cal = default_calibration(model, tok, "smollm2-135m", tokens=1024, progress=False)
+    wl = make_workload(tok, **C.WORKLOAD)
+    fp16_block, _ = C.block_bytes(model, "fp16")
+    p = C.plan(model, "paged INT8", 4 * 16 * fp16_block, 256, calibration=cal)  # notebook 06's budget and plan
+    return model, tok, cal, wl, p, C.serve(C.make_engine(model, tok, p, cal), wl.prompts, wl.output_lens, p, 256)
+
+
+def test_every_part_kept_serves_the_capstone_as_kvlabs_engine(capstone, capsys):
+    model, tok, cal, wl, p, theirs = capstone
+    _pass_all(ENGINE_PARTS)
+    capsys.readouterr()
+    mine = YourEngine(model, tok, p, cal)
+    assert capsys.readouterr().out.startswith("your engine: 7 of 7 parts yours: slot_mapping (02)")
+    assert mine.parts == dict.fromkeys(ENGINE_PARTS, "yours") and mine.llm.scheduler.chunk_prefills is not \
+        scheduler.chunk_prefills
+    yours = mine.serve(wl.prompts, wl.output_lens, 256)
+    got = mine.compare(theirs, yours)
+    assert got["equal"] == 48 and yours["tokens"] == theirs["tokens"] and got["first"] is None
+    assert yours["decisions"] == theirs["decisions"] and got["decision"] is None
+    assert yours["held_at_limit"] == theirs["held_at_limit"] and yours["steps"] == theirs["steps"]
+    assert set().union(*mine.ran.values()) == set(ENGINE_PARTS)  # every part ran
+    assert "answers equal to kvlab's, token for token: 48/48" in capsys.readouterr().out
+
+
+def test_a_planted_part_is_found_by_request_step_and_name(capstone, capsys):
+    """A slot mapping capped at 8 blocks passed the checker's tables (none was longer, until this test found
+    it: the checker now has one) and corrupts the capstone's longest requests."""
+    model, tok, cal, wl, p, theirs = capstone
+    assert not check.slot_mapping(slot_mapping_capped)  # the checker gained the case
+    _pass_all(["append_slot", "admission_rule"])
+    kept.keep("slot_mapping", slot_mapping_capped)  # as if passed before the checker had the case
+    mine = YourEngine(model, tok, p, cal)
+    yours = mine.serve(wl.prompts, wl.output_lens, 256)
+    got = mine.compare(theirs, yours)
+    out = capsys.readouterr().out
+    first = got["first"]
+    assert got["equal"] < 48 and first is not None and "slot_mapping" in first["parts"]
+    i, j = first["request"], first["token"]
+    assert yours["tokens"][i][:j] == theirs["tokens"][i][:j] and yours["tokens"][i][j] != theirs["tokens"][i][j]
+    assert len(wl.prompts[i]) + j > 8 * 16  # only past the eighth block
+    for k, (a, b) in enumerate(zip(yours["tokens"], theirs["tokens"])):  # no other request differs earlier
+        d = next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        assert d is None or mine.token_steps[k][d] >= first["step"]
+    assert f"first difference: request {i}, its token {j} (step {first['step']}); your parts in that step: " in out
+    assert "Traceback" not in out
+
+
+# ---- the tiny model: small workloads, each question on its own ----------------------------------------------
+
+MAX_LEN = 64
+
+
+def _workload(n=10, seed=0):
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 259) for _ in range(9)]
+    prompts = [system + [rng.randrange(3, 259) for _ in range(rng.randint(3, 20))] for _ in range(n)]
+    return prompts, [rng.randint(3, 14) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny):
+    model, tok = tiny
+    cal = calibrate(model, _workload(4, seed=9)[0], progress=False)
+    per, _ = C.block_bytes(model, "fp16", 4)
+    p = C.plan(model, "paged INT8", 2 * (MAX_LEN // 4) * per, MAX_LEN, block_size=4, calibration=cal)
+    prompts, outs = _workload()
+    theirs = C.serve(C.make_engine(model, tok, p, cal), prompts, outs, p, MAX_LEN)
+    return model, tok, cal, p, prompts, outs, theirs
+
+
+def test_with_no_kept_parts_your_engine_is_kvlabs_and_says_so(setup, capsys):
+    model, tok, cal, p, prompts, outs, theirs = setup
+    mine = YourEngine(model, tok, p, cal)
+    assert "your engine is kvlab's: none of its 7 parts is yours yet" in capsys.readouterr().out
+    assert set(mine.parts.values()) == {"kvlab's"} and mine.title == "your engine is kvlab's"
+    assert mine.llm.scheduler.admission_rule is scheduler.admission_rule
+    yours = mine.serve(prompts, outs, MAX_LEN)
+    assert yours["tokens"] == theirs["tokens"] and yours["decisions"] == theirs["decisions"] and not mine.ran
+
+
+def test_a_part_that_raises_stops_the_run_in_one_line(setup, capsys):
+    model, tok, cal, p, prompts, outs, theirs = setup
+    kept.keep("chunk_prefills", chunk_prefills_raising)
+    mine = YourEngine(model, tok, p, cal)
+    assert mine.serve(prompts, outs, MAX_LEN) is None
+    out = capsys.readouterr().out
+    assert "[stopped] your chunk_prefills raised IndexError in step" in out and "list index out of range" in out
+    assert mine.compare(theirs, None)["equal"] is None
+    assert "not compared (your chunk_prefills raised" in capsys.readouterr().out
+    kept.keep("chunk_prefills", chunk_prefills_helped)
+    mine = YourEngine(model, tok, p, cal)
+    assert mine.serve(prompts, outs, MAX_LEN) is None
+    assert ("your chunk_prefills raised NameError in step 1: name 'chunk_prefills' is not defined (a kept part "
+            "runs on its own: define what it uses inside it)") in capsys.readouterr().out
+
+
+def test_stale_and_damaged_parts_are_refused_by_name_and_kvlabs_run(setup, capsys):
+    model, tok, cal, p, prompts, outs, theirs = setup
+    _pass_all(["admission_rule", "slot_mapping"])
+    data = json.loads(kept.kept_file().read_text())
+    data["admission_rule"]["signature"] = ["num_running", "budget_left"]  # another kvlab's task
+    data["slot_mapping"]["jit"] = "yes"  # damaged
+    kept.kept_file().write_text(json.dumps(data))
+    capsys.readouterr()
+    mine = YourEngine(model, tok, p, cal)
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line.startswith("[refused]")] == [
+        "[refused] your slot_mapping (02 Task 1): its record is damaged; kvlab's runs in its place",
+        "[refused] your admission_rule (04 Task 1): written for another version of the task, (num_running, "
+        "budget_left); the task now takes (num_running, max_num_seqs, budget_left, blocks_needed, blocks_free, "
+        "watermark_blocks); kvlab's runs in its place"]
+    assert mine.parts["slot_mapping"] == mine.parts["admission_rule"] == "refused"
+    assert mine.serve(prompts, outs, MAX_LEN)["tokens"] == theirs["tokens"]
+
+
+def test_your_engine_needs_a_paged_plan(setup):
+    model, tok, cal, *_ = setup
+    with pytest.raises(ValueError, match="paged plan"):
+        YourEngine(model, tok, C.plan(model, "static FP16", 10**6, MAX_LEN, block_size=4), cal)
+
+
+@pytest.mark.triton
+def test_your_kernel_parts_decode_as_kvlabs_engine(setup, capsys):
+    """The skeleton kernel with a participant's walk, update and dequantization decodes the INT8 pool (the own
+    token at full precision, folded in by the kernel's log-sum-exp) as kvlab's PyTorch path, token for token."""
+    model, tok, cal, p, prompts, outs, theirs = setup
+    _pass_all(KERNEL_PARTS)
+    few = prompts[:3]
+    kvlabs = C.serve(C.make_engine(model, tok, p, cal), few, [4] * 3, p, MAX_LEN)
+    mine = YourEngine(model, tok, p, cal, kernel=True)
+    assert [mine.parts[n] for n in KERNEL_PARTS] == ["yours"] * 3
+    yours = mine.serve(few, [4] * 3, MAX_LEN)
+    assert mine.compare(kvlabs, yours)["equal"] == 3
+    assert set().union(*mine.ran.values()) == set(KERNEL_PARTS)
