@@ -9,11 +9,15 @@ ran in that step. A part that raises stops your engine's run with one line sayin
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import torch
+
 from kvlab import capstone, kernels
 from kvlab.attention.backends import SkeletonBackend
 from kvlab.cache.paged import BlockManager
 from kvlab.cache.quantized import QuantizedPagedKVCache
-from kvlab.check.kept import kept_names, part
+from kvlab.check.kept import SIGNATURES, kept_names, part
 from kvlab.check.progress import EXERCISES
 from kvlab.check.solutions import reference
 from kvlab.engine import LLM, SamplingParams
@@ -36,6 +40,41 @@ KERNEL_PARTS = {
     "dequant_int8": "decode kernel: INT8 codes back to values",
 }
 _HOOKS = {"slot_mapping": "slot_mapping", "append_slot": "append", "prefix_hits": "prefix_match"}  # BlockManager's names
+
+
+def kept_kernel_parts() -> list[str]:
+    """Notebook 05's parts you have kept (the skeleton kernel runs them in your engine)."""
+    return sorted(set(KERNEL_PARTS) & kept_names())
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _short(x, width: int = 90) -> str:
+    """A call's value in a few words: a tensor by its shape, a long list by its ends."""
+    if isinstance(x, torch.Tensor):
+        return f"tensor{tuple(x.shape)}"
+    if isinstance(x, Mapping):
+        return f"{{{len(x)} cached blocks}}"
+    if callable(x):
+        return getattr(x, "__name__", "a function")
+    if isinstance(x, (list, tuple)) and len(x) > 12 and not any(isinstance(v, (list, tuple)) for v in x):
+        return f"[{', '.join(map(str, x[:4]))}, ... {len(x) - 8} more ..., {', '.join(map(str, x[-4:]))}]"
+    if isinstance(x, tuple):
+        return ", ".join(_short(v, width) for v in x) if len(x) != 1 else _short(x[0], width)
+    if isinstance(x, list):
+        return "[" + ", ".join(_short(v, width) for v in x) + "]"
+    text = repr(x)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _named(name: str, args) -> str:
+    return ", ".join(f"{n}={_short(a)}" for n, a in zip(SIGNATURES[name], args))
 
 
 def _label(name: str) -> str:
@@ -64,6 +103,7 @@ class YourEngine:
             if fn is not None:
                 fns[name] = fn if name in KERNEL_PARTS else self._traced(name, fn)
         self.ran: dict[int, set[str]] = {}  # step -> your parts that ran in it
+        self.disagreed: dict[str, tuple[int, str]] = {}  # part -> (first step it returned other than kvlab's, what)
         self.failure: tuple[int, str, Exception] | None = None
         self.error: str | None = None
         self.token_steps: list[list[int]] = []  # per request, the step that produced each token
@@ -94,17 +134,64 @@ class YourEngine:
                   f"passes its checker; check.mine() lists them)")
 
     def _traced(self, name: str, fn):
-        def run(*args, **kwargs):
+        """``fn`` as the engine calls it: which step ran it, the first step it raised, and (but for
+        schedule_decodes, whose calls act on the pool) whether it returns what kvlab's returns on the same input."""
+        ref = reference(name) if name != "schedule_decodes" else None
+
+        def run(*args):
             step = self.llm.scheduler.step_count
             self.ran.setdefault(step, set()).add(name)
             try:
-                return fn(*args, **kwargs)
+                if ref is None or name in self.disagreed:
+                    return fn(*args)
+                if name == "append_slot":
+                    return self._shadow_append(step, fn, ref, *args)
+                want = ref(*[list(a) if isinstance(a, list) else a for a in args])  # before yours can change them
+                got = fn(*args)
             except Exception as e:
                 if self.failure is None:  # the innermost part that raised (append_slot inside schedule_decodes)
                     self.failure = (step, name, e)
                 raise
+            if not _same(got, want):
+                self._disagree(name, step, args, got, want)
+            return got
         run.__name__ = getattr(fn, "__name__", name)
         return run
+
+    def _shadow_append(self, step, fn, ref, table, num_tokens, block_size, ref_count, take_block):
+        """kvlab's append on a copy of the table (new blocks as placeholders -1, -2, ...), then yours on the real
+        one; the same once the placeholders are read as the blocks yours took, in order."""
+        before, placeholders, taken = list(table), [], []
+        theirs_table = list(table)
+        slot, copy = ref(theirs_table, num_tokens, block_size, ref_count,
+                         lambda: placeholders.append(-1 - len(placeholders)) or placeholders[-1])
+        got = fn(table, num_tokens, block_size, ref_count, lambda: taken.append(take_block()) or taken[-1])
+        args = (before, num_tokens, block_size)
+        if len(taken) != len(placeholders):
+            self.disagreed["append_slot"] = (step, f"for ({_named('append_slot', args)}): kvlab's takes "
+                                                   f"{len(placeholders)} new block(s) here, yours took {len(taken)}")
+            return got
+        real = dict(zip(placeholders, taken))
+        theirs_table = [real.get(b, b) for b in theirs_table]
+        want = (theirs_table[-1] * block_size + num_tokens % block_size,
+                None if copy is None else (copy[0], real.get(copy[1], copy[1])))
+        if not (isinstance(got, tuple) and _same(list(got), list(want)) and table == theirs_table):
+            self._disagree("append_slot", step, args, (got, table), (want, theirs_table))
+        return got
+
+    def _disagree(self, name, step, args, got, want) -> None:
+        if isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor) and got.shape == want.shape:
+            diff = (got != want).nonzero()
+            at = tuple(diff[0].tolist()) if len(diff) else None
+            what = (f"{len(diff):,} of {got.numel():,} values differ, first at {at}: yours {got[at].item()}, "
+                    f"kvlab's {want[at].item()}" if at is not None else f"yours {got.dtype}, kvlab's {want.dtype}")
+        else:
+            what = f"yours {_short(got)}, kvlab's {_short(want)}"
+        self.disagreed[name] = (step, f"for ({_named(name, args)}): {what}")
+
+    def _print_disagreements(self) -> None:
+        for name, (step, what) in sorted(self.disagreed.items(), key=lambda kv: kv[1][0]):
+            print(f"your {name} first returned other than kvlab's in step {step}, {what}")
 
     def serve(self, prompts, output_lens, max_len: int = 512) -> dict | None:
         """:func:`kvlab.capstone.serve` on your engine: the run's measurements (and ``decisions``), or None,
@@ -138,6 +225,7 @@ class YourEngine:
                 self.error = f"your engine stopped in step {step}: {type(e).__name__}: {e}"
             ran = sorted(self.ran.get(step, ()))
             print(f"[stopped] {self.error}" + (f"; your parts in that step: {', '.join(ran)}" if ran else ""))
+            self._print_disagreements()
             return None
         finally:
             llm.on_step = previous
@@ -146,9 +234,13 @@ class YourEngine:
     def compare(self, theirs: dict, yours: dict | None) -> dict:
         """Your run against kvlab's on the same requests: equal answers, the first difference (request, token,
         step, your parts in that step), the scheduler's first different decision, held, steps and time."""
-        out = dict(requests=len(theirs["tokens"]), equal=None, first=None, decision=None)
+        out = dict(requests=len(theirs["tokens"]), equal=None, first=None, decision=None, disagreed=dict(self.disagreed))
+        if yours is theirs:  # nothing of yours: one run was both
+            print("your engine is kvlab's, so its run above is kvlab's too; pass a task of notebooks 02-04 and "
+                  "run this again to see yours beside it")
+            return out
         if yours is None:
-            print(f"your engine: not compared ({self.error})")
+            print("your engine: not compared, it stopped (above)")
             return out
         mine, ref = yours["tokens"], theirs["tokens"]
         out["equal"] = sum(a == b for a, b in zip(mine, ref))
@@ -160,22 +252,24 @@ class YourEngine:
                 firsts.append((steps[min(j, len(steps) - 1)] if steps else 0, i, j))
         d = next(((x, y) for x, y in zip(yours["decisions"], theirs["decisions"]) if x != y), None)
         out["decision"] = d
-        print(f"answers equal to kvlab's, token for token: {out['equal']}/{out['requests']}; held at the limit "
-              f"{yours['held_at_limit']:.1f} (kvlab's {theirs['held_at_limit']:.1f}); {yours['steps']} steps "
-              f"({theirs['steps']}); {yours['wall_s']:.0f} s ({theirs['wall_s']:.0f} s), "
-              f"{yours['output_tok_s']:.0f} tok/s ({theirs['output_tok_s']:.0f})")
+        print(f"your engine against kvlab's on the same {out['requests']} requests: answers equal {out['equal']}/"
+              f"{out['requests']}; held at the limit {yours['held_at_limit']:.1f} (kvlab's {theirs['held_at_limit']:.1f}); "
+              f"{yours['steps']} steps ({theirs['steps']}); {yours['wall_s']:.0f} s ({theirs['wall_s']:.0f} s)")
         if firsts:
             step, i, j = min(firsts)
             ran = sorted(self.ran.get(step, ()))
             out["first"] = dict(request=i, token=j, step=step, parts=ran)
-            print(f"first difference: request {i}, its token {j} (step {step}); your parts in that step: "
-                  f"{', '.join(ran) or 'none'} (one of them, or one in an earlier step, wrote what this step read)")
+            print(f"first difference: request {i}, its token {j}, step {step}; your parts in that step: "
+                  f"{', '.join(ran) or 'none'}")
         if d is not None:
             (s, i, act, why), (_, k, act2, why2) = d
             print(f"the scheduler first decided otherwise in step {s}: yours {act} request {i}{f' ({why})' * bool(why)}, "
-                  f"kvlab's {act2} request {k}{f' ({why2})' * bool(why2)}; your parts in that step: "
-                  f"{', '.join(sorted(self.ran.get(s, ()))) or 'none'}")
+                  f"kvlab's {act2} request {k}{f' ({why2})' * bool(why2)}")
+        self._print_disagreements()
+        if (firsts or d) and not self.disagreed:
+            print("none of your parts returned other than kvlab's on the same input; schedule_decodes and the "
+                  "kernel's parts are not compared call by call")
         return out
 
 
-__all__ = ["YourEngine", "ENGINE_PARTS", "KERNEL_PARTS"]
+__all__ = ["YourEngine", "ENGINE_PARTS", "KERNEL_PARTS", "kept_kernel_parts"]

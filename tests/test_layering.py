@@ -182,10 +182,11 @@ MAX_LIBRARY_LINES, MAX_FILE_LINES = 14_000, 450
 #: _prefill_once, _after_cuts): pass keys 3-4x faster; evaluate's calibration per config (03's sweep)
 #: 17,240 (issue 56 item 1, "your engine"): kvlab/check/kept.py keeps the parts a participant passed
 #: (source, task, version, time), lists and forgets them, and refuses a stale or damaged one by name
-#: 17,500 (issue 56 items 2-3, "your engine"): kvlab/yours.py assembles LLM from the kept parts, serves it and
-#: names the first request, step and part that differ; the skeleton backend (notebook 05's kernel with the
-#: participant's walk/update/dequant inside the engine, the own token folded in by the kernel's log-sum-exp)
-HOUSE_NOW = 17_500
+#: 17,580 (issue 56 items 2-3, "your engine"): kvlab/yours.py assembles LLM from the kept parts, serves it,
+#: names the first request and step that differ and the first call where a part returned other than kvlab's
+#: on the same input; the skeleton backend (notebook 05's kernel with the participant's walk/update/dequant
+#: inside the engine, the own token folded in by the kernel's log-sum-exp)
+HOUSE_NOW = 17_580
 
 
 def _private_uses(path: Path, module: str):

@@ -123,6 +123,27 @@ def chunk_prefills_helped(uncomputed, budget):  # leans on a helper of the noteb
     return chunk_prefills(uncomputed, budget)
 
 
+def quantize_static_narrow(x, scale):  # clamps one code short
+    return torch.clamp(torch.round(x.float() / scale), -126, 126).to(torch.int8)
+
+
+def admission_rule_strict(num_running, max_num_seqs, budget_left, blocks_needed, blocks_free, watermark_blocks):
+    if budget_left <= 0:
+        return "token budget"
+    if num_running >= max_num_seqs - 1:  # one seat short
+        return "seq limit"
+    if blocks_needed > blocks_free - (watermark_blocks if num_running else 0):
+        return "no blocks"
+    return None
+
+
+def append_slot_eager(block_table, num_tokens, block_size, ref_count, take_block):  # a new block one token early
+    if num_tokens % block_size == block_size - 1 or not block_table:
+        block_table.append(take_block())
+        return block_table[-1] * block_size, None
+    return block_table[-1] * block_size + num_tokens % block_size, None
+
+
 def _pass_all(names):
     """Each part through its own checker, as a participant passing the task: the checker keeps it."""
     for name in names:
@@ -155,7 +176,8 @@ def test_every_part_kept_serves_the_capstone_as_kvlabs_engine(capstone, capsys):
     assert yours["decisions"] == theirs["decisions"] and got["decision"] is None
     assert yours["held_at_limit"] == theirs["held_at_limit"] and yours["steps"] == theirs["steps"]
     assert set().union(*mine.ran.values()) == set(ENGINE_PARTS)  # every part ran
-    assert "answers equal to kvlab's, token for token: 48/48" in capsys.readouterr().out
+    assert "your engine against kvlab's on the same 48 requests: answers equal 48/48;" in capsys.readouterr().out
+    assert not mine.disagreed
 
 
 def test_a_planted_part_is_found_by_request_step_and_name(capstone, capsys):
@@ -177,8 +199,13 @@ def test_a_planted_part_is_found_by_request_step_and_name(capstone, capsys):
     for k, (a, b) in enumerate(zip(yours["tokens"], theirs["tokens"])):  # no other request differs earlier
         d = next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), None)
         assert d is None or mine.token_steps[k][d] >= first["step"]
-    assert f"first difference: request {i}, its token {j} (step {first['step']}); your parts in that step: " in out
+    assert f"first difference: request {i}, its token {j}, step {first['step']}; your parts in that step: " in out
     assert "Traceback" not in out
+    # the wrong part named by what it returned: the first call past the eighth block, on kvlab's input
+    assert list(got["disagreed"]) == ["slot_mapping"]
+    step, what = got["disagreed"]["slot_mapping"]
+    assert step <= first["step"] and ", block_size=16, start=128, end=129): yours [" in what
+    assert f"your slot_mapping first returned other than kvlab's in step {step}, for (block_table=[" in out
 
 
 # ---- the tiny model: small workloads, each question on its own ----------------------------------------------
@@ -214,6 +241,23 @@ def test_with_no_kept_parts_your_engine_is_kvlabs_and_says_so(setup, capsys):
     assert yours["tokens"] == theirs["tokens"] and yours["decisions"] == theirs["decisions"] and not mine.ran
 
 
+@pytest.mark.parametrize("name, planted, shows", [
+    ("quantize_static", "quantize_static_narrow", "values differ, first at ("),
+    ("admission_rule", "admission_rule_strict", ": yours 'seq limit', kvlab's None"),
+    ("append_slot", "append_slot_eager", "for (block_table=[")])
+def test_a_part_is_held_to_kvlabs_on_the_inputs_it_gets(setup, capsys, name, planted, shows):
+    """Call by call, each part (but schedule_decodes) is run beside kvlab's on the same input: the first call
+    where they differ is reported with that input, so the wrong part is found by name."""
+    model, tok, cal, p, prompts, outs, theirs = setup
+    kept.keep(name, globals()[planted])
+    mine = YourEngine(model, tok, p.__class__(**{**p.__dict__, "num_blocks": 14, "max_num_seqs": 4}), cal)  # tight
+    got = mine.compare(C.serve(C.make_engine(model, tok, mine.plan, cal), prompts, outs, mine.plan, MAX_LEN),
+                       mine.serve(prompts, outs, MAX_LEN))
+    out = capsys.readouterr().out
+    assert list(got["disagreed"]) == [name] and shows in got["disagreed"][name][1]
+    assert f"your {name} first returned other than kvlab's in step {got['disagreed'][name][0]}, for (" in out
+
+
 def test_a_part_that_raises_stops_the_run_in_one_line(setup, capsys):
     model, tok, cal, p, prompts, outs, theirs = setup
     kept.keep("chunk_prefills", chunk_prefills_raising)
@@ -222,7 +266,7 @@ def test_a_part_that_raises_stops_the_run_in_one_line(setup, capsys):
     out = capsys.readouterr().out
     assert "[stopped] your chunk_prefills raised IndexError in step" in out and "list index out of range" in out
     assert mine.compare(theirs, None)["equal"] is None
-    assert "not compared (your chunk_prefills raised" in capsys.readouterr().out
+    assert "your engine: not compared, it stopped (above)" in capsys.readouterr().out
     kept.keep("chunk_prefills", chunk_prefills_helped)
     mine = YourEngine(model, tok, p, cal)
     assert mine.serve(prompts, outs, MAX_LEN) is None
