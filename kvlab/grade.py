@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvlab.check.kept import ENGINE_TASKS, read_kept
 from kvlab.check.progress import EXERCISES
 
 STATUSES = ("pass", "fail", "not attempted")
@@ -76,6 +77,9 @@ class Row:
     max_score: float = 0.0
     seconds: float = 0.0
     error: str = ""  # what went wrong where the notebook could not run to its end
+    engine: str = ""  # notebook 06's engine from the parts this participant passed: "yes", "no" or "-" (none)
+    engine_detail: str = ""
+    kept: dict = field(default_factory=dict, repr=False)  # task -> the passed part's record (engine tasks)
 
 
 def who_of(path: Path, roots: list[Path]) -> str:
@@ -274,6 +278,9 @@ def grade_one(path, notebook: str, timeout_s: float = DEFAULT_TIMEOUT_S, memory_
         if rc == 0 and out.exists():
             result = json.loads(out.read_text())
             if isinstance(result, dict) and {"tasks", "error", "seconds"} <= set(result):
+                # the engine's parts this submission passed, as the worker's checkers kept them
+                result["kept"] = {t: r for t, r in read_kept(scratch / "kept_parts.json").items()
+                                  if t in ENGINE_TASKS and result["tasks"].get(t, [""])[0] == "pass"}
                 return result
         if rc is not None and rc < 0:  # a signal: the notebook (or the system) killed it
             return {"tasks": {}, "error": f"the worker died: killed by signal {-rc}", "seconds": 0.0}
@@ -319,7 +326,7 @@ def grade(submissions, notebook: str | None = None, timeout_s: float = DEFAULT_T
             result = grade_one(path, nb, timeout_s, memory_gb)
         except Exception as e:  # one submission's trouble stays in its row
             result = {"tasks": {}, "error": f"grading failed: {type(e).__name__}: {str(e)[:200]}", "seconds": 0.0}
-        row.seconds, row.error = result["seconds"], result["error"]
+        row.seconds, row.error, row.kept = result["seconds"], result["error"], result.get("kept", {})
         for task in tasks_of(nb):
             got = result["tasks"].get(task)
             status, hint = got if (isinstance(got, list) and len(got) == 2 and got[0] in STATUSES) else (
@@ -331,7 +338,40 @@ def grade(submissions, notebook: str | None = None, timeout_s: float = DEFAULT_T
             progress(row)
         return row
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(one, files))
+        rows = list(pool.map(one, files))
+    grade_engines(rows, timeout_s)
+    return rows
+
+
+ENGINE_TIMEOUT_S = 300  # the worker's model load and kvlab's own run, then this much more per participant
+
+
+def grade_engines(rows: list[Row], timeout_s: float = ENGINE_TIMEOUT_S, model: str = "smollm2-135m") -> None:
+    """Notebook 06's engine for each participant whose submissions passed one of its parts, assembled from
+    those parts only (never the grader's own kept parts), served beside kvlab's in a worker process:
+    ``row.engine`` "yes" when its answers equal kvlab's token for token, else "no"; "-" with none passed."""
+    kept: dict[str, dict] = {}
+    for r in rows:
+        kept.setdefault(r.who, {}).update(r.kept)
+    job = {who: k for who, k in kept.items() if k}
+    results = {}
+    if job:
+        with tempfile.TemporaryDirectory(prefix="kvlab-engines-") as tmp:
+            src, dst = Path(tmp) / "kept.json", Path(tmp) / "engines.json"
+            src.write_text(json.dumps({"kept": job, "model": model}))
+            env = dict(os.environ, KVLAB_KEPT=str(Path(tmp) / "none.json"), KVLAB_PROGRESS=str(Path(tmp) / "p.json"))
+            try:
+                proc = subprocess.run([sys.executable, "-m", "kvlab.yours", str(src), str(dst)], env=env, cwd=tmp,
+                                      capture_output=True, text=True,
+                                      timeout=ENGINE_TIMEOUT_S + max(timeout_s, 60) * len(job))
+                results = json.loads(dst.read_text()) if proc.returncode == 0 and dst.exists() else {
+                    who: {"engine": "no", "detail": "the engine's worker failed: " + (proc.stderr.strip().splitlines()
+                                                                                     or [""])[-1][:300]} for who in job}
+            except subprocess.TimeoutExpired:
+                results = {who: {"engine": "no", "detail": "the engine's worker ran out of time"} for who in job}
+    for r in rows:
+        got = results.get(r.who, {"engine": "-", "detail": "no part of notebook 06's engine passed"})
+        r.engine, r.engine_detail = got["engine"], got["detail"]
 
 
 def write_csv(rows: list[Row], path) -> Path:
@@ -341,13 +381,14 @@ def write_csv(rows: list[Row], path) -> Path:
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["who", "notebook", "file", *[c for t in tasks for c in (t, f"{t} hint")], "score", "max_score",
-                    "seconds", "error"])
+                    "seconds", "error", "engine", "engine detail"])
         for r in rows:
             cells = []
             for t in tasks:
                 g = r.tasks.get(t)
                 cells += [g["status"], g["hint"]] if g else ["", ""]
-            w.writerow([r.who, r.notebook, r.file, *cells, f"{r.score:g}", f"{r.max_score:g}", f"{r.seconds:.1f}", r.error])
+            w.writerow([r.who, r.notebook, r.file, *cells, f"{r.score:g}", f"{r.max_score:g}", f"{r.seconds:.1f}", r.error,
+                        r.engine, r.engine_detail])
     return path
 
 

@@ -9,30 +9,40 @@ ran in that step. A part that raises stops your engine's run with one line sayin
 
 from __future__ import annotations
 
+import io
+import json
+import os
+import sys
+import tempfile
 from collections.abc import Mapping
+from contextlib import redirect_stdout
+from pathlib import Path
 
 import torch
 
 from kvlab import capstone, kernels
+from kvlab.bench.engine import make_workload
+from kvlab.calibrate import default_calibration
 from kvlab.attention.backends import SkeletonBackend
 from kvlab.cache.paged import BlockManager
 from kvlab.cache.quantized import QuantizedPagedKVCache
-from kvlab.check.kept import SIGNATURES, kept_names, part
+from kvlab.check.kept import ENGINE_TASKS, SIGNATURES, kept_names, part
 from kvlab.check.progress import EXERCISES
 from kvlab.check.solutions import reference
 from kvlab.engine import LLM, SamplingParams
+from kvlab.models import load_model
 from kvlab.quant import named_config
 
 #: the engine's parts a participant writes (notebooks 02-04), each with the place it runs
-ENGINE_PARTS = {
-    "slot_mapping": "block manager: the pool slot of every new token",
-    "append_slot": "block manager: room for each decode's token",
-    "prefix_hits": "block manager: the system prompt's cached blocks",
-    "quantize_static": "INT8 pool: the codes of every K/V write",
-    "admission_rule": "scheduler: who is admitted, who waits",
-    "schedule_decodes": "scheduler: decodes first, preempting from the tail",
-    "chunk_prefills": "scheduler: each step's prefill chunks",
-}
+ENGINE_PARTS = dict(zip(ENGINE_TASKS, (
+    "block manager: the pool slot of every new token",
+    "block manager: room for each decode's token",
+    "block manager: the system prompt's cached blocks",
+    "INT8 pool: the codes of every K/V write",
+    "scheduler: who is admitted, who waits",
+    "scheduler: decodes first, preempting from the tail",
+    "scheduler: each step's prefill chunks",
+)))
 #: notebook 05's parts: the skeleton decode kernel runs them (interpreted on a CPU: a few requests only)
 KERNEL_PARTS = {
     "block_walk": "decode kernel: the block table's walk",
@@ -255,21 +265,78 @@ class YourEngine:
         print(f"your engine against kvlab's on the same {out['requests']} requests: answers equal {out['equal']}/"
               f"{out['requests']}; held at the limit {yours['held_at_limit']:.1f} (kvlab's {theirs['held_at_limit']:.1f}); "
               f"{yours['steps']} steps ({theirs['steps']}); {yours['wall_s']:.0f} s ({theirs['wall_s']:.0f} s)")
+        self._print_disagreements()  # the most telling line first: a part of yours, its input, both answers
         if firsts:
             step, i, j = min(firsts)
             ran = sorted(self.ran.get(step, ()))
             out["first"] = dict(request=i, token=j, step=step, parts=ran)
-            print(f"first difference: request {i}, its token {j}, step {step}; your parts in that step: "
-                  f"{', '.join(ran) or 'none'}")
+            since = min((s for s, _ in self.disagreed.values()), default=None)
+            print(f"the answers first differ at request {i}, its token {j}, step {step}"
+                  + (f" ({step - since} steps after that)" if since is not None and since < step else "")
+                  + f"; your parts in that step: {', '.join(ran) or 'none'}")
         if d is not None:
             (s, i, act, why), (_, k, act2, why2) = d
             print(f"the scheduler first decided otherwise in step {s}: yours {act} request {i}{f' ({why})' * bool(why)}, "
                   f"kvlab's {act2} request {k}{f' ({why2})' * bool(why2)}")
-        self._print_disagreements()
         if (firsts or d) and not self.disagreed:
             print("none of your parts returned other than kvlab's on the same input; schedule_decodes and the "
                   "kernel's parts are not compared call by call")
         return out
 
 
-__all__ = ["YourEngine", "ENGINE_PARTS", "KERNEL_PARTS", "kept_kernel_parts"]
+#: kvlab grade's engine column serves the capstone's longest requests, all at once: tables past 8 blocks,
+#: deferrals and a preemption in notebook 06's INT8 budget, in a few seconds a participant
+GRADE_REQUESTS = 16
+
+
+def grade_engines(kept_by_who: dict, model_name: str = "smollm2-135m") -> dict:
+    """``kvlab grade``'s engine column: for each participant, the engine assembled from the parts their
+    submissions passed (``{who: {task: kept record}}``, as the grader's workers kept them) against kvlab's on
+    notebook 06's plan and its :data:`GRADE_REQUESTS` longest requests. Returns ``{who: {"engine": "yes" |
+    "no", "detail": one line}}``: yes when every answer equals kvlab's, token for token."""
+    model, tok = load_model(model_name)
+    cal = default_calibration(model, tok, model_name, tokens=1024, progress=False)
+    wl = make_workload(tok, **capstone.WORKLOAD)
+    longest = sorted(range(len(wl.prompts)), key=lambda i: -len(wl.prompts[i]) - wl.output_lens[i])[:GRADE_REQUESTS]
+    prompts, outs = [wl.prompts[i] for i in longest], [wl.output_lens[i] for i in longest]
+    p = capstone.plan(model, "paged INT8", 4 * 16 * capstone.block_bytes(model, "fp16")[0], 256, calibration=cal)
+    theirs = capstone.serve(capstone.make_engine(model, tok, p, cal), prompts, outs, p, 256)
+    out, before = {}, os.environ.get("KVLAB_KEPT")
+    with tempfile.TemporaryDirectory() as tmp:
+        for n, (who, records) in enumerate(kept_by_who.items()):
+            path = Path(tmp) / f"kept-{n}.json"
+            path.write_text(json.dumps(records))
+            os.environ["KVLAB_KEPT"] = str(path)  # theirs, never the grader's own
+            lines = io.StringIO()
+            try:
+                with redirect_stdout(lines):
+                    mine = YourEngine(model, tok, p, cal)
+                    got = mine.compare(theirs, mine.serve(prompts, outs, 256)) if mine.mine else None
+            except Exception as e:  # noqa: BLE001 - one participant's trouble stays in their row
+                got, mine = {"equal": None, "first": None}, None
+                lines.write(f"the engine could not be built: {type(e).__name__}: {e}")
+            finally:
+                os.environ.pop("KVLAB_KEPT") if before is None else os.environ.update(KVLAB_KEPT=before)
+            said = [line for line in lines.getvalue().splitlines() if line.strip()]
+            if got is None:  # every kept record refused: nothing of theirs to run
+                out[who] = {"engine": "-", "detail": "; ".join(said)[:600]}
+                continue
+            ok = got["equal"] == len(prompts) and got["first"] is None
+            head = f"{len(mine.mine)} of {len(mine.parts)} parts theirs" if mine is not None else ""
+            out[who] = {"engine": "yes" if ok else "no", "detail": "; ".join(x for x in [head] + said[1:] if x)[:600]}
+    return out
+
+
+def _grade_main(argv) -> int:
+    """``python -m kvlab.yours IN OUT``: :func:`grade_engines` in a process of its own (kvlab grade's worker)."""
+    src, dst = argv
+    job = json.loads(Path(src).read_text())
+    Path(dst).write_text(json.dumps(grade_engines(job["kept"], job.get("model", "smollm2-135m"))))
+    return 0
+
+
+__all__ = ["YourEngine", "ENGINE_PARTS", "KERNEL_PARTS", "kept_kernel_parts", "grade_engines", "GRADE_REQUESTS"]
+
+
+if __name__ == "__main__":
+    sys.exit(_grade_main(sys.argv[1:]))

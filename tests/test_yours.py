@@ -199,13 +199,14 @@ def test_a_planted_part_is_found_by_request_step_and_name(capstone, capsys):
     for k, (a, b) in enumerate(zip(yours["tokens"], theirs["tokens"])):  # no other request differs earlier
         d = next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), None)
         assert d is None or mine.token_steps[k][d] >= first["step"]
-    assert f"first difference: request {i}, its token {j}, step {first['step']}; your parts in that step: " in out
+    assert f"the answers first differ at request {i}, its token {j}, step {first['step']} (" in out
     assert "Traceback" not in out
     # the wrong part named by what it returned: the first call past the eighth block, on kvlab's input
     assert list(got["disagreed"]) == ["slot_mapping"]
     step, what = got["disagreed"]["slot_mapping"]
     assert step <= first["step"] and ", block_size=16, start=128, end=129): yours [" in what
     assert f"your slot_mapping first returned other than kvlab's in step {step}, for (block_table=[" in out
+    assert out.index("your slot_mapping first returned") < out.index("the answers first differ")
 
 
 # ---- the tiny model: small workloads, each question on its own ----------------------------------------------

@@ -46,6 +46,9 @@ SIGNATURES = {
 }
 _FIELDS = {"name": str, "source": str, "signature": list, "jit": bool, "kvlab": str, "kept": str}
 KERNEL_TASKS = ("block_walk", "online_softmax_update", "dequant_int8")  # @triton.jit parts (notebook 05)
+#: the parts notebook 06's engine plugs in (kvlab.yours), in the order it lists them
+ENGINE_TASKS = ("slot_mapping", "append_slot", "prefix_hits", "quantize_static", "admission_rule", "schedule_decodes",
+                "chunk_prefills")
 
 
 def kept_file() -> Path:
@@ -55,6 +58,11 @@ def kept_file() -> Path:
 
 def _load() -> dict:
     return read_record(kept_file(), "kept parts file", set_aside=True)  # the participant's code is in it
+
+
+def read_kept(path) -> dict:
+    """The records of a kept parts file (kvlab grade reads each submission's), {} if none or unreadable."""
+    return read_record(Path(path), "kept parts file")
 
 
 def _save(data: dict, what: str) -> bool:

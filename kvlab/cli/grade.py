@@ -37,8 +37,8 @@ def cmd_grade(args) -> int:
     if args.nbgrader:
         G.write_nbgrader_csv(rows, args.nbgrader)
     failed = [r for r in rows if r.error]
-    lines = [f"{r.who:<16} {r.notebook:<24} {r.score:g}/{r.max_score:g}  {r.seconds:6.1f} s"
+    lines = [f"{r.who:<16} {r.notebook:<24} {r.score:g}/{r.max_score:g}  {r.seconds:6.1f} s  engine {r.engine}"
              + (f"  ({r.error})" if r.error else "") for r in rows]
     lines.append(f"{len(rows)} submissions graded into {args.out}; {len(failed)} could not run to the end")
-    emit({"rows": [r.__dict__ for r in rows], "out": args.out}, args.json, lines)
+    emit({"rows": [{k: v for k, v in r.__dict__.items() if k != "kept"} for r in rows], "out": args.out}, args.json, lines)
     return 0

@@ -1,0 +1,99 @@
+"""`kvlab grade`'s engine column (issue 56 item 4): notebook 06's engine assembled from the parts each
+participant's submissions passed, served beside kvlab's: "yes" when every answer equals kvlab's, token for
+token; built from the submissions' own functions, never from the kept parts of the grader's home."""
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from kvlab import grade as G
+from kvlab.check import kept
+from kvlab.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+SOLVED = {
+    "slot_mapping": "    return [block_table[t // block_size] * block_size + t % block_size for t in range(start, end)]\n",
+    "append_slot": ("    copy = None\n    if num_tokens % block_size == 0:\n        block_table.append(take_block())\n"
+                    "    elif ref_count(block_table[-1]) > 1:\n        copy = (block_table[-1], take_block())\n"
+                    "        block_table[-1] = copy[1]\n"
+                    "    return block_table[-1] * block_size + num_tokens % block_size, copy\n"),
+    "prefix_hits": ("    hits, key = [], None\n    for i in range((len(token_ids) - 1) // block_size):\n"
+                    "        key = block_hash(key, token_ids[i * block_size:(i + 1) * block_size])\n"
+                    "        if key not in cached:\n            break\n        hits.append(cached[key])\n    return hits\n"),
+    "quantize_static": "    return torch.clamp(torch.round(x.float() / scale), -127, 127).to(torch.int8)\n",
+    "admission_rule": ("    if budget_left <= 0:\n        return 'token budget'\n    if num_running >= max_num_seqs:\n"
+                       "        return 'seq limit'\n"
+                       "    if blocks_needed > blocks_free - (watermark_blocks if num_running else 0):\n"
+                       "        return 'no blocks'\n    return None\n"),
+    "chunk_prefills": ("    out = []\n    for n in uncomputed:\n        out.append(min(n, budget))\n"
+                       "        budget -= out[-1]\n    return out\n"),
+}
+
+
+def _submission(notebook: str, solved) -> dict:
+    """The notebook cut to its title, its set-up cell and its task cells, the ``solved`` ones answered."""
+    nb = json.loads((ROOT / "notebooks" / f"{notebook}.ipynb").read_text())
+    tasks = []
+    for cell in nb["cells"]:
+        src = "".join(cell["source"])
+        if cell["cell_type"] == "code" and "    raise NotImplementedError" in src:
+            name = src.split("def ", 1)[1].split("(", 1)[0]
+            if name in solved:
+                head, _, rest = src.partition("    raise NotImplementedError")
+                src = head + SOLVED[name] + rest.split("\n", 1)[1]
+            tasks.append({**cell, "source": src, "outputs": []})
+    setup = {**nb["cells"][1], "source": "".join(nb["cells"][1]["source"]) + "\nfrom kvlab import check\nimport torch\n"}
+    nb["cells"] = [nb["cells"][0], setup] + tasks
+    return nb
+
+
+def test_the_engine_column_is_built_from_the_submissions_own_parts(tmp_path, monkeypatch):
+    folder = tmp_path / "submissions"
+    plant = {"alice": {"02_paged_blocks": ["slot_mapping", "append_slot", "prefix_hits"],
+                       "04_continuous_batching": ["admission_rule", "chunk_prefills"]},
+             "bob": {"02_paged_blocks": []}}
+    for who, books in plant.items():
+        (folder / who).mkdir(parents=True)
+        for book, solved in books.items():
+            (folder / who / f"{book}.ipynb").write_text(json.dumps(_submission(book, solved)))
+    # the grader's own home keeps a wrong slot mapping: no participant's engine may pick it up
+    home = tmp_path / "home-kept.json"
+    monkeypatch.setenv("KVLAB_KEPT", str(home))
+
+    def slot_mapping(block_table, block_size, start, end):
+        return [0] * (end - start)
+    kept.keep("slot_mapping", slot_mapping)
+    assert "slot_mapping" in json.loads(home.read_text())
+    out = tmp_path / "grades.csv"
+    assert main(["grade", str(folder), "--out", str(out), "--timeout", "120", "--jobs", "2"]) == 0
+    rows = list(csv.DictReader(out.open()))
+    by = {(r["who"], r["notebook"]): r for r in rows}
+    alice = by["alice", "02_paged_blocks"]
+    assert alice["slot_mapping"] == alice["append_slot"] == alice["prefix_hits"] == "pass"
+    assert by["alice", "04_continuous_batching"]["schedule_decodes"] == "not attempted"
+    for book in plant["alice"]:
+        r = by["alice", book]
+        assert r["engine"] == "yes", r["engine detail"]
+        assert r["engine detail"].startswith("5 of 7 parts theirs; your engine against kvlab's on the same "
+                                             f"{16} requests: answers equal 16/16")
+    bob = by["bob", "02_paged_blocks"]
+    assert bob["slot_mapping"] == "not attempted" and bob["engine"] == "-"
+    assert json.loads(home.read_text()).keys() == {"slot_mapping"}  # the grader's file is untouched
+
+
+def test_a_part_that_changes_the_tokens_grades_no(tmp_path, monkeypatch):
+    """A kept part that passed an earlier checker (a mapping capped at 8 blocks) but changes the answers."""
+    import sys
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_yours import slot_mapping_capped  # noqa: E402
+
+    monkeypatch.setenv("KVLAB_KEPT", str(tmp_path / "k.json"))
+    kept.keep("slot_mapping", slot_mapping_capped)
+    rows = [G.Row(who="carol", file="x", kept=json.loads((tmp_path / "k.json").read_text())),
+            G.Row(who="dave", file="y")]
+    G.grade_engines(rows)
+    assert rows[0].engine == "no" and "the answers first differ at request" in rows[0].engine_detail
+    assert "your slot_mapping first returned other than kvlab's in step" in rows[0].engine_detail
+    assert rows[1].engine == "-"
