@@ -29,10 +29,10 @@ from kvlab.kernels.decode import dot  # noqa: E402
 
 
 @triton.jit
-def _skeleton_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr, sm_scale,
-                     s_qb, s_qh, s_table, s_blk, s_tok, s_head,
+def _skeleton_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out_ptr, kown_ptr, vown_ptr,
+                     sm_scale, s_qb, s_qh, s_table, s_blk, s_tok, s_head,
                      WALK: tl.constexpr, UPDATE: tl.constexpr, DEQUANT: tl.constexpr, QUANT: tl.constexpr,
-                     LSE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                     OWN: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                      BLOCK_SIZE: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)  # one KV head and the G query heads that share it
@@ -56,18 +56,25 @@ def _skeleton_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, o
         s = dot(q, tl.trans(k.to(tl.float32))) * sm_scale  # (G_PAD, BLOCK_SIZE)
         s = tl.where(mask[None, :], s, float("-inf"))
         m, l, acc = UPDATE(m, l, acc, s, v.to(tl.float32), ones)
+    if OWN:  # the new token at full precision, not read from the pages: one more tile, its first slot only
+        first = tl.arange(0, BLOCK_SIZE) < 1
+        own = (seq * tl.num_programs(1) + head) * D + offs_d[None, :] + 0 * tl.arange(0, BLOCK_SIZE)[:, None]
+        k1 = tl.load(kown_ptr + own, mask=first[:, None], other=0.0).to(tl.float32)  # (BLOCK_SIZE, D)
+        v1 = tl.load(vown_ptr + own, mask=first[:, None], other=0.0).to(tl.float32)
+        s1 = tl.where(first[None, :], dot(q, tl.trans(k1)) * sm_scale, float("-inf"))
+        m, l, acc = UPDATE(m, l, acc, s1, v1, ones)
     out = acc / l[:, None]
     tl.store(out_ptr + seq * s_qb + rows[:, None] * s_qh + offs_d[None, :], out, mask=offs_g[:, None] < G)
-    if LSE:  # log of the softmax's denominator: lets the caller fold in keys the kernel did not read
-        tl.store(lse_ptr + seq * (G * tl.num_programs(1)) + rows, m + tl.log(l), mask=offs_g < G)
 
 
 def skeleton_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None, *, walk, update, dequant=None, return_lse: bool = False):
+                    v_scale: torch.Tensor | None = None, *, walk, update, dequant=None, k_own=None,
+                    v_own=None) -> torch.Tensor:
     """q (B, H_q, D); k, v (num_blocks, block_size, H_kv, D), float or int8 with per-head scales (H_kv,);
-    block_tables (B, max_blocks) int32; seq_lens (B,). Returns (B, H_q, D) fp32, NaN where unwritten, and
-    with ``return_lse`` also (B, H_q) fp32, the log of each row's softmax denominator (m + log l).
+    block_tables (B, max_blocks) int32; seq_lens (B,). Returns (B, H_q, D) fp32, NaN where unwritten.
+    ``k_own``, ``v_own`` (B, H_kv, D): one more key and value per sequence after its ``seq_lens`` cached
+    ones, at full precision (the engine's new token over an INT8 pool), folded in by ``update`` too.
     ``walk``, ``update``, ``dequant``: ``@triton.jit`` functions (module docstring); ``dequant`` only for
     int8 pages. Notebook 05 hands in yours, or kvlab's through ``check.use`` until yours passes."""
     b, h_q, d = q.shape
@@ -80,17 +87,19 @@ def skeleton_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tab
         raise ValueError("int8 pages need dequant=: a @triton.jit (codes, scale) -> fp32 values (Task 3)")
     g = h_q // h_kv
     out = torch.full((b, h_q, d), float("nan"), dtype=torch.float32, device=q.device)
-    lse = torch.full((b, h_q), float("nan"), dtype=torch.float32, device=q.device)
+    own = k_own is not None
+    if own != (v_own is not None) or (own and (k_own.shape != (b, h_kv, d) or v_own.shape != k_own.shape)):
+        raise ValueError(f"k_own and v_own come together, each (B, H_kv, D) = {(b, h_kv, d)}")
     one = torch.ones(h_kv, dtype=torch.float32, device=q.device)
     table = block_tables.to(torch.int32).contiguous()
     q = q.float().contiguous()
     _skeleton_kernel[(b, h_kv)](
         q, k.contiguous(), v.contiguous(), (k_scale if quant else one).float().contiguous(),
-        (v_scale if quant else one).float().contiguous(), table, seq_lens.to(torch.int32).contiguous(), out, lse,
-        scale, q.stride(0), q.stride(1), table.stride(0), k.stride(0), k.stride(1), k.stride(2),
-        WALK=walk, UPDATE=update, DEQUANT=dequant, QUANT=quant, LSE=return_lse, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d,
+        (v_scale if quant else one).float().contiguous(), table, seq_lens.to(torch.int32).contiguous(), out,
+        (k_own if own else q).float().contiguous(), (v_own if own else q).float().contiguous(), scale, q.stride(0), q.stride(1), table.stride(0), k.stride(0), k.stride(1), k.stride(2),
+        WALK=walk, UPDATE=update, DEQUANT=dequant, QUANT=quant, OWN=own, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d,
         BLOCK_SIZE=bs)
-    return (out, lse) if return_lse else out
+    return out
 
 
 @triton.jit

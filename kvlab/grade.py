@@ -339,36 +339,46 @@ def grade(submissions, notebook: str | None = None, timeout_s: float = DEFAULT_T
         return row
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         rows = list(pool.map(one, files))
-    grade_engines(rows, timeout_s)
+    try:
+        grade_engines(rows, timeout_s, jobs=jobs, memory_gb=memory_gb)
+    except Exception as e:  # the notebooks' grades stand whatever happens to the engine column
+        for r in rows:
+            r.engine, r.engine_detail = "?", f"the engine column failed: {type(e).__name__}: {str(e)[:200]}"
     return rows
 
 
-ENGINE_TIMEOUT_S = 300  # the worker's model load and kvlab's own run, then this much more per participant
+ENGINE_TIMEOUT_S = 300  # one participant's engine: the model, kvlab's own run and theirs (about 20 s on 2 cores)
 
 
-def grade_engines(rows: list[Row], timeout_s: float = ENGINE_TIMEOUT_S, model: str = "smollm2-135m") -> None:
+def grade_engines(rows: list[Row], timeout_s: float = ENGINE_TIMEOUT_S, model: str = "smollm2-135m", jobs: int = 1,
+                  memory_gb: float | None = DEFAULT_MEMORY_GB) -> None:
     """Notebook 06's engine for each participant whose submissions passed one of its parts, assembled from
-    those parts only (never the grader's own kept parts), served beside kvlab's in a worker process:
-    ``row.engine`` "yes" when its answers equal kvlab's token for token, else "no"; "-" with none passed."""
+    those parts only (never the grader's own kept parts), served beside kvlab's in a worker of its own:
+    ``row.engine`` "yes" when its answers equal kvlab's token for token, "no" when not, "-" with no part
+    passed, "?" when the worker itself failed (the detail says how)."""
     kept: dict[str, dict] = {}
     for r in rows:
         kept.setdefault(r.who, {}).update(r.kept)
-    job = {who: k for who, k in kept.items() if k}
-    results = {}
-    if job:
-        with tempfile.TemporaryDirectory(prefix="kvlab-engines-") as tmp:
-            src, dst = Path(tmp) / "kept.json", Path(tmp) / "engines.json"
-            src.write_text(json.dumps({"kept": job, "model": model}))
+
+    def one(who: str) -> dict:
+        with tempfile.TemporaryDirectory(prefix="kvlab-engine-") as tmp:
+            src, dst = Path(tmp) / "kept.json", Path(tmp) / "engine.json"
+            src.write_text(json.dumps({"kept": {who: kept[who]}, "model": model}))
             env = dict(os.environ, KVLAB_KEPT=str(Path(tmp) / "none.json"), KVLAB_PROGRESS=str(Path(tmp) / "p.json"))
             try:
                 proc = subprocess.run([sys.executable, "-m", "kvlab.yours", str(src), str(dst)], env=env, cwd=tmp,
-                                      capture_output=True, text=True,
-                                      timeout=ENGINE_TIMEOUT_S + max(timeout_s, 60) * len(job))
-                results = json.loads(dst.read_text()) if proc.returncode == 0 and dst.exists() else {
-                    who: {"engine": "no", "detail": "the engine's worker failed: " + (proc.stderr.strip().splitlines()
-                                                                                     or [""])[-1][:300]} for who in job}
+                                      capture_output=True, text=True, timeout=max(timeout_s, ENGINE_TIMEOUT_S),
+                                      preexec_fn=(lambda: _limit_memory(memory_gb)) if memory_gb else None)
             except subprocess.TimeoutExpired:
-                results = {who: {"engine": "no", "detail": "the engine's worker ran out of time"} for who in job}
+                return {"engine": "?", "detail": f"the engine's worker ran past {max(timeout_s, ENGINE_TIMEOUT_S):.0f} s"}
+            if proc.returncode == 0 and dst.exists():
+                return json.loads(dst.read_text())[who]
+            why = (proc.stderr.strip().splitlines() or [f"status {proc.returncode}"])[-1][:300]
+            return {"engine": "?", "detail": f"the engine's worker failed: {why}"}
+
+    job = [who for who, k in kept.items() if k]
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = dict(zip(job, pool.map(one, job)))
     for r in rows:
         got = results.get(r.who, {"engine": "-", "detail": "no part of notebook 06's engine passed"})
         r.engine, r.engine_detail = got["engine"], got["detail"]

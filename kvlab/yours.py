@@ -10,11 +10,12 @@ ran in that step. A part that raises stops your engine's run with one line sayin
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -57,12 +58,31 @@ def kept_kernel_parts() -> list[str]:
     return sorted(set(KERNEL_PARTS) & kept_names())
 
 
+def _quiet(ref, *args):
+    """kvlab's answer as ``(value,)``, or None where kvlab's own refuses the input (then nothing is compared)."""
+    try:
+        return (ref(*args),)
+    except Exception:  # noqa: BLE001 - only a comparison is lost
+        return None
+
+
+def _plain(x):
+    """Lists of Python values: a tuple, a tensor, a numpy array compare as the list they hold."""
+    if hasattr(x, "tolist") and not isinstance(x, (list, tuple)):
+        return x.tolist()
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
 def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
+    """Your part's answer and kvlab's: tensors exactly (dtype too), anything else as plain lists of values."""
+    try:
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return bool(_plain(a) == _plain(b))
+    except Exception:  # noqa: BLE001 - values that do not compare are not the same
+        return False
 
 
 def _short(x, width: int = 90) -> str:
@@ -151,41 +171,55 @@ class YourEngine:
         def run(*args):
             step = self.llm.scheduler.step_count
             self.ran.setdefault(step, set()).add(name)
-            try:
-                if ref is None or name in self.disagreed:
-                    return fn(*args)
-                if name == "append_slot":
-                    return self._shadow_append(step, fn, ref, *args)
-                want = ref(*[list(a) if isinstance(a, list) else a for a in args])  # before yours can change them
-                got = fn(*args)
-            except Exception as e:
-                if self.failure is None:  # the innermost part that raised (append_slot inside schedule_decodes)
-                    self.failure = (step, name, e)
-                raise
-            if not _same(got, want):
-                self._disagree(name, step, args, got, want)
+            shadow = ref is not None and name not in self.disagreed
+            if shadow and name == "append_slot":
+                return self._shadow_append(step, fn, ref, *args)
+            copies = [list(a) if isinstance(a, list) else a for a in args]  # the input, before yours can change it
+            want = _quiet(ref, *copies) if shadow else None  # kvlab's, on the same input (None: it refused it)
+            got = self._call(step, name, fn, *args)
+            if isinstance(got, Iterator):  # a generator: read once, here, and handed on as a list
+                got = list(got)
+            if shadow and want is not None and not _same(got, want[0]):
+                self._disagree(name, step, copies, got, want[0])
             return got
         run.__name__ = getattr(fn, "__name__", name)
         return run
+
+    def _call(self, step, name, fn, *args):
+        """Your part; if it raises, the step and the part are noted, but only where the error is its own (the
+        innermost frame in your code), not kvlab's answering something it handed back."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            tb = e.__traceback__
+            while tb.tb_next is not None:
+                tb = tb.tb_next
+            if self.failure is None and tb.tb_frame.f_code.co_filename.startswith("<your "):
+                self.failure = (step, name, e)
+            raise
 
     def _shadow_append(self, step, fn, ref, table, num_tokens, block_size, ref_count, take_block):
         """kvlab's append on a copy of the table (new blocks as placeholders -1, -2, ...), then yours on the real
         one; the same once the placeholders are read as the blocks yours took, in order."""
         before, placeholders, taken = list(table), [], []
         theirs_table = list(table)
-        slot, copy = ref(theirs_table, num_tokens, block_size, ref_count,
-                         lambda: placeholders.append(-1 - len(placeholders)) or placeholders[-1])
-        got = fn(table, num_tokens, block_size, ref_count, lambda: taken.append(take_block()) or taken[-1])
+        want = _quiet(ref, theirs_table, num_tokens, block_size, ref_count,
+                      lambda: placeholders.append(-1 - len(placeholders)) or placeholders[-1])
+        got = self._call(step, "append_slot", fn, table, num_tokens, block_size, ref_count,
+                         lambda: taken.append(take_block()) or taken[-1])
         args = (before, num_tokens, block_size)
+        if want is None:
+            return got
         if len(taken) != len(placeholders):
             self.disagreed["append_slot"] = (step, f"for ({_named('append_slot', args)}): kvlab's takes "
                                                    f"{len(placeholders)} new block(s) here, yours took {len(taken)}")
             return got
         real = dict(zip(placeholders, taken))
+        slot, copy = want[0]
         theirs_table = [real.get(b, b) for b in theirs_table]
         want = (theirs_table[-1] * block_size + num_tokens % block_size,
                 None if copy is None else (copy[0], real.get(copy[1], copy[1])))
-        if not (isinstance(got, tuple) and _same(list(got), list(want)) and table == theirs_table):
+        if not (isinstance(got, (tuple, list)) and _same(got, want) and table == theirs_table):
             self._disagree("append_slot", step, args, (got, table), (want, theirs_table))
         return got
 
@@ -210,6 +244,7 @@ class YourEngine:
         reads = capstone.DecodeReads(llm)
         ids = llm.add_requests(prompts, [SamplingParams(max_tokens=o, ignore_eos=True) for o in output_lens])
         self.token_steps = [[] for _ in ids]
+        self.ran, self.disagreed, self.failure, self.error = {}, {}, None, None  # this run's only
         previous = llm.on_step
 
         def on_step(stats):
@@ -260,7 +295,8 @@ class YourEngine:
             if j is not None:
                 steps = self.token_steps[i]
                 firsts.append((steps[min(j, len(steps) - 1)] if steps else 0, i, j))
-        d = next(((x, y) for x, y in zip(yours["decisions"], theirs["decisions"]) if x != y), None)
+        pairs = itertools.zip_longest(yours["decisions"], theirs["decisions"], fillvalue=(None, None, "nothing", ""))
+        d = next(((x, y) for x, y in pairs if x != y), None)
         out["decision"] = d
         print(f"your engine against kvlab's on the same {out['requests']} requests: answers equal {out['equal']}/"
               f"{out['requests']}; held at the limit {yours['held_at_limit']:.1f} (kvlab's {theirs['held_at_limit']:.1f}); "
@@ -275,7 +311,8 @@ class YourEngine:
                   + (f" ({step - since} steps after that)" if since is not None and since < step else "")
                   + f"; your parts in that step: {', '.join(ran) or 'none'}")
         if d is not None:
-            (s, i, act, why), (_, k, act2, why2) = d
+            (s, i, act, why), (s2, k, act2, why2) = d
+            s = s if s is not None else s2
             print(f"the scheduler first decided otherwise in step {s}: yours {act} request {i}{f' ({why})' * bool(why)}, "
                   f"kvlab's {act2} request {k}{f' ({why2})' * bool(why2)}")
         if (firsts or d) and not self.disagreed:
@@ -284,6 +321,8 @@ class YourEngine:
         return out
 
 
+#: the lines of ours a grade's detail keeps (a participant's part may print too)
+_REPORT = ("[refused]", "[stopped]", "your ", "the answers", "the scheduler", "none of your", "the engine could")
 #: kvlab grade's engine column serves the capstone's longest requests, all at once: tables past 8 blocks,
 #: deferrals and a preemption in notebook 06's INT8 budget, in a few seconds a participant
 GRADE_REQUESTS = 16
@@ -319,11 +358,12 @@ def grade_engines(kept_by_who: dict, model_name: str = "smollm2-135m") -> dict:
                 os.environ.pop("KVLAB_KEPT") if before is None else os.environ.update(KVLAB_KEPT=before)
             said = [line for line in lines.getvalue().splitlines() if line.strip()]
             if got is None:  # every kept record refused: nothing of theirs to run
-                out[who] = {"engine": "-", "detail": "; ".join(said)[:600]}
+                out[who] = {"engine": "-", "detail": "; ".join(x for x in said if x.startswith("[refused]"))[:600]}
                 continue
             ok = got["equal"] == len(prompts) and got["first"] is None
             head = f"{len(mine.mine)} of {len(mine.parts)} parts theirs" if mine is not None else ""
-            out[who] = {"engine": "yes" if ok else "no", "detail": "; ".join(x for x in [head] + said[1:] if x)[:600]}
+            said = [x for x in said if x.startswith(_REPORT) and not x.startswith("your engine:")]  # not their prints
+            out[who] = {"engine": "yes" if ok else "no", "detail": "; ".join(x for x in [head] + said if x)[:600]}
     return out
 
 

@@ -43,6 +43,10 @@ def _longest_first(item) -> tuple:
     return (0, -int(re.match(r"\d+", notebook)[0]), item.path.suffix == ".ipynb")
 
 
+#: modules whose tests share a module fixture that costs seconds (notebook 06's capstone served by kvlab's engine)
+SHARED_SETUP = ("tests/test_yours.py",)
+
+
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: without xdist it is never called
 def pytest_xdist_make_scheduler(config, log):
     """``pytest -n N`` (``make test``): a notebook's nbval cells run in order in one kernel, so they
@@ -56,6 +60,9 @@ def pytest_xdist_make_scheduler(config, log):
     class NotebookScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             notebook = _notebook_of(nodeid)
+            module = nodeid.partition("::")[0]
+            if module in SHARED_SETUP:  # one worker builds the module's costly fixture once
+                return module
             return f"notebook {notebook}" if notebook else nodeid
 
     config.option.loadscopereorder = False

@@ -180,3 +180,12 @@ def test_the_signatures_are_the_notebooks_stubs():
                     if task in kept.SIGNATURES and task not in found:
                         found[task] = tuple(a.arg for a in node.args.args)
     assert found == kept.SIGNATURES
+
+
+def test_a_changed_control_flow_is_not_the_code_that_passed():
+    """Jumps compare by where they land: a statement moved out of an if is another function."""
+    src = "def f(x):\n    if x:\n        x = x + 1\n        x = x * 2\n    return x\n"
+    moved = "def f(x):\n    if x:\n        x = x + 1\n    x = x * 2\n    return x\n"
+    ns = {}
+    exec(compile(src, "<f>", "exec"), ns)
+    assert kept._same_code(src, ns["f"]) and not kept._same_code(moved, ns["f"])

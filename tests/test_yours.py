@@ -41,6 +41,15 @@ if kernels.available():
     def dequant_int8(codes, scale):
         return codes.to(tl.float32) * scale
 
+    @triton.jit
+    def update_base2(m, l, acc, s, v, v_scale):  # the Triton tutorial's way: m in log2 units, exp2
+        t = s * 1.4426950408889634
+        m_new = tl.maximum(m, tl.max(t, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(t - m_new[:, None])
+        acc = acc * alpha[:, None] + tl.sum((p * v_scale[None, :])[:, :, None] * v[None, :, :], axis=1)
+        return m_new, l * alpha + tl.sum(p, axis=1), acc
+
 
 # ---- a participant's answers, as they would write them in notebooks 02-04 ---------------------------------
 
@@ -142,6 +151,22 @@ def append_slot_eager(block_table, num_tokens, block_size, ref_count, take_block
         block_table.append(take_block())
         return block_table[-1] * block_size, None
     return block_table[-1] * block_size + num_tokens % block_size, None
+
+
+def slot_mapping_gen(block_table, block_size, start, end):  # a generator: right, read once
+    return (block_table[t // block_size] * block_size + t % block_size for t in range(start, end))
+
+
+def append_slot_list(block_table, num_tokens, block_size, ref_count, take_block):  # a list, not a tuple
+    if num_tokens % block_size == 0:
+        block_table.append(take_block())
+    return [block_table[-1] * block_size + num_tokens % block_size, None]
+
+
+def append_slot_off(block_table, num_tokens, block_size, ref_count, take_block):  # one slot too far on
+    if num_tokens % block_size == 0:
+        block_table.append(take_block())
+    return block_table[-1] * block_size + num_tokens % block_size + 1, None
 
 
 def _pass_all(names):
@@ -259,6 +284,29 @@ def test_a_part_is_held_to_kvlabs_on_the_inputs_it_gets(setup, capsys, name, pla
     assert f"your {name} first returned other than kvlab's in step {got['disagreed'][name][0]}, for (" in out
 
 
+def test_right_answers_in_other_shapes_are_not_called_different(setup, capsys):
+    """A generator of slots, an (slot, copy) list: what the engine accepts, the comparison accepts too."""
+    model, tok, cal, p, prompts, outs, theirs = setup
+    for name, fn in (("slot_mapping", slot_mapping_gen), ("append_slot", append_slot_list)):
+        kept.keep(name, fn)
+    mine = YourEngine(model, tok, p, cal)
+    got = mine.compare(theirs, mine.serve(prompts, outs, MAX_LEN))
+    assert got["equal"] == len(prompts) and not got["disagreed"], capsys.readouterr().out
+
+
+def test_an_error_is_blamed_on_the_part_that_raised_it(setup, capsys):
+    """kvlab's own check refusing what your append_slot returned, inside your schedule_decodes' call of append:
+    the engine stopped, not your schedule_decodes raising; your append_slot's answer is named."""
+    model, tok, cal, p, prompts, outs, theirs = setup
+    _pass_all(["schedule_decodes"])
+    kept.keep("append_slot", append_slot_off)
+    mine = YourEngine(model, tok, p, cal)
+    assert mine.serve(prompts, outs, MAX_LEN) is None
+    out = capsys.readouterr().out
+    assert "[stopped] your engine stopped in step" in out and "your schedule_decodes raised" not in out
+    assert "your append_slot first returned other than kvlab's in step" in out
+
+
 def test_a_part_that_raises_stops_the_run_in_one_line(setup, capsys):
     model, tok, cal, p, prompts, outs, theirs = setup
     kept.keep("chunk_prefills", chunk_prefills_raising)
@@ -313,3 +361,7 @@ def test_your_kernel_parts_decode_as_kvlabs_engine(setup, capsys):
     yours = mine.serve(few, [4] * 3, MAX_LEN)
     assert mine.compare(kvlabs, yours)["equal"] == 3
     assert set().union(*mine.ran.values()) == set(KERNEL_PARTS)
+    # an update in base 2 (the Triton tutorial's) passes its checker and folds the own token in alike
+    assert check.online_softmax_update(update_base2)
+    mine = YourEngine(model, tok, p, cal, kernel=True)
+    assert mine.compare(kvlabs, mine.serve(few, [4] * 3, MAX_LEN))["equal"] == 3

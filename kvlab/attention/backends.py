@@ -139,8 +139,8 @@ class TritonBackend(AttentionBackend):
 class SkeletonBackend(AttentionBackend):
     """Decodes through notebook 05's skeleton kernel with the ``walk``, ``update`` and ``dequant`` it is
     handed (a participant's, notebook 06's "your engine"); writes and prefills as the reference backend.
-    Over an INT8 pool the kernel reads the cached context and the own new token joins at full precision,
-    as in the spec, merged by the kernel's log-sum-exp. Interpreted on a CPU: a few requests only."""
+    Over an INT8 pool the kernel reads the cached context and folds the own new token in at full precision,
+    as in the spec, with the same ``update``. Interpreted on a CPU: a few requests only."""
 
     name = "skeleton"
     batched_decode = True
@@ -162,15 +162,10 @@ class SkeletonBackend(AttentionBackend):
         if not pool.is_quantized:  # the own token is in the pages already, at the pool's precision
             return kernels.skeleton.skeleton_decode(q, *pool.layer_pages(layer), index.table, index.seq_lens, scale,
                                                     **fns).to(q.dtype)
-        ks, vs = pool.k[layer], pool.v[layer]
-        out, lse = kernels.skeleton.skeleton_decode(q, ks.data, vs.data, index.table, index.seq_lens - 1, scale,
-                                                    ks.scale.flatten(), vs.scale.flatten(), return_lse=True, **fns)
-        g = q.shape[1] // k_new.shape[1]  # the own token, at full precision: one more key, folded in by its lse
-        s_own = (q.float() * k_new.float().repeat_interleave(g, dim=1)).sum(-1) * scale  # (B, H_q)
-        top = torch.maximum(lse, s_own)
-        w_ctx, w_own = torch.exp(lse - top), torch.exp(s_own - top)
-        v_own = v_new.float().repeat_interleave(g, dim=1)
-        return ((out * w_ctx[..., None] + v_own * w_own[..., None]) / (w_ctx + w_own)[..., None]).to(q.dtype)
+        ks, vs = pool.k[layer], pool.v[layer]  # the cached context; the own token joins at full precision
+        return kernels.skeleton.skeleton_decode(q, ks.data, vs.data, index.table, index.seq_lens - 1, scale,
+                                                ks.scale.flatten(), vs.scale.flatten(), k_own=k_new, v_own=v_new,
+                                                **fns).to(q.dtype)
 
 
 #: the backends by the name ``attn_backend=`` takes

@@ -105,16 +105,19 @@ def _same_code(source: str, f) -> bool:
     """Whether ``source`` compiles to the instructions of ``f``: line numbers and jump offsets aside, and
     Python 3.11's two ways to call a module's function (LOAD_METHOD alone, or LOAD_ATTR after a LOAD_GLOBAL
     that knows the name came from an import in the same file)."""
-    code = compile(source, "<kept>", "exec")
+    code = compile(source, "<kept>", "exec", dont_inherit=True)  # not this file's __future__ imports
     return any(isinstance(c, types.CodeType) and c.co_name == f.__name__ and _ops(c) == _ops(f.__code__)
                for c in code.co_consts)
 
 
 def _ops(code) -> list:
+    """Each instruction's name and argument, a jump's as the index of the instruction it lands on."""
     jumps = set(dis.hasjrel) | set(dis.hasjabs)
+    ins = [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "NOP", "EXTENDED_ARG")]
+    at = {i.offset: k for k, i in enumerate(ins)}
     return [("LOAD_ATTR" if i.opname == "LOAD_METHOD" else i.opname,
-             _ops(i.argval) if isinstance(i.argval, types.CodeType) else None if i.opcode in jumps else repr(i.argval))
-            for i in dis.get_instructions(code) if i.opname not in ("CACHE", "NOP", "EXTENDED_ARG")]
+             _ops(i.argval) if isinstance(i.argval, types.CodeType) else
+             ("->", at.get(i.argval)) if i.opcode in jumps else repr(i.argval)) for i in ins]
 
 
 def _task(name: str) -> str:
@@ -157,7 +160,7 @@ def part(name: str):
                 import triton.language as tl
 
                 namespace.update(triton=triton, tl=tl)
-            exec(compile(rec["source"], filename, "exec"), namespace)
+            exec(compile(rec["source"], filename, "exec", dont_inherit=True), namespace)
             fn = namespace[rec["name"]]
         except Exception as e:  # no triton here, or a part that passed once but no longer compiles here
             problem = f"its source does not run here ({type(e).__name__}: {e})"
