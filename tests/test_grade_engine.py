@@ -55,14 +55,14 @@ def test_the_engine_column_is_built_from_the_submissions_own_parts(tmp_path, mon
         (folder / who).mkdir(parents=True)
         for book, solved in books.items():
             (folder / who / f"{book}.ipynb").write_text(json.dumps(_submission(book, solved)))
-    # the grader's own home keeps a wrong slot mapping: no participant's engine may pick it up
+    # the grader's own home keeps a wrong admission rule, a part alice did not pass: her engine must not have it
     home = tmp_path / "home-kept.json"
     monkeypatch.setenv("KVLAB_KEPT", str(home))
 
-    def slot_mapping(block_table, block_size, start, end):
-        return [0] * (end - start)
-    kept.keep("slot_mapping", slot_mapping)
-    assert "slot_mapping" in json.loads(home.read_text())
+    def admission_rule(num_running, max_num_seqs, budget_left, blocks_needed, blocks_free, watermark_blocks):
+        return None  # admits everything
+    kept.keep("admission_rule", admission_rule)
+    assert "admission_rule" in json.loads(home.read_text())
     out = tmp_path / "grades.csv"
     assert main(["grade", str(folder), "--out", str(out), "--timeout", "120", "--jobs", "2"]) == 0
     rows = list(csv.DictReader(out.open()))
@@ -72,11 +72,11 @@ def test_the_engine_column_is_built_from_the_submissions_own_parts(tmp_path, mon
     for book in plant["alice"]:
         r = by["alice", book]
         assert r["engine"] == "yes", r["engine detail"]
-        assert r["engine detail"].startswith("3 of 7 parts theirs; your engine against kvlab's on the same "
+        assert r["engine detail"].startswith("3 of 7 parts theirs; your engine against kvlab's on the same "  # not 4
                                              f"{16} requests: answers equal 16/16")
     bob = by["bob", "02_paged_blocks"]
     assert bob["slot_mapping"] == "not attempted" and bob["engine"] == "-"
-    assert json.loads(home.read_text()).keys() == {"slot_mapping"}  # the grader's file is untouched
+    assert json.loads(home.read_text()).keys() == {"admission_rule"}  # the grader's file is untouched
 
 
 def test_a_worker_that_fails_is_a_question_mark_and_the_grades_stand(monkeypatch):
