@@ -60,13 +60,18 @@ def quantize_static(fn: Callable) -> bool:
     x2 = torch.tensor([130.0, -130.0, 127.4, -127.6, 200.0, -300.0, 0.5, -2.5]).view(1, 1, 8)  # scale 1
     x3 = torch.randn(4, 3, 4, generator=g) * 0.5
     s3 = torch.tensor([1.0, 0.004, 0.1]).view(1, 3, 1)
-    cases = [((x, sc), quantize_int8(x, sc)) for x, sc in ((x1, s1), (x2, torch.ones(1, 1, 1)), (x3, s3))]
+    # a hair from half steps: x * (1 / scale) rounds to the neighbouring code (06's engine found it in a write)
+    x4 = torch.tensor([[[4.359249591827393, 1], [5.942550182342529, -1], [-0.3013499975204468, 0.7072499394416809]]])
+    s4 = torch.tensor([0.0371, 0.0519, 0.0123]).view(1, 3, 1)
+    cases = [((x, sc), quantize_int8(x, sc)) for x, sc in ((x1, s1), (x2, torch.ones(1, 1, 1)), (x3, s3), (x4, s4))]
     def hint(args, got, expected):
         if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
             return None
         if got.dtype != torch.int8:
             return f"q must be torch.int8, got {got.dtype}"
         x, sc = args
+        if torch.equal(got, torch.round(x.float() * (1.0 / sc)).clamp(-127, 127).to(torch.int8)):
+            return "divide by the scale: x * (1 / scale) rounds to the neighbouring code a hair from a half step"
         own = int8_roundtrip(x, "per-head")[0]
         if torch.equal(got, own) and not torch.equal(own, expected):
             return ("that is a scale computed from x (dynamic): here the scale is the calibrated one passed in, "
