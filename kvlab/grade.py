@@ -77,7 +77,7 @@ class Row:
     max_score: float = 0.0
     seconds: float = 0.0
     error: str = ""  # what went wrong where the notebook could not run to its end
-    engine: str = ""  # notebook 06's engine from the parts this participant passed: "yes", "no" or "-" (none)
+    engine: str = ""  # notebook 06's engine from the parts this participant passed: "yes", "no", "-" (none), "?"
     engine_detail: str = ""
     kept: dict = field(default_factory=dict, repr=False)  # task -> the passed part's record (engine tasks)
 
@@ -363,12 +363,11 @@ def grade_engines(rows: list[Row], timeout_s: float = ENGINE_TIMEOUT_S, model: s
     def one(who: str) -> dict:
         with tempfile.TemporaryDirectory(prefix="kvlab-engine-") as tmp:
             src, dst = Path(tmp) / "kept.json", Path(tmp) / "engine.json"
-            src.write_text(json.dumps({"kept": {who: kept[who]}, "model": model}))
+            src.write_text(json.dumps({"kept": {who: kept[who]}, "model": model, "memory_gb": memory_gb}))
             env = dict(os.environ, KVLAB_KEPT=str(Path(tmp) / "none.json"), KVLAB_PROGRESS=str(Path(tmp) / "p.json"))
             try:
                 proc = subprocess.run([sys.executable, "-m", "kvlab.yours", str(src), str(dst)], env=env, cwd=tmp,
-                                      capture_output=True, text=True, timeout=max(timeout_s, ENGINE_TIMEOUT_S),
-                                      preexec_fn=(lambda: _limit_memory(memory_gb)) if memory_gb else None)
+                                      capture_output=True, text=True, timeout=max(timeout_s, ENGINE_TIMEOUT_S))
             except subprocess.TimeoutExpired:
                 return {"engine": "?", "detail": f"the engine's worker ran past {max(timeout_s, ENGINE_TIMEOUT_S):.0f} s"}
             if proc.returncode == 0 and dst.exists():

@@ -371,6 +371,10 @@ def _grade_main(argv) -> int:
     """``python -m kvlab.yours IN OUT``: :func:`grade_engines` in a process of its own (kvlab grade's worker)."""
     src, dst = argv
     job = json.loads(Path(src).read_text())
+    if job.get("memory_gb") and sys.platform.startswith("linux"):  # Linux only: the grader's memory cap
+        import resource  # Unix only (as kvlab.grade's own workers do)
+        cap = int(job["memory_gb"] * 2**30)
+        resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
     Path(dst).write_text(json.dumps(grade_engines(job["kept"], job.get("model", "smollm2-135m"))))
     return 0
 
