@@ -114,6 +114,16 @@ class LabInfo:
         )
 
 
+def limit_memory(gb: float) -> None:
+    """Cap the worker's (and its kernel's) data segment at ``gb`` GiB on Linux. RLIMIT_DATA, not RLIMIT_AS:
+    a GPU's driver reserves address space it never fills."""
+    if not sys.platform.startswith("linux"):
+        return
+    import resource  # Unix only: the memory limit applies on Linux
+    cap = int(gb * 2**30)
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
+
+
 def cpu_name() -> str:
     """The CPU's model name and whether it has AVX-512: the engine-vs-vLLM ratio moves with both."""
     try:

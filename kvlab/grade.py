@@ -22,8 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvlab.check.kept import ENGINE_TASKS, read_kept
-from kvlab.check.progress import EXERCISES
+from kvlab.check.kept import ENGINE_TASKS
+from kvlab.check.progress import EXERCISES, read_record
+from kvlab.env import limit_memory
 
 STATUSES = ("pass", "fail", "not attempted")
 #: a task whose function has another name in its notebook than the task's own
@@ -158,16 +159,6 @@ def __kvlab_grade(tasks, token, package):
 '''
 
 
-def _limit_memory(gb: float) -> None:
-    """Cap the worker's (and its kernel's) data segment at ``gb`` GiB on Linux. RLIMIT_DATA, not RLIMIT_AS:
-    a GPU's driver reserves address space it never fills."""
-    if not sys.platform.startswith("linux"):
-        return
-    import resource  # Unix only: the memory limit applies on Linux
-    cap = int(gb * 2**30)
-    resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
-
-
 def _package_dir() -> str:
     """The folder that holds the installed kvlab package (what the grading cell must import)."""
     import kvlab
@@ -229,7 +220,7 @@ def run_one(path, notebook: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
 def _worker_main(argv) -> int:
     path, notebook, timeout_s, out, memory_gb = argv
     if float(memory_gb) > 0:
-        _limit_memory(float(memory_gb))
+        limit_memory(float(memory_gb))
     result = run_one(path, notebook, float(timeout_s))
     Path(out).write_text(json.dumps(result))
     return 0
@@ -279,7 +270,7 @@ def grade_one(path, notebook: str, timeout_s: float = DEFAULT_TIMEOUT_S, memory_
             result = json.loads(out.read_text())
             if isinstance(result, dict) and {"tasks", "error", "seconds"} <= set(result):
                 # the engine's parts this submission passed, as the worker's checkers kept them
-                result["kept"] = {t: r for t, r in read_kept(scratch / "kept_parts.json").items()
+                result["kept"] = {t: r for t, r in read_record(scratch / "kept_parts.json", "kept parts file").items()
                                   if t in ENGINE_TASKS and result["tasks"].get(t, [""])[0] == "pass"}
                 return result
         if rc is not None and rc < 0:  # a signal: the notebook (or the system) killed it

@@ -31,6 +31,7 @@ from kvlab.check.kept import ENGINE_TASKS, SIGNATURES, kept_names, part
 from kvlab.check.progress import EXERCISES
 from kvlab.check.solutions import reference
 from kvlab.engine import LLM, SamplingParams
+from kvlab.env import limit_memory
 from kvlab.models import load_model
 from kvlab.quant import named_config
 
@@ -371,10 +372,8 @@ def _grade_main(argv) -> int:
     """``python -m kvlab.yours IN OUT``: :func:`grade_engines` in a process of its own (kvlab grade's worker)."""
     src, dst = argv
     job = json.loads(Path(src).read_text())
-    if job.get("memory_gb") and sys.platform.startswith("linux"):  # Linux only: the grader's memory cap
-        import resource  # Unix only (as kvlab.grade's own workers do)
-        cap = int(job["memory_gb"] * 2**30)
-        resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
+    if job.get("memory_gb"):
+        limit_memory(job["memory_gb"])  # the grader's cap, as its notebook workers have it
     Path(dst).write_text(json.dumps(grade_engines(job["kept"], job.get("model", "smollm2-135m"))))
     return 0
 

@@ -60,11 +60,6 @@ def _load() -> dict:
     return read_record(kept_file(), "kept parts file", set_aside=True)  # the participant's code is in it
 
 
-def read_kept(path) -> dict:
-    """The records of a kept parts file (kvlab grade reads each submission's), {} if none or unreadable."""
-    return read_record(Path(path), "kept parts file")
-
-
 def _save(data: dict, what: str) -> bool:
     try:
         write_atomic(kept_file(), json.dumps(data, indent=1), "kept parts file")  # never a half-written file
