@@ -22,6 +22,13 @@ from kvlab.models import load_model
 from kvlab.quant import KVQuantConfig, TensorFormat, named_config
 
 
+#: the formats :attr:`Lab.quality` scores against the FP cache, with the calibration of notebook 03
+QUALITY = {"fp16": named_config("fp16"), "int8": named_config("int8"), "int8 p99.9": named_config("int8", stat="p99.9"),
+           "k8v4": named_config("k8v4"), "k4v8": KVQuantConfig(TensorFormat("int4"), TensorFormat("int8"))}
+#: :attr:`Lab.saturation`'s, with scales from 16 tokens
+SATURATION = {"static": named_config("int8", policy="static"), "corrected": named_config("int8", policy="corrected")}
+
+
 class Lab:
     """Small on purpose (a few hundred tokens each) so the table runs in about a minute on two CPU cores;
     the quality measurements use notebook 03's settings, so a number shared with 03 is the same number."""
@@ -85,13 +92,23 @@ class Lab:
         return text_tokens(self.tokenizer, self.held_out_tokens, play=EVAL_PLAY)
 
     @cached_property
+    def _scored(self) -> dict:
+        """The held-out text scored once for :attr:`quality` and :attr:`saturation`: every config (on its own
+        pool, as a run of it alone) beside ONE full-precision run."""
+        def run():
+            tiny = calibrate(self.model, [text_tokens(self.tokenizer, 16, play="twelfth-night")], progress=False)
+            scales = {**dict.fromkeys(QUALITY, self.calibration), **dict.fromkeys(SATURATION, tiny)}
+            n = len(self.held_out)
+            return evaluate(self.model, self.held_out, {**QUALITY, **SATURATION}, scales, window=n, stride=n, chunk=32)
+        return self._timed("quality and saturation", run)
+
+    def _part(self, names) -> dict:
+        return {**self._scored, "configs": {n: self._scored["configs"][n] for n in names}}
+
+    @cached_property
     def quality(self) -> dict:
         """Perplexity, KL and top-1 of FP16, INT8 (abs-max, p99.9), K8V4 and K4V8 against the FP cache."""
-        formats = {"fp16": named_config("fp16"), "int8": named_config("int8"), "int8 p99.9": named_config("int8", stat="p99.9"),
-                   "k8v4": named_config("k8v4"), "k4v8": KVQuantConfig(TensorFormat("int4"), TensorFormat("int8"))}
-        n = len(self.held_out)
-        return self._timed("quality", lambda: evaluate(self.model, self.held_out, formats, self.calibration,
-                                                       window=n, stride=n, chunk=32))
+        return self._part(QUALITY)
 
     @cached_property
     def answers(self) -> dict:
@@ -102,13 +119,7 @@ class Lab:
     @cached_property
     def saturation(self) -> dict:
         """Static INT8 scales calibrated on 16 title-page tokens (notebook 03 §4), plain and widened 1.2x."""
-        def run():
-            tiny = calibrate(self.model, [text_tokens(self.tokenizer, 16, play="twelfth-night")], progress=False)
-            n = len(self.held_out)
-            return evaluate(self.model, self.held_out, {"static": named_config("int8", policy="static"),
-                                                        "corrected": named_config("int8", policy="corrected")},
-                            tiny, window=n, stride=n, chunk=32)
-        return self._timed("saturation", run)
+        return self._part(SATURATION)
 
     @cached_property
     def sensitivity(self) -> list[float]:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import html
+import sys
 import textwrap
 
 from kvlab.claims.catalog import CLAIMS
@@ -13,13 +14,22 @@ from kvlab.claims.rules import HOLDS, NOT_CHECKABLE, PARTLY, VERDICTS, WRONG, de
 
 
 def run(lab: Lab | None = None, ids=None, progress=None) -> list[dict]:
-    """Measure every claim (or those in ``ids``) and judge it. One dict per claim, in table order."""
-    lab = lab or Lab()
+    """Measure every claim (or those in ``ids``) and judge it. One dict per claim, in table order.
+    ``progress``: ``True`` for a progress bar (tqdm: a widget in a notebook, stderr elsewhere), or a function
+    called with each claim's id before it is measured."""
+    if not (progress is None or progress is True or callable(progress)):
+        raise TypeError(f"progress must be True, None or a function of a claim id, got {progress!r}")
     known = {c.id for c in CLAIMS}
     if ids is not None and (unknown := sorted(set(ids) - known)):
         raise ValueError(f"unknown claim id(s) {unknown}: choose from {sorted(known)}")
+    lab = lab or Lab()
+    todo = [x for x in CLAIMS if ids is None or x.id in ids]
+    if progress is True:  # a bar naming the claim being measured (a few take seconds, most nothing)
+        from tqdm.auto import tqdm  # loads only when a bar is asked for
+        todo = bar = tqdm(todo, desc="claims", unit="claim", file=sys.stderr)
+        progress = bar.set_postfix_str
     rows = []
-    for c in (x for x in CLAIMS if ids is None or x.id in ids):
+    for c in todo:
         if progress is not None:
             progress(c.id)
         with recording() as calls:
