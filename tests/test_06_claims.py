@@ -184,6 +184,25 @@ def test_run_shows_its_progress_and_refuses_a_wrong_progress():
         claims.run(ids=["kv-7b"], progress="yes")
 
 
+def test_without_the_peer_the_vllm_rows_say_which_recorded_version_they_read(monkeypatch):
+    """Issue 57 item 2: the rows vLLM's options decide read them from the installed peer
+    (tests/test_peer_vllm.py); with none, or one that fails, from the pinned version's record, saying so."""
+    from kvlab.bench import vllm_peer
+    ids = ["int8-in-frameworks", "kv-dtype-per-layer"]
+    monkeypatch.setattr(vllm_peer, "peer_python", lambda: None)
+    vllm_peer.kv_cache_options.cache_clear()
+    try:
+        rows = claims.run(ids=ids)
+        assert all("vLLM 0.32.0 as recorded (no peer installed here)" in r["measured"] for r in rows), rows
+        assert [r["verdict"] for r in rows] == ["partly", "holds"]  # table order: kv-dtype-per-layer first
+        monkeypatch.setattr(vllm_peer, "peer_python", lambda: "python-of-a-broken-peer")
+        monkeypatch.setattr(vllm_peer, "run_worker", lambda *a, **k: (_ for _ in ()).throw(vllm_peer.PeerError("boom")))
+        vllm_peer.kv_cache_options.cache_clear()
+        assert vllm_peer.kv_cache_options()["source"] == "0.32.0 as recorded (the installed peer failed: boom)"
+    finally:
+        vllm_peer.kv_cache_options.cache_clear()
+
+
 def test_cli_claims_json(capsys):
     assert main(["claims", "--json", "--only", "kv-7b,static-30,unfused"]) == 0
     captured = capsys.readouterr()
@@ -260,12 +279,12 @@ PLANTED = {
     "no-cache-quadratic": dict(cached=True),
     "block-16": dict(default=32),
     "sym-one-multiply": dict(ops={"symmetric": ("cvt", "mul"), "asymmetric": ("cvt", "sub", "mul")}),
-    "kv-dtype-per-layer": dict(scope="layer"),
+    "kv-dtype-per-layer": dict(vllm={"skip_layers": False}),  # one dtype, no layer exempt: wrong (else partly)
     "first-last-saving": dict(kept=0),
-    "int4-half-again": dict(group=128, scale_dtype="fp16"),
+    "int4-half-again": dict(group=32, scale_dtype="fp32"),  # kvlab's own layout: judged so, it misses
     "ttft-quant": dict(extra_per_token=2**30),
     "dequant-one-fma": dict(ops={"fp16": 1}),
-    "int8-in-frameworks": dict(vllm=("auto", "int8")),
+    "int8-in-frameworks": dict(vllm={"kv_cache_dtypes": ["auto", "fp8"]}),  # vLLM 0.11-0.13's list: partly
     "fp8-flag": dict(flag="int8"),
     "fp8-native": dict(gpus=("A100", "H100")),
 }
@@ -293,10 +312,16 @@ def test_claims_about_another_model_or_workload_follow_the_one_rule():
 
     on_lab = ["static-30", "static-50", "paged-90", "paged-near-100", "prefix-40-60", "util-30-80", "10-30ms",
               "cache-5-20x", "granularity", "3-bits", "p999", "ppl-0.1", "ppl-0.5-1.5", "negligible", "k-over-v",
-              "first-last", "saturation", "swa-documents"]
+              "first-last", "saturation"]
     by_id = {c.id: c for c in claims.CLAIMS}
     for cid in on_lab:  # each measuring function passes its verdict through judged_on
         assert "judged_on(" in inspect.getsource(by_id[cid].measure), cid
+    # a claim about models the lab cannot run (trained with a window): shown here, or not checkable here
+    window = lambda w: SimpleNamespace(passkey={"full": dict(correct=4, n=4, prompt_tokens=540),  # noqa: E731
+                                                "window": dict(correct=w, n=4, prompt_tokens=540)})
+    fails, shows = (by_id["swa-documents"].measure(window(w))[1] for w in (0, 4))
+    assert fails == "not checkable here" and "fails on SmolLM2 with a window imposed" in claims.rules.detail(fails)
+    assert shows == "holds"
     rows = {r["id"]: r for r in claims.run(ids=["util-30-80", "static-30", "paged-90", "gain-above-4k"])}
     for cid in ("util-30-80", "static-30", "paged-90"):
         assert "judged_on" in rows[cid]["rule"] and " (claimed for " in rows[cid]["why"], cid
@@ -419,7 +444,7 @@ PLANTED_LABS = {
 PLANTED_ARGS = {
     "kv-7b": dict(per=2**20), "weights-7b": dict(w=30 * 10**9), "kv-1mb": dict(per=2**20),
     "a100-half": dict(request=4 * 2**30), "kv-70b": dict(per=1600 * 10**3), "decode-1ms": dict(bandwidth=1e12),
-    "int8-half": dict(scales="per-token-head"), "int4-quarter": dict(group=128, scale_dtype="fp16"),
+    "int8-half": dict(scales="per-token-head"), "int4-quarter": dict(group=32, scale_dtype="fp32"),
     "24-to-16gb": dict(context=8192), "b32-16k-fits": dict(hbm=2**40), "22ms-step": dict(bandwidth=14e12),
     "16ms-step": dict(bandwidth=9.4e12), "12-7ms": dict(bandwidth=23e12), "int8-39pct": dict(hbm=2**40),
     "unfused": dict(unfused=1), "frag-5-10": dict(lengths=(60, 140)), "util-30-80": dict(busy={"static": 0.35,

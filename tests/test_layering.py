@@ -189,7 +189,10 @@ MAX_LIBRARY_LINES, MAX_FILE_LINES = 14_000, 450
 #: engine column (the parts each participant's submissions passed, assembled and served in a worker of its own);
 #: 17,760 with the quantize_static checker's case that notebook 06's engine found (x * (1 / scale))
 #: 17,770 (issue 57 item 5): claims.run's progress bar; the claims Lab scores quality and saturation in one run
-HOUSE_NOW = 17_770
+#: 17,850 (issue 57 items 2-3): vLLM's KV-cache options read from the installed peer (the worker's "options"
+#: command, vllm_peer.kv_cache_options with the pin's record as fallback); the one reading of every row stated
+#: once (claims.rules.READING) and its rule for models the lab cannot run (beyond_lab)
+HOUSE_NOW = 17_850
 
 
 def _private_uses(path: Path, module: str):

@@ -107,3 +107,18 @@ def test_bench_engine_vllm_eager_serves_the_same_workload(smollm2):
     assert v["peer"]["vllm"] == vllm_peer.VLLM_PIN.split("==")[1]
     assert v["greedy_equal_to_kvlab"] == len(wl.prompts), v["greedy_first_difference"]
     assert v["output_tok_s"] > 0 and v["ttft_p50_s"] > 0 and "throughput_vs_kvlab" in v
+
+
+def test_the_claims_read_vllms_kv_cache_options_from_the_peer():
+    """Issue 57 item 2: the rows vLLM's options decide read them from the installed peer, its version in
+    the row; the record used without a peer is the pinned version's own list."""
+    from kvlab import claims
+    vllm_peer.kv_cache_options.cache_clear()
+    got = vllm_peer.kv_cache_options()
+    assert got["source"] == f"{got['vllm']}, read from the installed peer"
+    assert "int8_per_token_head" in got["kv_cache_dtypes"] and got["skip_layers"]
+    if got["vllm"] == vllm_peer.VLLM_PIN.split("==")[1]:
+        assert {k: got[k] for k in vllm_peer.RECORDED_OPTIONS} == vllm_peer.RECORDED_OPTIONS
+    rows = claims.run(ids=["int8-in-frameworks", "kv-dtype-per-layer"])
+    assert all(f"vLLM {got['vllm']}, read from the installed peer" in r["measured"] for r in rows), rows
+

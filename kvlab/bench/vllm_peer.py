@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -168,6 +169,29 @@ def read_scales(model_dir, prompts=(), max_tokens: int = 8, kv_cache_dtype: str 
     return run_worker("scales", job)
 
 
+#: vLLM 0.32.0's KV-cache options (its vllm/config/cache.py: CacheDType, CacheConfig), as the peer reports them
+#: (:func:`kv_cache_options`), for a machine without the peer
+RECORDED_OPTIONS = {"vllm": "0.32.0", "skip_layers": True, "dtype_scope": "engine", "kv_cache_dtypes": [
+    "auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "nvfp4_ds_mla",
+    "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "ultraquant_4bit",
+    "int4_per_token_head", "int8_per_token_head", "fp8_per_token_head", "nvfp4", "nvfp4_4over6"]}
+
+
+@functools.lru_cache(maxsize=1)
+def kv_cache_options() -> dict:
+    """vLLM's --kv-cache-dtype choices and whether layers can be left unquantized, read from the installed
+    peer (``source`` says so, with its version); without one, :data:`RECORDED_OPTIONS`, saying which version."""
+    recorded = {**RECORDED_OPTIONS, "source": f"{RECORDED_OPTIONS['vllm']} as recorded (no peer installed here)"}
+    if peer_python() is None:
+        return recorded
+    try:
+        got = run_worker("options", {}, timeout=300)
+    except (PeerError, subprocess.TimeoutExpired) as e:
+        return {**recorded, "source": f"{RECORDED_OPTIONS['vllm']} as recorded (the installed peer failed: "
+                                      f"{str(e).splitlines()[0][:80]})"}
+    return {**{k: got[k] for k in RECORDED_OPTIONS}, "source": f"{got['vllm']}, read from the installed peer"}
+
+
 def recorded() -> dict:
     """A ``kvlab bench engine`` run with the peer on a 2-core machine, for notebooks without one."""
     return json.loads(RECORDED.read_text())
@@ -185,5 +209,5 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> list[int | 
 
 
 __all__ = ["VLLM_PIN", "HOW_TO_GET", "peer_python", "fp8_kv_unsupported", "PeerError", "run_worker", "serve_job", "PeerSession",
-           "read_scales", "recorded",
+           "read_scales", "recorded", "kv_cache_options", "RECORDED_OPTIONS",
            "agreement", "VLLM_BLOCK_SIZE"]

@@ -4,14 +4,17 @@ peer has vLLM's own transformers) and talks through JSON files::
 
     .venv-vllm/bin/python kvlab/bench/vllm_worker.py session job.json out_dir   # serves on "serve" lines
     .venv-vllm/bin/python kvlab/bench/vllm_worker.py scales  job.json result.json
+    .venv-vllm/bin/python kvlab/bench/vllm_worker.py options job.json result.json  # --kv-cache-dtype etc.
 
 :mod:`kvlab.bench.vllm_peer` is kvlab's half.
 """
 
+import dataclasses
 import json
 import os
 import sys
 import time
+import typing
 
 # Python put this file's folder (kvlab/bench) first on sys.path: its kernels.py would shadow the
 # `kernels` package transformers probes for. The peer needs nothing from this folder.
@@ -127,20 +130,31 @@ def scales(job):
     return {"layers": layers, "token_ids": [list(o.outputs[0].token_ids) for o in outs], "vllm": _versions()}
 
 
+def options(job):
+    """vLLM's KV-cache options as its own config declares them: the --kv-cache-dtype choices and whether
+    listed layers can be left unquantized (--kv-cache-dtype-skip-layers)."""
+    import vllm  # the peer environment's vLLM, imported only by the command that needs it
+    from vllm.config import cache  # its CacheConfig declares the KV-cache options
+    fields = {f.name: f for f in dataclasses.fields(cache.CacheConfig)}
+    one = typing.get_origin(fields["cache_dtype"].type) is typing.Literal  # a single choice, not one per layer
+    return {"vllm": vllm.__version__, "kv_cache_dtypes": list(typing.get_args(cache.CacheDType)),
+            "skip_layers": "kv_cache_dtype_skip_layers" in fields, "dtype_scope": "engine" if one else "layer"}
+
+
 def _versions():
     import vllm  # the peer environment's vLLM
     return {"vllm": vllm.__version__, "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
 def main(argv):
-    if len(argv) != 3 or argv[0] not in ("scales", "session"):
-        raise SystemExit("usage: vllm_worker.py scales JOB.json RESULT.json, or session JOB.json OUT_DIR")
+    if len(argv) != 3 or argv[0] not in ("scales", "session", "options"):
+        raise SystemExit("usage: vllm_worker.py scales|options JOB.json RESULT.json, or session JOB.json OUT_DIR")
     with open(argv[1]) as f:
         job = json.load(f)
     if argv[0] == "session":
         session(job, argv[2])
         return
-    result = scales(job)
+    result = scales(job) if argv[0] == "scales" else options(job)
     with open(argv[2] + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(argv[2] + ".tmp", argv[2])

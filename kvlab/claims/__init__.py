@@ -12,7 +12,7 @@ from kvlab.claims.catalog import CLAIMS, Claim
 from kvlab.claims.lab import Lab
 from kvlab.claims.memory import A100_BW, A100_BYTES, GiB, KiB
 from kvlab.claims.rules import (HOLDS, NOT_CHECKABLE, PARTLY, VERDICTS, WRONG, corrected, cost_range, in_range,
-                                judged_on, margin, parts, ratio, shown, truth)
+                                beyond_lab, judged_on, margin, parts, ratio, shown, truth)
 from kvlab.claims.table import (count_line, counts, format_grouped, format_index, format_table, format_verdicts, run,
                                 show, why_html)
 

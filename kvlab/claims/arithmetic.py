@@ -7,6 +7,7 @@ keyword arguments are the quantities it measures, so a test can plant others and
 from __future__ import annotations
 
 from kvlab import sizing
+from kvlab.bench.vllm_peer import kv_cache_options
 from kvlab.cache import simulate
 from kvlab.claims.memory import A100_BW, A100_BYTES, GiB, KiB, kv_bytes
 from kvlab.cache.paged import BlockManager
@@ -110,8 +111,9 @@ def c_saved_reads_sum(lab, step_ms: float = 22.0, reads_before: float = 12.0, re
     saved, transfer = step_ms - claimed_ms, reads_before - reads_after
     return (f"the step saves {step_ms:g} - {claimed_ms:g} = {saved:g} ms; the reads save {reads_before:g} - "
             f"{reads_after:g} = {transfer:g} ms", ratio(saved, transfer),
-            "the article's own numbers, the tolerance on the saving the sentence is about: the transfer explains "
-            f"{transfer:g} of the {saved:g} ms")
+            f"the article's own numbers: the transfer explains {transfer:g} of the {saved:g} ms saved; 'basically' "
+            "is held to the ±15 % every approximate figure of the table gets (约 'about' included), and the part "
+            "the transfer leaves unexplained is more than that")
 
 
 # ---- what fits ----------------------------------------------------------------------------------------
@@ -274,10 +276,9 @@ def c_gate_1pct(lab, rise: float = 0.09 / 9.61, gate: float = 0.01):
 
 # ---- settled by datasheets and documented defaults ----------------------------------------------------
 
-#: what vLLM offers for the KV cache (vLLM docs: EngineArgs ``--block-size``, ``--kv-cache-dtype``, 0.11-0.13):
-#: one block size and one dtype for the whole engine; no INT8
-VLLM = {"default_block_size": 16, "kv_cache_dtypes": ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
-        "kv_cache_dtype_scope": "engine"}
+#: vLLM's default block size (its docs, EngineArgs ``--block-size``, 0.11-0.13; 0.32 resolves it per platform).
+#: Its KV-cache dtypes are read from the peer (:func:`kvlab.bench.vllm_peer.kv_cache_options`)
+VLLM = {"default_block_size": 16}
 #: TensorRT-LLM's KV-cache quantization (its docs: ``kv_cache_quant_algo``): INT8 and FP8
 TRTLLM_KV_CACHE_DTYPES = ("fp16", "bf16", "int8", "fp8")
 
@@ -300,12 +301,20 @@ def c_block_16(lab, default: int | None = None):
             "'usually' read as the default; the size is a setting (vLLM: 1-128 tokens, kvlab: any)")
 
 
-def c_kv_dtype_per_layer(lab, scope: str | None = None):
-    scope = VLLM["kv_cache_dtype_scope"] if scope is None else scope
-    return (f"vLLM's --kv-cache-dtype is one value for the {scope} ({', '.join(VLLM['kv_cache_dtypes'])})",
-            truth(scope == "layer"),
-            "one dtype for every layer; keeping some layers unquantized is not what kv_cache_dtype does (kvlab's "
-            "KVQuantConfig(layers=...) does, notebook 03)")
+def _vllm(planted: dict | None) -> dict:
+    """vLLM's KV-cache options, read from the installed peer (else its recorded pin); ``planted`` overrides."""
+    return {**kv_cache_options(), **(planted or {})}
+
+
+def c_kv_dtype_per_layer(lab, vllm: dict | None = None):
+    o = _vllm(vllm)
+    return (f"vLLM {o['source']}: --kv-cache-dtype is one value for the {o['dtype_scope']}; "
+            + ("--kv-cache-dtype-skip-layers keeps the layers it lists (indices or attention types) unquantized"
+               if o["skip_layers"] else "no option keeps a layer unquantized"),
+            parts(o["dtype_scope"] == "layer", o["skip_layers"], "that it sets a precision per layer",
+                  "that layers can differ (some kept unquantized)"),
+            "the quantized layers share one dtype; a second option exempts layers (kvlab's KVQuantConfig(layers=...) "
+            "sets any format per layer, notebook 03)")
 
 
 #: instructions per value to dequantize (after loading the integer): convert, then the scale (and zero point)
@@ -353,13 +362,16 @@ def c_no_cache_quadratic(lab, tokens: int = 4096, cached: bool = False):
             "step adds a cubic term past ~26K tokens)")
 
 
-def c_int8_in_frameworks(lab, vllm=None, trtllm=None):
-    vllm = VLLM["kv_cache_dtypes"] if vllm is None else vllm
+def c_int8_in_frameworks(lab, vllm: dict | None = None, trtllm=None):
+    o = _vllm(vllm)
     trtllm = TRTLLM_KV_CACHE_DTYPES if trtllm is None else trtllm
-    return (f"KV-cache dtypes: vLLM {', '.join(vllm)}; TensorRT-LLM {', '.join(trtllm)}",
-            parts("int8" in trtllm, "int8" in vllm, "for TensorRT-LLM", "for vLLM (FP8 only)"),
-            "both quantize the KV cache to one byte in production; vLLM's byte is FP8, which needs other scales "
-            "than INT8 (kvlab export-vllm, notebook 06)")
+    int8 = [d for d in o["kv_cache_dtypes"] if d.startswith("int8")]
+    return (f"KV-cache dtypes: vLLM {o['source']}: {', '.join(int8) or 'no int8'} among "
+            f"{len(o['kv_cache_dtypes'])} choices; TensorRT-LLM {', '.join(trtllm)}",
+            parts("int8" in trtllm, bool(int8), "for TensorRT-LLM", "for vLLM"),
+            "both quantize the KV cache to one byte in production; vLLM's FP8 takes calibrated scales (kvlab "
+            "export-vllm, notebook 06)" + (f", its {int8[0]} computes a scale per token and head as it writes"
+                                          if int8 else ""))
 
 
 def c_fp8_flag(lab, flag: str = "fp8"):
@@ -387,11 +399,13 @@ def c_ttft_quant(lab, prompt: int = 4096, extra_per_token: float | None = None):
             "operations per value on the way to memory")
 
 
-def c_int4_half_again(lab, group: int = 32, scale_dtype: str = "fp32"):
+def c_int4_half_again(lab, group: int = 128, scale_dtype: str = "fp16"):
     int8 = kv_bytes(tokens=4096, dtype="int8")
     int4 = kv_bytes(tokens=4096, dtype="int4", scales=f"group-{group}", scale_dtype=scale_dtype)
-    return (f"kvlab's INT4 (one {scale_dtype} scale per {group}) saves {1 - int4 / int8:.1%} of INT8's bytes",
-            ratio(0.5, 1 - int4 / int8), "as int4-quarter: the lab's own INT4, whose scales are part of its bytes")
+    ours = kv_bytes(tokens=4096, dtype="int4", scales="group-32", scale_dtype="fp32")
+    return (f"INT4 with one {scale_dtype} scale per {group} values saves {1 - int4 / int8:.1%} of INT8's bytes; "
+            f"kvlab's own (fp32 per 32) {1 - ours / int8:.1%}", ratio(0.5, 1 - int4 / int8),
+            "as int4-quarter, on the leanest common layout of each format; scales are part of the bytes")
 
 
 def c_dequant_one_fma(lab, ops: dict | None = None):

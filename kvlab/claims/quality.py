@@ -9,7 +9,7 @@ import statistics
 
 import torch
 
-from kvlab.claims.rules import cost_range, judged_on, parts, truth
+from kvlab.claims.rules import beyond_lab, cost_range, judged_on, parts, truth
 from kvlab.quant import core
 
 
@@ -169,7 +169,7 @@ def c_window_documents(lab):
     full, window, n = r["full"]["correct"], r["window"]["correct"], r["full"]["n"]
     return (f"a pass key early in a {r['full']['prompt_tokens']}-token document: found {full}/{n} with the full cache, "
             f"{window}/{n} with a 256-token sliding window (notebook 07)",
-            judged_on(truth(window >= full - 1), claimed_for="models trained with a window"),
+            beyond_lab(window >= full - 1, "SmolLM2 with a window imposed", "models trained with a window"),
             "a window imposed on a model trained without one forgets what fell out of it, the early facts a "
             "document task asks for; the article names no model, and one trained with a window (Mistral-7B "
-            "v0.1, say) may carry information across its layers beyond one window, which the lab cannot measure")
+            "v0.1, say) may carry information across its layers beyond one window, which the lab cannot run")

@@ -1,7 +1,9 @@
 """The verdict rules of the claims table (notebook 06): a verdict is computed, never typed in.
 
 Each rule returns a :class:`Verdict`, a string equal to one of the four words that also carries
-``detail``, the condition the row's ``why`` opens with.
+``detail``, the condition the row's ``why`` opens with, so a verdict word and its why cannot disagree.
+
+One reading for every row (:data:`READING`, printed in notebook 06's fine print).
 """
 
 from __future__ import annotations
@@ -11,6 +13,15 @@ from contextlib import contextmanager
 
 HOLDS, PARTLY, WRONG, NOT_CHECKABLE = "holds", "partly", "wrong", "not checkable here"
 VERDICTS = (HOLDS, PARTLY, WRONG, NOT_CHECKABLE)
+
+#: the one standard every row is read by
+READING = (
+    "an approximate figure (约 'about', ~, 基本 'basically') holds within ±15 % of the figure it qualifies, as "
+    "any figure does; a format's bytes are judged on the leanest common layout of its scales (INT8: one per layer "
+    "x KV head; INT4: an fp16 scale per 128 values, the grouping article 003 asks for), kvlab's own layout named "
+    "beside it; a claim about a kind of model the lab cannot run (one trained with a sliding window) is not "
+    "checkable here unless a run on the lab's model already shows it; any other claim about another model, GPU or "
+    "workload is judged on what the lab measures, and its why says where")
 
 _calls: list[dict] | None = None  # while recording(): every rule called, with the tolerance it applied
 
@@ -136,6 +147,15 @@ def parts(first: bool, second: bool, first_says: str, second_says: str) -> Verdi
         return Verdict(WRONG, f"neither {first_says} nor {second_says}")
     good, bad = (first_says, second_says) if first else (second_says, first_says)
     return Verdict(PARTLY, f"holds {good}, not {bad}")
+
+
+def beyond_lab(shown_here: bool, failed_on: str, claimed_for: str) -> Verdict:
+    """A claim about a kind of model the lab cannot run: a run on the lab's model can show it (``holds``); a
+    run that fails there says nothing of the models claimed (``not checkable here``, naming where it failed)."""
+    _note("beyond_lab", f"shown on the lab's model, or not checkable here (claimed for {claimed_for})")
+    if shown_here:
+        return Verdict(HOLDS)
+    return Verdict(NOT_CHECKABLE, f"fails on {failed_on}, which is not what it is claimed for ({claimed_for})")
 
 
 def judged_on(verdict: str, seen_on: str = "SmolLM2", claimed_for: str = "another model") -> Verdict:
