@@ -418,3 +418,34 @@ def test_evaluate_takes_a_calibration_per_config(tiny):
     assert together["configs"][("static", 8)]["k_clip_rate"] > together["configs"][("static", 2)]["k_clip_rate"]
     with pytest.raises(ValueError, match="one entry per config"):
         evaluate(model, ids, configs, {("static", 2): cal}, window=70, stride=70, chunk=16)
+
+
+def test_evaluate_takes_the_layers_under_a_config_s_quantized_one_from_the_fp_run(tiny, monkeypatch):
+    """A config that quantizes layer l alone (layer_sensitivity's) computes the layers under l exactly as the
+    FP run does (full-precision K/V, the same input): evaluate hands them the FP run's outputs instead of
+    running them again. The numbers are those of running every layer, to the bit, and layers are skipped."""
+    from kvlab.calibrate import calibrate
+    from kvlab.eval import evaluate, quality
+    model, _ = tiny
+    ids = [3 + (13 * i) % 250 for i in range(70)]
+    cal = calibrate(model, [ids[:24]], progress=False)
+    layers = quality._decoder_layers(model)
+    fp, int8 = TensorFormat("fp32"), named_config("int8").k
+    configs = {n: KVQuantConfig(fp, fp, layers={n: (int8, int8)}) for n in range(len(layers))}
+    configs["rotated"] = named_config("int8", rotate_k=True)  # every layer quantized: nothing to reuse
+    quality.paged_attention_spec(model)  # its one probing forward (cached), before anything is counted
+    calls = []
+    hook = layers[0].mlp.register_forward_hook(lambda *_: calls.append(1))  # runs only when the layer computes
+    try:
+        reused = evaluate(model, ids, configs, cal, window=70, stride=70, chunk=16)
+        skipping = len(calls)
+        monkeypatch.setattr(quality, "_decoder_layers", lambda m: None)  # every config runs every layer
+        calls.clear()
+        every = evaluate(model, ids, configs, cal, window=70, stride=70, chunk=16)
+    finally:
+        hook.remove()
+    fields = ("kl", "top1", "ppl", "delta_ppl_pct", "delta_ppl_ci95", "k_clip_rate", "v_clip_rate")
+    for n in configs:
+        assert [reused["configs"][n][f] for f in fields] == [every["configs"][n][f] for f in fields], n
+    chunks = 5  # 69 positions in chunks of 16
+    assert (skipping, len(calls)) == (3 * chunks, (len(configs) + 1) * chunks)  # layer 0 in FP, config 0, rotated

@@ -191,8 +191,10 @@ MAX_LIBRARY_LINES, MAX_FILE_LINES = 14_000, 450
 #: 17,770 (issue 57 item 5): claims.run's progress bar; the claims Lab scores quality and saturation in one run
 #: 17,850 (issue 57 items 2-3): vLLM's KV-cache options read from the installed peer (the worker's "options"
 #: command, vllm_peer.kv_cache_options with the pin's record as fallback); the one reading of every row stated
-#: once (claims.rules.READING) and its rule for models the lab cannot run (beyond_lab)
-HOUSE_NOW = 17_850
+#: once (claims.rules.READING) and its rule for models the lab cannot run (beyond_lab); 17,885 (issues 54/57:
+#: the claims table and notebook 03 faster): evaluate hands a config the FP run's outputs of the layers under
+#: its first quantized one (layer sensitivity a third faster, to the bit), claims step times on one engine
+HOUSE_NOW = 17_885
 
 
 def _private_uses(path: Path, module: str):

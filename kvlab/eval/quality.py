@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -62,6 +63,33 @@ class PoolRunner:
             out[i] = logits[at:at + n].float()
             at += n
         return out
+
+
+def _decoder_layers(model) -> list | None:
+    """The model's decoder layers in order (HF's ``get_decoder().layers``), or None where it has none."""
+    layers = getattr(model.get_decoder(), "layers", None) if hasattr(model, "get_decoder") else None
+    return layers if isinstance(layers, torch.nn.ModuleList) else None
+
+
+@contextmanager
+def _as_fp_below(layers, outputs: list, below: int | None):
+    """``below=None`` (the FP run): record each decoder layer's output into ``outputs``. Else layers under
+    ``below`` return the FP run's outputs instead of computing them again: their K/V are full precision,
+    their input the FP run's, so they would compute exactly that (a layer-sensitivity config quantizes one
+    layer: the layers under it are the FP run's). Nothing reads the K/V they skip writing."""
+    handles, patched = [], layers[:below or 0]
+    if below is None:
+        outputs.clear()
+        handles = [layer.register_forward_hook(lambda _m, _a, out: outputs.append(out)) for layer in layers]
+    for layer, out in zip(patched, outputs):
+        layer.forward = lambda *_a, out=out, **_k: out
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for layer in patched:
+            layer.__dict__.pop("forward", None)
 
 
 def _windows(n: int, window: int, stride: int):
@@ -145,6 +173,18 @@ def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: 
     scored = 0
     seconds = {n: 0.0 for n in names}
     stats = {}
+    layers = _decoder_layers(model)
+    full = (FP, FP)  # layers under a config's first quantized one run as the FP run's (_as_fp_below)
+    below = {n: 0 if configs[n].rotate_k else next((i for i in range(len(layers)) if configs[n].formats(i) != full),
+                                                   len(layers)) for n in configs} if layers is not None else {}
+    reuse = any(below.values())
+    fp_out: list = []
+
+    def run(n, piece):
+        if not reuse:
+            return runners[n].forward(piece)
+        with _as_fp_below(layers, fp_out, None if n == "fp" else below[n]):
+            return runners[n].forward(piece)
     for w_start, w_end, first in _windows(len(tokens), window, stride):
         ids = tokens[w_start:w_end]
         runners = {n: PoolRunner(model, FP32 if n == "fp" else configs[n], None if n == "fp" else scales[n], [ids],
@@ -155,12 +195,12 @@ def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: 
             keep = torch.arange(c0, c0 + len(piece)) >= first - 1  # position p predicts target p + 1
             if not keep.any():
                 for n in names:  # context only: still feed it through every cache
-                    runners[n].forward(piece)
+                    run(n, piece)
                 continue
             logp = {}
             for n in names:
                 t0 = time.perf_counter()
-                logp[n] = torch.log_softmax(runners[n].forward(piece), -1)[keep]
+                logp[n] = torch.log_softmax(run(n, piece), -1)[keep]
                 seconds[n] += time.perf_counter() - t0
             tg = targets[keep]
             ref = logp["fp"]
