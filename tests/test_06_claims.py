@@ -253,7 +253,7 @@ PLANTED = {
     "l2-threshold": dict(weights=2**20),
     "zero-fragmentation": dict(lengths=[16, 32, 48]),
     "per-block-scales-50": dict(head_dim=1),
-    "deferred-quant": dict(hbm_saving=0.5),
+    "deferred-quant": dict(resident="int8"),
     "low-concurrency": dict(batch=32),
     "no-cache-realtime": dict(context=100),
     "kv-linear-batch": dict(batches=(1, 2), sizes=[1, 3]),
@@ -285,7 +285,7 @@ PLANTED = {
     "ttft-quant": dict(extra_per_token=2**30),
     "dequant-one-fma": dict(ops={"fp16": 1}),
     "int8-in-frameworks": dict(vllm={"kv_cache_dtypes": ["auto", "fp8"]}),  # vLLM 0.11-0.13's list: partly
-    "fp8-flag": dict(flag="int8"),
+    "fp8-flag": dict(flag="int8_per_token_head"),  # a flag vLLM reads as INT8
     "fp8-native": dict(gpus=("A100", "H100")),
 }
 
@@ -468,6 +468,24 @@ def test_every_measured_rule_flips_on_a_planted_measurement():
     for cid, (a, b) in PLANTED_LABS.items():
         va, vb = run(cid, a)[1], run(cid, b)[1]
         assert va != vb, (cid, va, vb)
+
+
+def test_each_part_of_a_two_part_row_flips_on_its_own_evidence(monkeypatch):
+    """Issue 57 item 1: no part of a verdict is a literal. The parts that were typed in (True) now come
+    from the bytes: plant evidence against each and that part, alone, turns."""
+    from kvlab import sizing
+    by_id = {c.id: c for c in claims.CLAIMS}
+    detail = claims.rules.detail
+    assert by_id["finer-scales-cost"].measure(None)[1] == "partly"
+    assert detail(by_id["finer-scales-cost"].measure(None, finer="per-head")[1]).endswith(  # no scale per token
+        "not that finer scales cost a finer implementation")
+    assert by_id["first-last-saving"].measure(None, middle="fp16")[1] == "wrong"
+    assert by_id["first-last-saving"].measure(None, kept=0, middle="fp16")[1] == "wrong"
+    assert by_id["first-last-saving"].measure(None, kept=0)[1] == "holds"
+    assert by_id["deferred-quant"].measure(None)[1] == "wrong" != by_id["deferred-quant"].measure(None, resident="int8")[1]
+    real = sizing.kv_size
+    monkeypatch.setattr(sizing, "kv_size", lambda model, *a, tokens=1, **k: real(model, *a, tokens=min(tokens, 4096), **k))
+    assert detail(by_id["kv-heads"].measure(None)[1]).startswith("neither")  # bytes that stop growing with length
 
 
 def test_int8_39pct_is_wrong_as_stated_and_the_rule_can_go_every_way():

@@ -187,12 +187,15 @@ def c_per_block_scales(lab, head_dim: int = 64, block: int = 16):
             ratio(0.5, saving, tol=0.02), "4 bytes of scale per 1 KiB of INT8 data")
 
 
-def c_finer_scales_cost(lab, model: str = "smollm2-135m", extra: float | None = None):
-    head = kv_bytes(model=model, tokens=4096, dtype="int8", scales="per-head")
-    tok = kv_bytes(model=model, tokens=4096, dtype="int8", scales="per-token-head")
-    extra = tok / head - 1 if extra is None else extra
-    return (f"SmolLM2, INT8 at 4K: per-token-head scales add {extra:.1%} to the cache (one fp32 per 64 values)",
-            parts(True, extra == 0, "that finer scales cost a finer implementation",
+def c_finer_scales_cost(lab, model: str = "smollm2-135m", extra: float | None = None, finer: str = "per-token-head"):
+    head = sizing.kv_size(model, "int8", tokens=4096, scales="per-head")
+    tok = sizing.kv_size(model, "int8", tokens=4096, scales=finer)
+    extra = tok.total_bytes / head.total_bytes - 1 if extra is None else extra
+    # a finer implementation: scales the kernel must load (and the writer compute) per token, not once per head
+    loads = (tok.scale_bytes - head.scale_bytes) / 4096
+    return (f"SmolLM2, INT8 at 4K: {finer} scales add {extra:.1%} to the cache and {loads:,.0f} B of scales to "
+            "load and compute per token (per-head: a fixed table)",
+            parts(loads > 0, extra == 0, "that finer scales cost a finer implementation",
                   "that the implementation is their cost (「代价是」): they also cost memory and bandwidth"),
             "the sentence names one cost as the cost; the bytes add a second, the scales themselves")
 
@@ -237,11 +240,14 @@ def c_zero_fragmentation(lab, lengths=None, block: int = 16, refused: dict | Non
             "internal fragmentation the same article's §4.3 describes (5-10 %)")
 
 
-def c_deferred_quant(lab, hbm_saving: float = 0.0, claimed: float = 0.5):
-    return (f"quantized only when a block leaves HBM: the cache in HBM saves {hbm_saving:.0%} (claimed {claimed:.0%})",
-            truth(hbm_saving >= 0.9 * claimed),
-            "the blocks in HBM stay FP16, so neither memory nor decode bandwidth is saved there; only swapped-out "
-            "blocks shrink")
+def c_deferred_quant(lab, resident: str = "fp16", claimed: float = 0.5):
+    """The article's code (000 §3, its doc comment's design point 3) quantizes a block only when it is swapped
+    out of HBM: the blocks in HBM are kept as ``resident`` (its FP16 input), their bytes against FP16's."""
+    saving = 1 - kv_bytes(tokens=4096, dtype=resident) / kv_bytes(tokens=4096)
+    return (f"7B, 4,096 tokens in HBM as {resident}: {saving:.1%} of the FP16 cache saved there (claimed {claimed:.0%})",
+            truth(abs(saving / claimed - 1) <= 0.15),
+            "from the article's own code: design point 3 (延迟量化：仅在Block换出HBM时执行量化) keeps every block in HBM "
+            "as it came, FP16, so neither memory nor decode bandwidth is saved there; only swapped-out blocks shrink")
 
 
 def c_speculative_ttft(lab, prompt: int = 1024, draft_params: float = 68e6, with_draft: float | None = None):
@@ -332,20 +338,26 @@ def c_symmetric_one_multiply(lab, ops: dict | None = None):
             "correction term")
 
 
-def c_first_last_saving(lab, layers: int = 32, kept: int = 2, claimed: float = 0.5):
-    saved = 1 - (kept * 2 + (layers - kept) * 1) / (layers * 2)
-    return (f"{layers} layers, {kept} kept in FP16, the rest INT8: {saved:.1%} of the KV bytes saved",
-            parts(True, abs(saved - claimed) <= 0.01 * claimed, "that the INT8 layers halve",
+def c_first_last_saving(lab, layers: int = 32, kept: int = 2, claimed: float = 0.5, middle: str = "int8"):
+    per = {d: sizing.kv_size(_7B, d, tokens=4096).total_bytes / 32 for d in ("fp16", middle)}  # one layer's
+    saved = 1 - (kept * per["fp16"] + (layers - kept) * per[middle]) / (layers * per["fp16"])
+    layer_half = abs(per[middle] / per["fp16"] - claimed) <= 0.01 * claimed
+    return (f"{layers} layers, {kept} kept in FP16, the rest {middle} ({per[middle] / per['fp16']:.2%} of an FP16 "
+            f"layer): {saved:.1%} of the KV bytes saved",
+            parts(layer_half, abs(saved - claimed) <= 0.01 * claimed, "that the INT8 layers halve",
                   f"that the cache halves (the summary's {claimed:.0%}, within 1 % as int8-half)"),
             "the kept layers cost their share: 2 of 32 layers at full size")
 
 
-def c_kv_heads(lab, model: str = "smollm2-135m"):
+def c_kv_heads(lab, model: str = "smollm2-135m", tokens: int = 4096):
     c = sizing.kv_config(model)
     per = sizing.kv_bytes_per_token(model, "fp16")
     per_query_heads = per * c.num_heads // c.num_kv_heads
-    return (f"{model}: {per:,} B per token from {c.num_kv_heads} KV heads; counting its {c.num_heads} attention heads "
-            f"would give {per_query_heads:,} B", parts(True, c.num_heads == c.num_kv_heads,
+    twice = sizing.kv_size(model, tokens=2 * tokens).total_bytes / sizing.kv_size(model, tokens=tokens).total_bytes
+    deeper = sizing.kv_token_bytes(2 * c.num_layers, c.num_kv_heads, c.head_dim, 2) / per
+    return (f"{model}: twice the tokens {twice:g}x, twice the layers {deeper:g}x the bytes; {per:,} B per token from "
+            f"{c.num_kv_heads} KV heads, counting its {c.num_heads} attention heads would give {per_query_heads:,} B",
+            parts(twice == deeper == 2, c.num_heads == c.num_kv_heads,
                                                    "with sequence length and layers",
                                                    "with attention heads (under GQA it is the KV heads)"),
             "2 x layers x KV heads x head_dim x bytes per token; multi-head models have as many KV heads as "
@@ -374,10 +386,13 @@ def c_int8_in_frameworks(lab, vllm: dict | None = None, trtllm=None):
                                           if int8 else ""))
 
 
-def c_fp8_flag(lab, flag: str = "fp8"):
-    return (f"the command's flag: --kv-cache-dtype {flag}", truth(flag == "int8"),
-            "the comment says INT8, the flag enables FP8 e4m3: the same byte per value, another format (a "
-            "floating grid; without calibrated scales vLLM uses 1.0)")
+def c_fp8_flag(lab, flag: str = "fp8", vllm: dict | None = None):
+    o = _vllm(vllm)
+    int8 = [d for d in o["kv_cache_dtypes"] if d.startswith("int8")]
+    return (f"the article's command line (003 §4): --kv-cache-dtype {flag}; vLLM {o['source']} lists INT8 as "
+            f"{', '.join(int8) or 'nothing'}", truth(flag in int8),
+            "read from the article's code: its comment says INT8, its flag enables FP8 e4m3, the same byte per "
+            "value, another format (a floating grid; without calibrated scales vLLM uses 1.0)")
 
 
 def c_fp8_native(lab, gpus=("H100", "H200")):
