@@ -19,7 +19,8 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 NO_MODEL = ["kv-7b", "weights-7b", "kv-1mb", "a100-half", "kv-70b", "decode-1ms", "int8-half", "int4-quarter",
             "24-to-16gb", "b32-16k-fits", "22ms-step", "16ms-step", "12-7ms", "int8-39pct", "unfused", "static-30", "static-50", "paged-90",
             "frag-5-10", "util-30-80", "zero-guard"] + [c.id for c in claims.CLAIMS
-                                                            if c.measure.__module__ == "kvlab.claims.arithmetic"]
+                                                            if c.measure.__module__ == "kvlab.claims.arithmetic"] + [
+            "per-channel-code"]
 
 
 def _headings(notebook: str) -> set[str]:
@@ -405,6 +406,9 @@ def _kv(kind: str):
     if kind == "flat":
         k = torch.full((64, 2, 16), 0.5)
         return [k] * 6, [k] * 6
+    if kind == "heads-apart":  # Gaussian heads 20x apart: heads differ far more than a head's tokens do
+        k = torch.randn(256, 2, 16, generator=g) * torch.tensor([1.0, 20.0])[None, :, None]
+        return [k] * 6, [k] * 6
     k = torch.randn(256, 2, 16, generator=g)
     if kind == "plain":
         return [k] * 6, [k] * 6
@@ -427,6 +431,9 @@ PLANTED_LABS = {
     "cache-5-20x": (_quality_lab(), _quality_lab(speedups=[{"prompt_tokens": 256, "speedup": 2.5}])),
     "round-even": (_quality_lab(kv=_kv("plain")), _quality_lab(kv=_kv("ties"))),
     "granularity": (_quality_lab(kv=_kv("tails")), _quality_lab(kv=_kv("heads-grid"))),
+    "head-stable": (_quality_lab(kv=_kv("plain")), _quality_lab(kv=_kv("heads-apart"))),
+    "seed-fp16": (_quality_lab(answers={"identical": 40, "requests": 48}), _quality_lab(answers={"identical": 48, "requests": 48})),
+    "max-batch": (_quality_lab(), _quality_lab(step_ms={("1k", 1): 10.0, ("1k", 16): 200.0})),  # 16 rows, less throughput
     "3-bits": (_quality_lab(kv=_kv("tails")), _quality_lab(kv=_kv("flat"))),
     "p999": (_lab(0.002, 0.001), _lab(0.001, 0.002)),
     "ppl-0.1": (_lab(0.001, 0.002, delta=0.5), _lab(0.001, 0.002, delta=2.0)),
@@ -442,6 +449,7 @@ PLANTED_LABS = {
 }
 # claim id -> keyword arguments planting a measurement in a claim that needs no model
 PLANTED_ARGS = {
+    "per-channel-code": dict(reduce_dim=0),  # the max over the tokens: one scale per channel
     "kv-7b": dict(per=2**20), "weights-7b": dict(w=30 * 10**9), "kv-1mb": dict(per=2**20),
     "a100-half": dict(request=4 * 2**30), "kv-70b": dict(per=1600 * 10**3), "decode-1ms": dict(bandwidth=1e12),
     "int8-half": dict(scales="per-token-head"), "int4-quarter": dict(group=32, scale_dtype="fp32"),
@@ -517,7 +525,8 @@ SHRUNK = ("prefix-40-60", "cache-5-20x")
 
 def test_the_smaller_workloads_leave_the_verdicts_as_they_were():
     """tests/claims_verdicts.json holds every verdict of ``kvlab claims`` as measured before the workloads
-    shrank (same seeds, b2e998a); the shrunk rows, measured now, must give the same words."""
+    shrank (same seeds, b2e998a; rows added since, as first measured); the shrunk rows, measured now, must
+    give the same words."""
     before = json.loads((Path(__file__).parent / "claims_verdicts.json").read_text())
     assert set(before) == {c.id for c in claims.CLAIMS}  # the record covers the whole table
     rows = claims.run(claims.Lab(), ids=list(SHRUNK))

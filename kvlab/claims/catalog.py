@@ -12,10 +12,11 @@ from typing import Callable
 from kvlab.claims import arithmetic as A
 from kvlab.claims.memory import (c_7b_1mb, c_7b_table, c_7b_weights, c_12_7ms, c_16ms, c_22ms, c_24_to_16, c_39pct,
                                  c_70b, c_a100_half, c_decode_1ms, c_fits, c_int4_quarter, c_int8_half, c_unfused)
-from kvlab.claims.quality import (c_first_last, c_granularity, c_k_over_v, c_negligible, c_p999, c_ppl_000, c_ppl_004,
-                                  c_rounding, c_saturation, c_three_bits, c_window_documents, c_zero_guard)
-from kvlab.claims.serving import (c_5_20x, c_10_30ms, c_frag_50, c_paged_90, c_paged_near_100, c_prefix, c_static_30,
-                                  c_static_50, c_utilization)
+from kvlab.claims.quality import (c_first_last, c_granularity, c_head_stable, c_k_over_v, c_negligible, c_p999,
+                                  c_per_channel_code, c_ppl_000, c_ppl_004, c_rounding, c_saturation, c_seed_fp16,
+                                  c_three_bits, c_window_documents, c_zero_guard)
+from kvlab.claims.serving import (c_5_20x, c_10_30ms, c_frag_50, c_max_batch, c_paged_90, c_paged_near_100, c_prefix,
+                                  c_static_30, c_static_50, c_utilization)
 
 
 @dataclass(frozen=True)
@@ -215,4 +216,14 @@ CLAIMS: tuple[Claim, ...] = (
           quote="启动时启用\u00a0INT8\u00a0KV\u00a0Cache\u00a0量化"),
     Claim("fp8-native", "003", "§5", "H100 and H200 support FP8 natively",
           "06_putting_it_together", "5. The bridge to production: vLLM", A.c_fp8_native, quote="随着 H100/H200 对 FP8 原生支持的普及"),
+    Claim("per-channel-code", "003", "§4 code", "the example quantizer is per channel (逐通道)",
+          "03_int8_quantization", "Granularities compared", c_per_channel_code, quote="简单的逐通道 INT8 量化示例"),
+    Claim("head-stable", "004", "§3.2", "heads' values differ a lot, while inside one head the distribution is stable",
+          "03_int8_quantization", "Granularities compared", c_head_stable,
+          quote="每个头的值分布差异比较大但单个头内部的分布相对稳定"),
+    Claim("seed-fp16", "004", "§6.4", "to reproduce FP16's results exactly, keep a sampling seed beside the quantization",
+          "06_putting_it_together", "3. Side by side", c_seed_fp16, quote="如果你需要严格复现 FP16 结果可以在量化之外保留一个采样 seed"),
+    Claim("max-batch", "000", "§4.2", "a max_batch_size bounds the latency, at the cost of throughput",
+          "04_continuous_batching", "5. Chunked prefill: time to first token and jitter", c_max_batch,
+          quote="工程上通常设置最大批次大小max_batch_size来限制延迟上界但这又牺牲了吞吐量"),
 )

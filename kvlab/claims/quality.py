@@ -173,3 +173,43 @@ def c_window_documents(lab):
             "a window imposed on a model trained without one forgets what fell out of it, the early facts a "
             "document task asks for; the article names no model, and one trained with a window (Mistral-7B "
             "v0.1, say) may carry information across its layers beyond one window, which the lab cannot run")
+
+
+def c_per_channel_code(lab, reduce_dim: int = -1):
+    """003 §4's example quantizer as written: abs-max over ``dim=-1`` of a [seq_len, num_heads, head_dim] tensor."""
+    x = torch.randn(8, 3, 16)  # K/V in the example's layout: the scale's shape depends on the axes, not the values
+    shape = tuple(x.abs().amax(dim=reduce_dim, keepdim=True).shape)
+    named = next((g for g in core.GRANULARITIES if tuple(core.absmax(x, g).shape) == shape), "none of kvlab's")
+    return (f"the example's scale over dim={reduce_dim} of [seq_len, num_heads, head_dim] has shape (T, H, D) -> "
+            f"{'(T, H, 1)' if shape == (8, 3, 1) else shape}: {named}",
+            truth(named == "per-channel"),
+            "read from the article's code (003 §4, quantize_kv_int8, max(dim=-1)): the max runs over a head's "
+            "channels, one scale per token and head; a per-channel scale takes it over the tokens, one per channel "
+            "(notebook 03). Readers who copy it get per-token-head scales under a per-channel name")
+
+
+def c_head_stable(lab, keys=None):
+    """Across a layer's KV heads, how far their abs-max differ; inside a head, how far its tokens' abs-max spread."""
+    keys = lab.kv[0] if keys is None else keys
+    across, within = [], []
+    for k in keys:  # (T, H, D) per layer
+        tok = k.abs().amax(dim=2)  # (T, H): every token's abs-max, per head
+        head = tok.amax(dim=0)
+        across.append((head.max() / head.min()).item())
+        q = torch.quantile(tok, torch.tensor([0.1, 0.9]), dim=0)
+        within.append(statistics.median((q[1] / q[0]).tolist()))
+    a, w = statistics.median(across), statistics.median(within)
+    return (f"SmolLM2's keys, median over {len(keys)} layers: a layer's heads differ {a:.2f}x in abs-max; inside a head "
+            f"its tokens' abs-max spread {w:.2f}x (p90 / p10)",
+            judged_on(truth(a > w), "SmolLM2's keys", "every model"),
+            "rule: heads must differ more than a head's own tokens do. With 3 KV heads the heads are alike and a head "
+            "varies more token to token than head to head; per-head scales still win on cost (one per head)")
+
+
+def c_seed_fp16(lab, answers: dict | None = None):
+    a = lab.answers if answers is None else answers
+    return (f"greedy decoding, where a seed plays no part: INT8's answers equal FP16's in {a['identical']} of "
+            f"{a['requests']} (notebook 06's workload)", truth(a["identical"] == a["requests"]),
+            "a seed fixes the random draws, not the logits INT8 changes: even greedy answers part. The article's other "
+            "remedy, sensitive requests on an FP16 cache, does reproduce FP16")
+

@@ -137,3 +137,14 @@ def c_5_20x(lab):
                       "SmolLM2 on this CPU", "any model"),
             "16 new tokens each, batch 1; the gain grows with both lengths (quadratic work becomes linear), so "
             "short prompts fall below the range: a range without lengths says little")
+
+
+def c_max_batch(lab, ms: dict | None = None):
+    ms = lab.step_ms if ms is None else ms
+    one, many = ms["1k", 1], ms["1k", 16]
+    return (f"1,000-token contexts: batch 1 {one:.0f} ms a step ({1e3 / one:.0f} tok/s), batch 16 {many:.0f} ms "
+            f"({16e3 / many:.0f} tok/s), this machine",
+            judged_on(parts(one < many, 1 / one < 16 / many, "that a cap bounds the step's latency",
+                            "that it costs throughput"), "SmolLM2 on this CPU", "any engine"),
+            "the steps 10-30ms measures: a smaller batch keeps each step short and reads the weights for fewer tokens")
+
