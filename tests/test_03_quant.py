@@ -442,10 +442,16 @@ def test_evaluate_takes_the_layers_under_a_config_s_quantized_one_from_the_fp_ru
         monkeypatch.setattr(quality, "_decoder_layers", lambda m: None)  # every config runs every layer
         calls.clear()
         every = evaluate(model, ids, configs, cal, window=70, stride=70, chunk=16)
+        computing = len(calls)
+        monkeypatch.undo()  # windows that overlap: context-only chunks, a fresh pool per window
+        windows = evaluate(model, ids, configs, cal, window=40, stride=20, chunk=8)
+        monkeypatch.setattr(quality, "_decoder_layers", lambda m: None)
+        windows_every = evaluate(model, ids, configs, cal, window=40, stride=20, chunk=8)
     finally:
         hook.remove()
     fields = ("kl", "top1", "ppl", "delta_ppl_pct", "delta_ppl_ci95", "k_clip_rate", "v_clip_rate")
     for n in configs:
         assert [reused["configs"][n][f] for f in fields] == [every["configs"][n][f] for f in fields], n
+        assert [windows["configs"][n][f] for f in fields] == [windows_every["configs"][n][f] for f in fields], n
     chunks = 5  # 69 positions in chunks of 16
-    assert (skipping, len(calls)) == (3 * chunks, (len(configs) + 1) * chunks)  # layer 0 in FP, config 0, rotated
+    assert (skipping, computing) == (3 * chunks, (len(configs) + 1) * chunks)  # layer 0 in FP, config 0, rotated

@@ -171,25 +171,27 @@ def read_scales(model_dir, prompts=(), max_tokens: int = 8, kv_cache_dtype: str 
 
 #: vLLM 0.32.0's KV-cache options (its vllm/config/cache.py: CacheDType, CacheConfig), as the peer reports them
 #: (:func:`kv_cache_options`), for a machine without the peer
-RECORDED_OPTIONS = {"vllm": "0.32.0", "skip_layers": True, "dtype_scope": "engine", "kv_cache_dtypes": [
+RECORDED_OPTIONS = {"vllm": "0.32.0", "skip_layers": True, "dtype_scope": "engine", "kv_cache_dtypes": (
     "auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "nvfp4_ds_mla",
     "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "ultraquant_4bit",
-    "int4_per_token_head", "int8_per_token_head", "fp8_per_token_head", "nvfp4", "nvfp4_4over6"]}
+    "int4_per_token_head", "int8_per_token_head", "fp8_per_token_head", "nvfp4", "nvfp4_4over6")}
 
 
 @functools.lru_cache(maxsize=1)
 def kv_cache_options() -> dict:
     """vLLM's --kv-cache-dtype choices and whether layers can be left unquantized, read from the installed
-    peer (``source`` says so, with its version); without one, :data:`RECORDED_OPTIONS`, saying which version."""
+    peer (``source`` says so, with its version); without one, :data:`RECORDED_OPTIONS`, saying which version.
+    Read once per process (a peer installed later is read after ``kv_cache_options.cache_clear()``)."""
     recorded = {**RECORDED_OPTIONS, "source": f"{RECORDED_OPTIONS['vllm']} as recorded (no peer installed here)"}
     if peer_python() is None:
         return recorded
     try:
         got = run_worker("options", {}, timeout=300)
-    except (PeerError, subprocess.TimeoutExpired) as e:
-        return {**recorded, "source": f"{RECORDED_OPTIONS['vllm']} as recorded (the installed peer failed: "
-                                      f"{str(e).splitlines()[0][:80]})"}
-    return {**{k: got[k] for k in RECORDED_OPTIONS}, "source": f"{got['vllm']}, read from the installed peer"}
+        got = {**{k: got[k] for k in RECORDED_OPTIONS}, "kv_cache_dtypes": tuple(got["kv_cache_dtypes"])}
+    except Exception as e:  # noqa: BLE001  (whatever the peer does, the row falls back to the record, saying why)
+        why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:80]
+        return {**recorded, "source": f"{RECORDED_OPTIONS['vllm']} as recorded (the installed peer failed: {why})"}
+    return {**got, "source": f"{got['vllm']}, read from the installed peer"}
 
 
 def recorded() -> dict:

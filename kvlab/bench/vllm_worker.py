@@ -136,9 +136,11 @@ def options(job):
     import vllm  # the peer environment's vLLM, imported only by the command that needs it
     from vllm.config import cache  # its CacheConfig declares the KV-cache options
     fields = {f.name: f for f in dataclasses.fields(cache.CacheConfig)}
-    one = typing.get_origin(fields["cache_dtype"].type) is typing.Literal  # a single choice, not one per layer
+    kind = fields["cache_dtype"].type  # a Literal of names: one choice for the engine; a dict or list: per layer
+    per_layer = any(typing.get_origin(t) in (dict, list) for t in (kind, *typing.get_args(kind))) or \
+        any(w in str(kind) for w in ("dict[", "list[", "Dict[", "List["))
     return {"vllm": vllm.__version__, "kv_cache_dtypes": list(typing.get_args(cache.CacheDType)),
-            "skip_layers": "kv_cache_dtype_skip_layers" in fields, "dtype_scope": "engine" if one else "layer"}
+            "skip_layers": "kv_cache_dtype_skip_layers" in fields, "dtype_scope": "layer" if per_layer else "engine"}
 
 
 def _versions():

@@ -113,7 +113,7 @@ def c_saved_reads_sum(lab, step_ms: float = 22.0, reads_before: float = 12.0, re
             f"{reads_after:g} = {transfer:g} ms", ratio(saved, transfer),
             f"the article's own numbers: the transfer explains {transfer:g} of the {saved:g} ms saved; 'basically' "
             "is held to the ±15 % every approximate figure of the table gets (约 'about' included), and the part "
-            "the transfer leaves unexplained is more than that")
+            f"the transfer leaves unexplained is {abs(saved - transfer) / saved:.0%} of the saving")
 
 
 # ---- what fits ----------------------------------------------------------------------------------------
@@ -197,7 +197,7 @@ def c_finer_scales_cost(lab, model: str = "smollm2-135m", extra: float | None = 
             "load and compute per token (per-head: a fixed table)",
             parts(loads > 0, extra == 0, "that finer scales cost a finer implementation",
                   "that the implementation is their cost (「代价是」): they also cost memory and bandwidth"),
-            "the sentence names one cost as the cost; the bytes add a second, the scales themselves")
+            "the sentence names one cost as the cost" + ("; the bytes add a second, the scales themselves" if extra else ""))
 
 
 def c_k8v4_lower(lab, model: str = _7B, k8v4: float | None = None):
@@ -319,8 +319,9 @@ def c_kv_dtype_per_layer(lab, vllm: dict | None = None):
                if o["skip_layers"] else "no option keeps a layer unquantized"),
             parts(o["dtype_scope"] == "layer", o["skip_layers"], "that it sets a precision per layer",
                   "that layers can differ (some kept unquantized)"),
-            "the quantized layers share one dtype; a second option exempts layers (kvlab's KVQuantConfig(layers=...) "
-            "sets any format per layer, notebook 03)")
+            ("the quantized layers share one dtype; " if o["dtype_scope"] == "engine" else "")
+            + ("a second option exempts layers " if o["skip_layers"] else "no option exempts a layer ")
+            + "(kvlab's KVQuantConfig(layers=...) sets any format per layer, notebook 03)")
 
 
 #: instructions per value to dequantize (after loading the integer): convert, then the scale (and zero point)
@@ -346,7 +347,7 @@ def c_first_last_saving(lab, layers: int = 32, kept: int = 2, claimed: float = 0
             f"layer): {saved:.1%} of the KV bytes saved",
             parts(layer_half, abs(saved - claimed) <= 0.01 * claimed, "that the INT8 layers halve",
                   f"that the cache halves (the summary's {claimed:.0%}, within 1 % as int8-half)"),
-            "the kept layers cost their share: 2 of 32 layers at full size")
+            f"the kept layers cost their share: {kept} of {layers} layers at full size")
 
 
 def c_kv_heads(lab, model: str = "smollm2-135m", tokens: int = 4096):

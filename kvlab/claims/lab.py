@@ -141,15 +141,14 @@ class Lab:
             prompts = chat_prompts(self.tokenizer)
             long_text = text_tokens(self.tokenizer, 1000, offset=4000)
             out = {}
-            for context in ("short", "1k"):  # one engine each: batch 16 finds batch 1's 1k prompt in the prefix cache
-                eng = LLM(self.model, self.tokenizer, num_blocks=200, block_size=16, max_num_seqs=16,
-                          max_num_batched_tokens=1024)
+            for context in ("short", "1k"):
                 for batch in (1, 16):
                     reqs = ([prompts[i % len(prompts)] for i in range(batch)] if context == "short"
                             else [long_text + [200 + i] for i in range(batch)])
-                    done = len(eng.step_stats)
+                    eng = LLM(self.model, self.tokenizer, num_blocks=200, block_size=16, max_num_seqs=batch,
+                              max_num_batched_tokens=1024)
                     eng.generate(reqs, SamplingParams(max_tokens=6, ignore_eos=True))
-                    pure = [s.total_s for s in eng.step_stats[done:] if s.prefill_tokens == 0 and s.decode_tokens == batch]
+                    pure = [s.total_s for s in eng.step_stats if s.prefill_tokens == 0 and s.decode_tokens == batch]
                     out[context, batch] = 1e3 * statistics.median(pure)
             return out
         return self._timed("step_ms", run)

@@ -79,8 +79,8 @@ def c_int4_quarter(lab, group: int = 128, scale_dtype: str = "fp16"):
     return (f"INT4 with one {scale_dtype} scale per {group} values: {share:.1%} of FP16; kvlab's own (fp32 per 32, "
             f"the one notebook 03 measures) {ours / kv_bytes(4096):.1%}; the 4-bit data alone 25%",
             ratio(0.25, share), "judged as int8-half, on the leanest common layout (the article's own advice is to "
-            "group, 003 §4); every layout adds its scales to the 25 % of the data: kvlab's finer fp32 scales cost 6 "
-            "points more")
+            "group, 003 §4); every layout adds its scales to the 25 % of the data: kvlab's finer fp32 scales cost "
+            f"{100 * (ours - judged) / kv_bytes(4096):.1f} points more")
 
 
 def c_24_to_16(lab, context: int = 4096):

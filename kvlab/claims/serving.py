@@ -118,10 +118,10 @@ def c_10_30ms(lab):
     return (f"batch 1 -> 16 at 1,000-token contexts: {ms['1k', 1]:.0f} -> {ms['1k', 16]:.0f} ms ({r['1k']:.1f}x); "
             f"at short contexts {r['short']:.1f}x (this machine)",
             judged_on(ratio(3.0, r["1k"]), "SmolLM2 on this CPU", "a GPU serving a larger model"),
-            "the ±15 % every figure gets (claims.rules.READING; a wider one left this row flipping with the machine's "
-            "noise around 2.2x); the article's cause, more KV read per step, shows once batch x context makes the "
-            "cache about as big as the weights (1k tokens here): the step about doubles, and a tripling needs a "
-            "cache twice the weights; with short contexts it grows far less, as the weights dominate")
+            "the ±15 % every figure gets (claims.rules.READING); the article's cause, more KV read per step, shows "
+            "once batch x context makes the cache about as big as the weights (1k tokens here): a step reading "
+            "weights and cache grows (W + 16 KV) / (W + KV), about 2x there; 3x needs a cache about 2.5x the "
+            f"weights. With short contexts the step grows {r['short']:.1f}x, as the weights dominate")
 
 
 def c_5_20x(lab):

@@ -17,8 +17,9 @@ def run(lab: Lab | None = None, ids=None, progress=None) -> list[dict]:
     """Measure every claim (or those in ``ids``) and judge it. One dict per claim, in table order.
     ``progress``: ``True`` for a progress bar (tqdm: a widget in a notebook, stderr elsewhere), or a function
     called with each claim's id before it is measured."""
-    if not (progress is None or progress is True or callable(progress)):
-        raise TypeError(f"progress must be True, None or a function of a claim id, got {progress!r}")
+    if not (progress is None or isinstance(progress, bool) or callable(progress)):
+        raise TypeError(f"progress must be True, False, None or a function of a claim id, got {progress!r}")
+    progress = progress or None
     known = {c.id for c in CLAIMS}
     if ids is not None and (unknown := sorted(set(ids) - known)):
         raise ValueError(f"unknown claim id(s) {unknown}: choose from {sorted(known)}")

@@ -77,19 +77,23 @@ def _as_fp_below(layers, outputs: list, below: int | None):
     ``below`` return the FP run's outputs instead of computing them again: their K/V are full precision,
     their input the FP run's, so they would compute exactly that (a layer-sensitivity config quantizes one
     layer: the layers under it are the FP run's). Nothing reads the K/V they skip writing."""
-    handles, patched = [], layers[:below or 0]
+    handles, patched = [], list(zip(layers[:below or 0], outputs))
     if below is None:
-        outputs.clear()
+        outputs.clear()  # a layer's output is the next one's input, never changed in place (HF's decoder layers)
         handles = [layer.register_forward_hook(lambda _m, _a, out: outputs.append(out)) for layer in layers]
-    for layer, out in zip(patched, outputs):
+    own = [(layer, layer.__dict__.get("forward")) for layer, _ in patched]  # a hook library's own, kept
+    for layer, out in patched:
         layer.forward = lambda *_a, out=out, **_k: out
     try:
         yield
     finally:
         for h in handles:
             h.remove()
-        for layer in patched:
-            layer.__dict__.pop("forward", None)
+        for layer, forward in own:
+            if forward is None:
+                layer.__dict__.pop("forward", None)
+            else:
+                layer.forward = forward
 
 
 def _windows(n: int, window: int, stride: int):
