@@ -137,8 +137,7 @@ def options(job):
     from vllm.config import cache  # its CacheConfig declares the KV-cache options
     fields = {f.name: f for f in dataclasses.fields(cache.CacheConfig)}
     kind = fields["cache_dtype"].type  # a Literal of names: one choice for the engine; a dict or list: per layer
-    per_layer = any(typing.get_origin(t) in (dict, list) for t in (kind, *typing.get_args(kind))) or \
-        any(w in str(kind) for w in ("dict[", "list[", "Dict[", "List["))
+    per_layer = any(w in str(kind).lower() for w in ("dict[", "list["))  # also inside Optional[...] / X | None
     return {"vllm": vllm.__version__, "kv_cache_dtypes": list(typing.get_args(cache.CacheDType)),
             "skip_layers": "kv_cache_dtype_skip_layers" in fields, "dtype_scope": "layer" if per_layer else "engine"}
 

@@ -312,6 +312,10 @@ def _vllm(planted: dict | None) -> dict:
     return {**kv_cache_options(), **(planted or {})}
 
 
+def _int8_choices(options: dict) -> list[str]:  # vLLM's --kv-cache-dtype choices that store INT8
+    return [d for d in options["kv_cache_dtypes"] if d.startswith("int8")]
+
+
 def c_kv_dtype_per_layer(lab, vllm: dict | None = None):
     o = _vllm(vllm)
     return (f"vLLM {o['source']}: --kv-cache-dtype is one value for the {o['dtype_scope']}; "
@@ -340,7 +344,7 @@ def c_symmetric_one_multiply(lab, ops: dict | None = None):
 
 
 def c_first_last_saving(lab, layers: int = 32, kept: int = 2, claimed: float = 0.5, middle: str = "int8"):
-    per = {d: sizing.kv_size(_7B, d, tokens=4096).total_bytes / 32 for d in ("fp16", middle)}  # one layer's
+    per = {d: kv_bytes(tokens=4096, dtype=d) / 32 for d in ("fp16", middle)}  # one of Llama-2-7B's 32 layers
     saved = 1 - (kept * per["fp16"] + (layers - kept) * per[middle]) / (layers * per["fp16"])
     layer_half = abs(per[middle] / per["fp16"] - claimed) <= 0.01 * claimed
     return (f"{layers} layers, {kept} kept in FP16, the rest {middle} ({per[middle] / per['fp16']:.2%} of an FP16 "
@@ -354,7 +358,7 @@ def c_kv_heads(lab, model: str = "smollm2-135m", tokens: int = 4096):
     c = sizing.kv_config(model)
     per = sizing.kv_bytes_per_token(model, "fp16")
     per_query_heads = per * c.num_heads // c.num_kv_heads
-    twice = sizing.kv_size(model, tokens=2 * tokens).total_bytes / sizing.kv_size(model, tokens=tokens).total_bytes
+    twice = kv_bytes(tokens=2 * tokens, model=model) / kv_bytes(tokens=tokens, model=model)
     deeper = sizing.kv_token_bytes(2 * c.num_layers, c.num_kv_heads, c.head_dim, 2) / per
     return (f"{model}: twice the tokens {twice:g}x, twice the layers {deeper:g}x the bytes; {per:,} B per token from "
             f"{c.num_kv_heads} KV heads, counting its {c.num_heads} attention heads would give {per_query_heads:,} B",
@@ -378,7 +382,7 @@ def c_no_cache_quadratic(lab, tokens: int = 4096, cached: bool = False):
 def c_int8_in_frameworks(lab, vllm: dict | None = None, trtllm=None):
     o = _vllm(vllm)
     trtllm = TRTLLM_KV_CACHE_DTYPES if trtllm is None else trtllm
-    int8 = [d for d in o["kv_cache_dtypes"] if d.startswith("int8")]
+    int8 = _int8_choices(o)
     return (f"KV-cache dtypes: vLLM {o['source']}: {', '.join(int8) or 'no int8'} among "
             f"{len(o['kv_cache_dtypes'])} choices; TensorRT-LLM {', '.join(trtllm)}",
             parts("int8" in trtllm, bool(int8), "for TensorRT-LLM", "for vLLM"),
@@ -389,7 +393,7 @@ def c_int8_in_frameworks(lab, vllm: dict | None = None, trtllm=None):
 
 def c_fp8_flag(lab, flag: str = "fp8", vllm: dict | None = None):
     o = _vllm(vllm)
-    int8 = [d for d in o["kv_cache_dtypes"] if d.startswith("int8")]
+    int8 = _int8_choices(o)
     return (f"the article's command line (003 §4): --kv-cache-dtype {flag}; vLLM {o['source']} lists INT8 as "
             f"{', '.join(int8) or 'nothing'}", truth(flag in int8),
             "read from the article's code: its comment says INT8, its flag enables FP8 e4m3, the same byte per "

@@ -73,8 +73,8 @@ def c_int8_half(lab, scales: str = "per-head"):
 def c_int4_quarter(lab, group: int = 128, scale_dtype: str = "fp16"):
     """INT4 on the leanest common layout (an fp16 scale per 128 values: rules.READING, as int8-half's per-head
     scales) against the claimed 1/4; kvlab's own (an fp32 per 32) beside it. ``group`` etc. plant others."""
-    judged = sizing.kv_size("llama-2-7b", "int4", tokens=4096, scales=f"group-{group}", scale_dtype=scale_dtype).total_bytes
-    ours = sizing.kv_size("llama-2-7b", "int4", tokens=4096, scales="group-32", scale_dtype="fp32").total_bytes
+    judged = kv_bytes(4096, "int4", scales=f"group-{group}", scale_dtype=scale_dtype)
+    ours = kv_bytes(4096, "int4", scales="group-32", scale_dtype="fp32")
     share = judged / kv_bytes(4096)
     return (f"INT4 with one {scale_dtype} scale per {group} values: {share:.1%} of FP16; kvlab's own (fp32 per 32, "
             f"the one notebook 03 measures) {ours / kv_bytes(4096):.1%}; the 4-bit data alone 25%",
