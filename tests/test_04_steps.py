@@ -84,3 +84,12 @@ def test_chunking_rounds_refuses_bad_arguments(tiny, kw, message):
     model, tok = tiny
     with pytest.raises(ValueError, match=message):
         S.chunking_rounds(model, tok, [[5, 6]], [3, 4, 5], **kw)
+
+
+def test_the_summary_line_reads_the_recorded_run_only_where_this_one_was_too_busy():
+    quiet = S.recorded()
+    assert S.brief(quiet["sweep"], "sweep").startswith("16x the batch costs") and "recorded" not in S.brief(quiet["sweep"], "sweep")
+    busy = _sweep([(50, 60), (50, 400), (49, 58)], [(55, 130), (54, 128), (56, 133)])
+    assert S.brief(busy, "sweep") == S.brief(quiet["sweep"], "sweep") + " (too busy here: the recorded quiet run)"
+    cut = _chunking([(900, 2.0), (950, 2.1), (920, 2.0)], [(300, 2.4), (310, 2.5), (305, 2.3)])
+    assert S.brief(cut, "chunking") == "chunked, the decoders' longest wait 920 -> 305 ms, the prompt's first token 2.00 -> 2.40 s"

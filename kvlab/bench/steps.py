@@ -78,14 +78,11 @@ def sweep_verdicts(sweep: dict) -> list[str]:
     """The section's conclusions, computed: a bigger batch nearly free at short contexts (the weights
     dominate), dearer at 1k (the KV read and its padded copy show), and step time against the bytes a step reads."""
     lo, hi = sweep["batches"][0], sweep["batches"][-1]
-    n = hi // lo
-    (short, short_rounds), (long, long_rounds) = _ratio(sweep, "short"), _ratio(sweep, "1k")
-    noisy = max(_spread(short_rounds), _spread(long_rounds)) > NOISE
-    if noisy:
-        return [f"the rounds disagree by more than {NOISE:.0f}x (a {n}x batch cost {min(short_rounds + long_rounds):.1f}-"
-                f"{max(short_rounds + long_rounds):.1f}x the step time): the machine is too busy to decide"]
-    bytes_x = sweep["bytes_x"][str(hi)]
-    time_x = long
+    n, (short, short_rounds), (long, long_rounds) = hi // lo, _ratio(sweep, "short"), _ratio(sweep, "1k")
+    if max(_spread(short_rounds), _spread(long_rounds)) > NOISE:
+        return [f"the rounds disagree by more than {NOISE:.0f}x ({n}x the batch cost {min(short_rounds + long_rounds):.1f}-"
+                f"{max(short_rounds + long_rounds):.1f}x the step time): too busy to decide"]
+    bytes_x, time_x = sweep["bytes_x"][str(hi)], long
     follows = ("more than" if time_x > 1.1 * bytes_x else "less than" if time_x < bytes_x / 1.1 else "about as")
     return [f"short contexts: {n}x the batch costs {short:.1f}x the step time: "
             + (f"nearly free (a request's share of a step falls {n / short:.0f}x)" if short < 2 else
@@ -125,8 +122,7 @@ def chunking_rounds(model, tokenizer, prompts, long_prompt, budgets=(1024, 64), 
     for b in budgets:
         check_int("each budget", b, minimum=8, what="tokens a step: the 8 seats need one each")
     check_int("rounds", rounds)
-    out = {str(b): [] for b in budgets}
-    engines = {}
+    out, engines = {str(b): [] for b in budgets}, {}
     for _ in range(rounds):
         for b in budgets:
             r = join_long_prompt(model, tokenizer, prompts, long_prompt, b, **rules)
@@ -137,11 +133,7 @@ def chunking_rounds(model, tokenizer, prompts, long_prompt, budgets=(1024, 64), 
 
 def _direction(ratios: list[float], up: str, down: str, none: str, tol: float = 0.05) -> str:
     """A direction only where every round agrees on it, beyond ``tol``."""
-    if all(r > 1 + tol for r in ratios):
-        return up
-    if all(r < 1 - tol for r in ratios):
-        return down
-    return none
+    return up if all(r > 1 + tol for r in ratios) else down if all(r < 1 - tol for r in ratios) else none
 
 
 def chunking_verdicts(ch: dict) -> list[str]:
@@ -151,27 +143,24 @@ def chunking_verdicts(ch: dict) -> list[str]:
     waits = [a["worst_gap_ms"] / b["worst_gap_ms"] for a, b in zip(whole, chunked)]  # > 1: chunking cut it
     ttfts = [b["ttft_s"] / a["ttft_s"] for a, b in zip(whole, chunked)]  # > 1: chunking delayed it
     if _spread([r["worst_gap_ms"] for r in whole]) > NOISE or _spread([r["worst_gap_ms"] for r in chunked]) > NOISE:
-        return [f"the decoders' longest waits spread more than {NOISE:.0f}x across the rounds: the machine is too busy "
-                "to decide"]
+        return [f"the decoders' longest waits spread more than {NOISE:.0f}x across the rounds: too busy to decide"]
     med = statistics.median
     return [f"chunking {_direction(waits, 'cut', 'lengthened', 'had no consistent effect on')} the decoders' longest "
             f"wait ({med(r['worst_gap_ms'] for r in whole):.0f} ms unchunked, {med(r['worst_gap_ms'] for r in chunked):.0f}"
             f" ms chunked; round by round {', '.join(f'{x:.1f}x' for x in waits)})",
             f"chunking {_direction(ttfts, 'delayed', 'sped up', 'had no consistent effect on')} the long prompt's first "
             f"token ({med(r['ttft_s'] for r in whole):.2f} s unchunked, {med(r['ttft_s'] for r in chunked):.2f} s chunked; "
-            f"round by round {', '.join(f'{x - 1:+.0%}' for x in ttfts)}; a direction needs every round)",
-            f"its prompt rode {med(r['prefill_steps'] for r in whole):.0f} step(s) of "
-            f"{med(r['prefill_sum_ms'] for r in whole):,.0f} ms in all unchunked, {med(r['prefill_steps'] for r in chunked):.0f}"
-            f" steps of {med(r['prefill_sum_ms'] for r in chunked):,.0f} ms in all chunked (medians of the rounds)"]
+            f"round by round {', '.join(f'{x - 1:+.0%}' for x in ttfts)})",
+            f"its prompt rode {med(r['prefill_steps'] for r in whole):.0f} step(s), {med(r['prefill_sum_ms'] for r in whole):,.0f}"
+            f" ms, unchunked; {med(r['prefill_steps'] for r in chunked):.0f}, {med(r['prefill_sum_ms'] for r in chunked):,.0f} ms, chunked"]
 
 
 def sweep_table(sweep: dict) -> tuple[list[str], list[list[str]]]:
     """The sweep as (header, rows): the median decode step per context and batch, (KV bytes read / weight
     bytes); notebook 04 shows it with ``kvlab.viz.table``."""
-    header = ["context"] + [f"batch {b}" for b in sweep["batches"]]
-    rows = [[c] + [f"{statistics.median(sweep['runs'][f'{c} {b}']):.1f} ms ({sweep['kv_share'][f'{c} {b}']:.0%})"
-                   for b in sweep["batches"]] for c in CONTEXTS]
-    return header, rows
+    return ["context"] + [f"batch {b}" for b in sweep["batches"]], [
+        [c] + [f"{statistics.median(sweep['runs'][f'{c} {b}']):.1f} ms ({sweep['kv_share'][f'{c} {b}']:.0%})"
+               for b in sweep["batches"]] for c in CONTEXTS]
 
 
 # ---- the recorded quiet run --------------------------------------------------------------------------
@@ -187,6 +176,17 @@ def judged(verdicts, result: dict, key: str) -> list[str]:
     lines = verdicts(result)
     if any("too busy to decide" in line for line in lines):
         quiet = recorded()
-        lines += [f"the recorded quiet run ({quiet['machine']}, {quiet['date']}), the same rules:"]
-        lines += ["  " + line for line in verdicts(quiet[key])]
+        lines += [f"recorded quiet run ({quiet['machine']}, {quiet['date']}), same rules:"] + ["  " + v for v in verdicts(quiet[key])]
     return lines
+
+
+def brief(result: dict, key: str) -> str:
+    """04's summary line: the biggest batch's cost, chunking's medians; where too busy, the recorded run's."""
+    busy = any("too busy" in line for line in {"sweep": sweep_verdicts, "chunking": chunking_verdicts}[key](result))
+    result = recorded()[key] if busy else result
+    line = (f"{result['batches'][-1] // result['batches'][0]}x the batch costs {_ratio(result, 'short')[0]:.1f}x the "
+            f"step time at short contexts, {_ratio(result, '1k')[0]:.1f}x at 1k" if key == "sweep"
+            else "chunked, the decoders' longest wait {:.0f} -> {:.0f} ms, the prompt's first token {:.2f} -> {:.2f} s".format(
+                *(statistics.median(r[k] for r in result["rounds"][str(b)]) for k in ("worst_gap_ms", "ttft_s")
+                  for b in result["budgets"])))
+    return line + (" (too busy here: the recorded quiet run)" if busy else "")

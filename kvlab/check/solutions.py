@@ -68,5 +68,5 @@ def use(name: str, fn: Callable) -> Callable:
     if ok:
         print(f"[yours] {name} runs below")
         return fn
-    print(f"[kvlab's] {name} runs until yours passes check.{name}")
+    print(f"[kvlab's] {name} (until yours passes check.{name})")
     return reference(name)
