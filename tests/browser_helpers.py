@@ -635,10 +635,14 @@ def _rerun(page, i: int, timeout: float) -> list[str]:
 
 def rerun_cells(page, name: str, runs: dict[str, list[int]], timeout: float = 600) -> list[str]:
     """After Run All, re-run each task's cells in order, as a room does (its stub or solution and checker,
-    then every cell that plugs it in): the problems, one line per cell that raised."""
+    then every cell that plugs it in): the problems, one line per cell that raised. A cell that plugs in
+    several tasks runs for the last of them only (it then reads every task's function as re-run)."""
+    last_task = {i: task for task, cells in runs.items() for i in cells}
     problems = []
     for task, cells in runs.items():
         for i in cells:
+            if last_task[i] != task:
+                continue
             problems += [f"{name}: re-running task {task}'s cell {i} after Run All raised {e}"
                          for e in _rerun(page, i, timeout)]
     return problems

@@ -201,23 +201,22 @@ def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: 
                 for n in names:  # context only: still feed it through every cache
                     run(n, piece)
                 continue
-            logp = {}
-            for n in names:
-                t0 = time.perf_counter()
-                logp[n] = torch.log_softmax(run(n, piece), -1)[keep]
-                seconds[n] += time.perf_counter() - t0
             tg = targets[keep]
-            ref = logp["fp"]
-            token_nll = {n: -logp[n].gather(1, tg[:, None])[:, 0].double() for n in names}
-            for n in names:
-                nll[n] += token_nll[n].sum().item()
-            for n in configs:
-                d = token_nll[n] - token_nll["fp"]
+            ref = p_ref = top_ref = fp_nll = None
+            for n in names:  # FP first; each config's (T, V) log-probs reduced at once, not held: memory for
+                t0 = time.perf_counter()  # two, however many configs (layer sensitivity scores 30)
+                logp = torch.log_softmax(run(n, piece), -1)[keep]
+                seconds[n] += time.perf_counter() - t0
+                token_nll = -logp.gather(1, tg[:, None])[:, 0].double()
+                nll[n] += token_nll.sum().item()
+                if ref is None:
+                    ref, p_ref, top_ref, fp_nll = logp, logp.exp(), logp.argmax(-1), token_nll
+                    continue
+                d = token_nll - fp_nll
                 dsum[n] += d.sum().item()
                 dsq[n] += d.pow(2).sum().item()
-            for n in configs:
-                kl[n] += (ref.exp() * (ref - logp[n])).sum().item()
-                top1[n] += (logp[n].argmax(-1) == ref.argmax(-1)).sum().item()
+                kl[n] += (p_ref * (ref - logp)).sum().item()
+                top1[n] += (logp.argmax(-1) == top_ref).sum().item()
             scored += int(keep.sum())
         for n in configs:  # counters add up over windows (each window has a fresh pool)
             sat = runners[n].cache.saturation()
