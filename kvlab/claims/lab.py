@@ -14,7 +14,7 @@ from kvlab.bench.caches import recompute_vs_cache
 from kvlab.cache import simulate
 from kvlab.cache.evict import SlidingWindow
 from kvlab.calibrate import calibrate, collect_kv, default_calibration
-from kvlab.capstone import served_agreement
+from kvlab.capstone import roomy_agreement
 from kvlab.data import EVAL_PLAY, calibration_chunks, chat_prompts, text_tokens
 from kvlab.engine import LLM, SamplingParams
 from kvlab.eval import evaluate, layer_sensitivity
@@ -112,9 +112,8 @@ class Lab:
 
     @cached_property
     def answers(self) -> dict:
-        """INT8's greedy answers against FP16's on notebook 06's 48-request workload, which notebook 06
-        passes in (``Lab(answers=...)``)."""
-        return self._timed("answers", lambda: served_agreement(self.model, self.tokenizer, self.calibration))
+        """INT8's greedy answers against FP16's: 06 passes its run in (``Lab(answers=...)``); alone, ``roomy_agreement``."""
+        return self._timed("answers", lambda: roomy_agreement(self.model, self.tokenizer, self.calibration))
 
     @cached_property
     def saturation(self) -> dict:
