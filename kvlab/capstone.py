@@ -24,7 +24,7 @@ from kvlab.validate import cdiv
 CONFIGS = ("static FP16", "paged FP16", "paged INT8", "paged INT8 + Triton")
 #: notebook 06's workload (``make_workload(tokenizer, **WORKLOAD)``): 48 chat requests, ShareGPT-like lengths
 #: x 0.1, small enough to serve three times in about a minute on 2 cores, long enough that every paged
-#: pool still runs out of blocks (the claims table's prefix and answer rows read the same one)
+#: pool still runs out of blocks (the claims table's prefix rows read it; its answer rows 06's run, else its prompts)
 WORKLOAD = dict(n=48, scale=0.1, seed=0, max_len=1500)
 _SPEC = {  # kv_cache_dtype, attention backend, reservation
     "static FP16": ("fp16", "torch", "static"),

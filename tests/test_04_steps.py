@@ -79,7 +79,8 @@ def test_decode_sweep_refuses_bad_arguments_before_any_work(tiny, kw, message):
 
 
 @pytest.mark.parametrize("kw, message", [(dict(budgets=(64,)), "budgets must be two"),
-                                         (dict(budgets=(64, 4)), "each budget"), (dict(rounds=-1), "rounds")])
+                                         (dict(budgets=(64, 1024)), "chunked budget"), (dict(budgets=(64, 4)), "chunked budget"),
+                                         (dict(budgets=("a", 8)), "unchunked budget"), (dict(rounds=-1), "rounds")])
 def test_chunking_rounds_refuses_bad_arguments(tiny, kw, message):
     model, tok = tiny
     with pytest.raises(ValueError, match=message):

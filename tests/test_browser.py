@@ -98,7 +98,7 @@ def browser():
 def _run_and_check(lab, browser, name: str, shots: Path, say, rerun: dict[str, list[int]] | None = None,
                    sections: dict[str, list[int]] | None = None, **check) -> tuple[list[str], dict]:
     """Open ``name``, run all, then re-run each task's cells in ``rerun`` (its stub or solution and checker,
-    then the cells that plug it in) and each section of ``sections`` from its first cell (the quick cells,
+    then the cells that plug it in; one shared by several tasks once, after the last) and each section of ``sections`` from its first cell (the quick cells,
     bh.rerun_sections); return (problems, timings). The kernel is shut down afterwards."""
     if shots.exists():
         shutil.rmtree(shots)

@@ -119,8 +119,8 @@ def chunking_rounds(model, tokenizer, prompts, long_prompt, budgets=(1024, 64), 
     engines are kept (their pools are memory), under ``engines``."""
     if not isinstance(budgets, (tuple, list)) or len(budgets) != 2:
         raise ValueError(f"budgets must be two token budgets (unchunked, chunked), got {budgets!r}")
-    for b in budgets:
-        check_int("each budget", b, minimum=8, what="tokens a step: the 8 seats need one each")
+    check_int("the unchunked budget", budgets[0], minimum=9, what="tokens a step, more than the chunked one")
+    check_int("the chunked budget", budgets[1], minimum=8, maximum=budgets[0] - 1, what="tokens a step, 8 seats")
     check_int("rounds", rounds)
     out, engines = {str(b): [] for b in budgets}, {}
     for _ in range(rounds):
@@ -151,8 +151,8 @@ def chunking_verdicts(ch: dict) -> list[str]:
             f"chunking {_direction(ttfts, 'delayed', 'sped up', 'had no consistent effect on')} the long prompt's first "
             f"token ({med(r['ttft_s'] for r in whole):.2f} s unchunked, {med(r['ttft_s'] for r in chunked):.2f} s chunked; "
             f"round by round {', '.join(f'{x - 1:+.0%}' for x in ttfts)})",
-            f"its prompt rode {med(r['prefill_steps'] for r in whole):.0f} step(s), {med(r['prefill_sum_ms'] for r in whole):,.0f}"
-            f" ms, unchunked; {med(r['prefill_steps'] for r in chunked):.0f}, {med(r['prefill_sum_ms'] for r in chunked):,.0f} ms, chunked"]
+            "its prompt rode {:.0f} step(s), {:,.0f} ms, unchunked; {:.0f}, {:,.0f} ms, chunked (medians)".format(
+                *(med(r[k] for r in rs) for rs in (whole, chunked) for k in ("prefill_steps", "prefill_sum_ms")))]
 
 
 def sweep_table(sweep: dict) -> tuple[list[str], list[list[str]]]:

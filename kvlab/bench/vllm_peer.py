@@ -171,7 +171,7 @@ def read_scales(model_dir, prompts=(), max_tokens: int = 8, kv_cache_dtype: str 
 
 #: vLLM 0.32.0's KV-cache options (its vllm/config/cache.py: CacheDType, CacheConfig), as the peer reports them
 #: (:func:`kv_cache_options`), for a machine without the peer
-RECORDED_OPTIONS = {"vllm": "0.32.0", "skip_layers": True, "dtype_scope": "engine", "kv_cache_dtypes": (
+RECORDED_OPTIONS = {"vllm": "0.32.0", "skip_layers": True, "dtype_scope": "engine", "default_block_size": 16, "kv_cache_dtypes": (
     "auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "nvfp4_ds_mla",
     "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "ultraquant_4bit",
     "int4_per_token_head", "int8_per_token_head", "fp8_per_token_head", "nvfp4", "nvfp4_4over6")}

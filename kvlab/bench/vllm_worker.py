@@ -131,15 +131,16 @@ def scales(job):
 
 
 def options(job):
-    """vLLM's KV-cache options as its own config declares them: the --kv-cache-dtype choices and whether
-    listed layers can be left unquantized (--kv-cache-dtype-skip-layers)."""
+    """vLLM's KV-cache options as its own config declares them: the --kv-cache-dtype choices, whether
+    listed layers can be left unquantized (--kv-cache-dtype-skip-layers), the default --block-size."""
     import vllm  # the peer environment's vLLM, imported only by the command that needs it
     from vllm.config import cache  # its CacheConfig declares the KV-cache options
     fields = {f.name: f for f in dataclasses.fields(cache.CacheConfig)}
     kind = fields["cache_dtype"].type  # a Literal of names: one choice for the engine; a dict or list: per layer
     per_layer = any(w in str(kind).lower() for w in ("dict[", "list["))  # also inside Optional[...] / X | None
     return {"vllm": vllm.__version__, "kv_cache_dtypes": list(typing.get_args(cache.CacheDType)),
-            "skip_layers": "kv_cache_dtype_skip_layers" in fields, "dtype_scope": "layer" if per_layer else "engine"}
+            "skip_layers": "kv_cache_dtype_skip_layers" in fields, "dtype_scope": "layer" if per_layer else "engine",
+            "default_block_size": getattr(cache.CacheConfig, "DEFAULT_BLOCK_SIZE", None) or fields["block_size"].default}
 
 
 def _versions():

@@ -282,9 +282,7 @@ def c_gate_1pct(lab, rise: float = 0.09 / 9.61, gate: float = 0.01):
 
 # ---- settled by datasheets and documented defaults ----------------------------------------------------
 
-#: vLLM's default block size (its docs, EngineArgs ``--block-size``, 0.11-0.13; 0.32 resolves it per platform).
-#: Its KV-cache dtypes are read from the peer (:func:`kvlab.bench.vllm_peer.kv_cache_options`)
-VLLM = {"default_block_size": 16}
+#: vLLM's KV-cache dtypes and default block size are read from the peer (:func:`kvlab.bench.vllm_peer.kv_cache_options`)
 #: TensorRT-LLM's KV-cache quantization (its docs: ``kv_cache_quant_algo``): INT8 and FP8
 TRTLLM_KV_CACHE_DTYPES = ("fp16", "bf16", "int8", "fp8")
 
@@ -300,9 +298,10 @@ def c_hbm_sram(lab, gpu: str = "A100", hbm: float | None = None):
             "FlashAttention paper's")
 
 
-def c_block_16(lab, default: int | None = None):
-    default = VLLM["default_block_size"] if default is None else default
-    return (f"vLLM's default --block-size {default}; kvlab's BlockManager default "
+def c_block_16(lab, vllm: dict | None = None):
+    o = _vllm(vllm)
+    default = o["default_block_size"]
+    return (f"vLLM {o['source']}: default --block-size {default}; kvlab's BlockManager default "
             f"{BlockManager.__init__.__defaults__[0]}", truth(default == 16),
             "'usually' read as the default; the size is a setting (vLLM: 1-128 tokens, kvlab: any)")
 

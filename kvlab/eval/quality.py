@@ -203,13 +203,13 @@ def evaluate(model, tokens: list[int], configs: dict, calibration=None, window: 
                 continue
             tg = targets[keep]
             ref = p_ref = top_ref = fp_nll = None
-            for n in names:  # FP first; each config's (T, V) log-probs reduced at once, not held: memory for
-                t0 = time.perf_counter()  # two, however many configs (layer sensitivity scores 30)
+            for n in names:  # FP first; each config's (T, V) log-probs reduced at once, not held: the FP run's
+                t0 = time.perf_counter()  # and one config's, however many configs (layer sensitivity scores 30)
                 logp = torch.log_softmax(run(n, piece), -1)[keep]
                 seconds[n] += time.perf_counter() - t0
                 token_nll = -logp.gather(1, tg[:, None])[:, 0].double()
                 nll[n] += token_nll.sum().item()
-                if ref is None:
+                if n == "fp":
                     ref, p_ref, top_ref, fp_nll = logp, logp.exp(), logp.argmax(-1), token_nll
                     continue
                 d = token_nll - fp_nll
