@@ -93,4 +93,7 @@ def test_the_summary_line_reads_the_recorded_run_only_where_this_one_was_too_bus
     busy = _sweep([(50, 60), (50, 400), (49, 58)], [(55, 130), (54, 128), (56, 133)])
     assert S.brief(busy, "sweep") == S.brief(quiet["sweep"], "sweep") + " (too busy here: the recorded quiet run)"
     cut = _chunking([(900, 2.0), (950, 2.1), (920, 2.0)], [(300, 2.4), (310, 2.5), (305, 2.3)])
-    assert S.brief(cut, "chunking") == "chunked, the decoders' longest wait 920 -> 305 ms, the prompt's first token 2.00 -> 2.40 s"
+    assert S.brief(cut, "chunking") == ("chunked, the decoders' longest wait 920 -> 305 ms (cut), the prompt's first token "
+                                        "2.00 -> 2.40 s (delayed)")
+    mixed = _chunking([(900, 2.0), (950, 2.1), (920, 2.0)], [(300, 1.8), (310, 2.5), (305, 2.0)])
+    assert S.brief(mixed, "chunking").endswith("2.00 -> 2.00 s (no consistent effect)")

@@ -197,8 +197,9 @@ MAX_LIBRARY_LINES, MAX_FILE_LINES = 14_000, 450
 #: 17,900 (issue 57 item 1): the verdict parts that were literals computed from the bytes and the peer;
 #: 17,965 (issue 57 item 4): four rows the table did not take (003's "per-channel" example code, 004's
 #: heads-differ-inside-stable and fixed-seed advice, 000's max_batch_size trade), each measured; 17,980 with
-#: a code review's fixes (every why follows its branch, the peer's failures fall back to the record)
-HOUSE_NOW = 17_980
+#: a code review's fixes (every why follows its branch, the peer's failures fall back to the record); 17,983
+#: (issue 54, a participant read of 04): 04's summary line gives chunking's verdict words beside its medians
+HOUSE_NOW = 17_983
 
 
 def _private_uses(path: Path, module: str):

@@ -58,8 +58,7 @@ def decode_sweep(model, tokenizer, prompts: list[list[int]], shared_text: list[i
             eng.generate(requests(context, batch), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
             pure = [s.total_s for s in eng.step_stats[seen:] if s.prefill_tokens == 0 and s.decode_tokens == batch]
             runs[context, batch].append(1e3 * statistics.median(pure))
-    weights = sum(p.nbytes for p in model.parameters())
-    per_token = kv_bytes_per_token(model, "fp32")
+    weights, per_token = sum(p.nbytes for p in model.parameters()), kv_bytes_per_token(model, "fp32")
     kv = {(c, b): b * statistics.mean(map(len, requests(c, b))) * per_token for c, b in configs}
     return {"batches": list(batches), "rounds": rounds,
             "runs": {f"{c} {b}": r for (c, b), r in runs.items()},
@@ -181,12 +180,16 @@ def judged(verdicts, result: dict, key: str) -> list[str]:
 
 
 def brief(result: dict, key: str) -> str:
-    """04's summary line: the biggest batch's cost, chunking's medians; where too busy, the recorded run's."""
-    busy = any("too busy" in line for line in {"sweep": sweep_verdicts, "chunking": chunking_verdicts}[key](result))
-    result = recorded()[key] if busy else result
-    line = (f"{result['batches'][-1] // result['batches'][0]}x the batch costs {_ratio(result, 'short')[0]:.1f}x the "
-            f"step time at short contexts, {_ratio(result, '1k')[0]:.1f}x at 1k" if key == "sweep"
-            else "chunked, the decoders' longest wait {:.0f} -> {:.0f} ms, the prompt's first token {:.2f} -> {:.2f} s".format(
-                *(statistics.median(r[k] for r in result["rounds"][str(b)]) for k in ("worst_gap_ms", "ttft_s")
-                  for b in result["budgets"])))
-    return line + (" (too busy here: the recorded quiet run)" if busy else "")
+    """04's summary line: the biggest batch's cost, chunking's medians and verdicts; too busy: the recorded run's."""
+    verdicts = {"sweep": sweep_verdicts, "chunking": chunking_verdicts}[key]
+    busy = any("too busy" in line for line in verdicts(result))
+    result, tail = (recorded()[key], " (too busy here: the recorded quiet run)") if busy else (result, "")
+    if key == "sweep":
+        return (f"{result['batches'][-1] // result['batches'][0]}x the batch costs {_ratio(result, 'short')[0]:.1f}x the "
+                f"step time at short contexts, {_ratio(result, '1k')[0]:.1f}x at 1k{tail}")
+    (gap, chunked_gap), (ttft, chunked_ttft) = ([statistics.median(r[k] for r in result["rounds"][str(b)])
+                                                for b in result["budgets"]] for k in ("worst_gap_ms", "ttft_s"))
+    wait, first = (v.split(" the ")[0][9:].replace("had no consistent effect on", "no consistent effect")
+                   for v in verdicts(result)[:2])  # "chunking cut the ...": the verdict's word, "cut"
+    return (f"chunked, the decoders' longest wait {gap:.0f} -> {chunked_gap:.0f} ms ({wait}), "
+            f"the prompt's first token {ttft:.2f} -> {chunked_ttft:.2f} s ({first}){tail}")
