@@ -130,24 +130,26 @@ def chunking_rounds(model, tokenizer, prompts, long_prompt, budgets=(1024, 64), 
     return {"budgets": list(budgets), "rounds": out, "engines": engines}
 
 
-def _direction(ratios: list[float], up: str, down: str, none: str, tol: float = 0.05) -> str:
-    """A direction only where every round agrees on it, beyond ``tol``."""
-    return up if all(r > 1 + tol for r in ratios) else down if all(r < 1 - tol for r in ratios) else none
+def _effects(ch: dict, none: str) -> tuple:
+    """Unchunked and chunked rounds, chunking's effects round by round and their directions (``none`` unless every round agrees)."""
+    whole, chunked = (ch["rounds"][str(b)] for b in ch["budgets"])
+    waits = [a["worst_gap_ms"] / b["worst_gap_ms"] for a, b in zip(whole, chunked)]  # > 1: chunking cut it
+    ttfts = [b["ttft_s"] / a["ttft_s"] for a, b in zip(whole, chunked)]  # > 1: chunking delayed it
+    way = lambda xs, up, down: up if all(x > 1.05 for x in xs) else down if all(x < 0.95 for x in xs) else none  # noqa: E731
+    return whole, chunked, waits, ttfts, way(waits, "cut", "lengthened"), way(ttfts, "delayed", "sped up")
 
 
 def chunking_verdicts(ch: dict) -> list[str]:
     """Chunking's effect on the decoders' longest wait and on the long prompt's first token, computed
     round by round (a direction needs every round); a noise guard on the waits."""
-    whole, chunked = (ch["rounds"][str(b)] for b in ch["budgets"])
-    waits = [a["worst_gap_ms"] / b["worst_gap_ms"] for a, b in zip(whole, chunked)]  # > 1: chunking cut it
-    ttfts = [b["ttft_s"] / a["ttft_s"] for a, b in zip(whole, chunked)]  # > 1: chunking delayed it
+    whole, chunked, waits, ttfts, wait, first = _effects(ch, "had no consistent effect on")
     if _spread([r["worst_gap_ms"] for r in whole]) > NOISE or _spread([r["worst_gap_ms"] for r in chunked]) > NOISE:
         return [f"the decoders' longest waits spread more than {NOISE:.0f}x across the rounds: too busy to decide"]
     med = statistics.median
-    return [f"chunking {_direction(waits, 'cut', 'lengthened', 'had no consistent effect on')} the decoders' longest "
+    return [f"chunking {wait} the decoders' longest "
             f"wait ({med(r['worst_gap_ms'] for r in whole):.0f} ms unchunked, {med(r['worst_gap_ms'] for r in chunked):.0f}"
             f" ms chunked; round by round {', '.join(f'{x:.1f}x' for x in waits)})",
-            f"chunking {_direction(ttfts, 'delayed', 'sped up', 'had no consistent effect on')} the long prompt's first "
+            f"chunking {first} the long prompt's first "
             f"token ({med(r['ttft_s'] for r in whole):.2f} s unchunked, {med(r['ttft_s'] for r in chunked):.2f} s chunked; "
             f"round by round {', '.join(f'{x - 1:+.0%}' for x in ttfts)})",
             "its prompt rode {:.0f} step(s), {:,.0f} ms, unchunked; {:.0f}, {:,.0f} ms, chunked (medians)".format(
@@ -187,9 +189,7 @@ def brief(result: dict, key: str) -> str:
     if key == "sweep":
         return (f"{result['batches'][-1] // result['batches'][0]}x the batch costs {_ratio(result, 'short')[0]:.1f}x the "
                 f"step time at short contexts, {_ratio(result, '1k')[0]:.1f}x at 1k{tail}")
-    (gap, chunked_gap), (ttft, chunked_ttft) = ([statistics.median(r[k] for r in result["rounds"][str(b)])
-                                                for b in result["budgets"]] for k in ("worst_gap_ms", "ttft_s"))
-    wait, first = (v.split(" the ")[0][9:].replace("had no consistent effect on", "no consistent effect")
-                   for v in verdicts(result)[:2])  # "chunking cut the ...": the verdict's word, "cut"
+    whole, chunked, _, _, wait, first = _effects(result, "no consistent effect")
+    (gap, chunked_gap), (ttft, chunked_ttft) = ([statistics.median(r[k] for r in rs) for rs in (whole, chunked)] for k in ("worst_gap_ms", "ttft_s"))
     return (f"chunked, the decoders' longest wait {gap:.0f} -> {chunked_gap:.0f} ms ({wait}), "
             f"the prompt's first token {ttft:.2f} -> {chunked_ttft:.2f} s ({first}){tail}")
