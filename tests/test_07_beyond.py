@@ -112,8 +112,9 @@ def test_a_kept_cache_scores_in_two_forwards_what_it_scores_a_token_a_step(smoll
         evq.forced_logits(model, ids, 52, fmt, calibration, block_size=4)
     assert (a.argmax(-1) == b.argmax(-1)).double().mean() >= 0.9  # a near-tie may flip on another CPU
     own = _kl(full, b)  # what the format costs
-    assert _kl(b, a) < max(0.02 * own, 1e-7)
-    assert _kl(full, a) == pytest.approx(own, rel=0.05, abs=1e-7)
+    # the floor: float rounding alone, where the format costs ~nothing (FP16: 1.4e-7 on an AMD EPYC, 2026-12-07)
+    assert _kl(b, a) < max(0.02 * own, 5e-7)
+    assert _kl(full, a) == pytest.approx(own, rel=0.05, abs=5e-7)
     if fmt != "fp16":  # a plain prefill chunk (new tokens at full precision among themselves) is not the same
         runner = evq.PoolRunner(model, evq.named_config(fmt), calibration, [ids[:-1]], 4)
         runner.forward_many({0: ids[:30]})

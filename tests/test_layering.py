@@ -199,7 +199,9 @@ MAX_LIBRARY_LINES, MAX_FILE_LINES = 14_000, 450
 #: heads-differ-inside-stable and fixed-seed advice, 000's max_batch_size trade), each measured; 17,980 with
 #: a code review's fixes (every why follows its branch, the peer's failures fall back to the record); 17,983
 #: (issue 54, a participant read of 04): 04's summary line gives chunking's verdict words beside its medians
-HOUSE_NOW = 17_983
+#: 18,029 (issue 54, 07's slowest cell): the attention H2O scores, moved to kvlab/cache/mass.py (evict.py was at
+#: 450 lines), takes a step's one-token decodes in one padded pass, K alone (7.3 -> 2.7 s of 07's cell 18)
+HOUSE_NOW = 18_029
 
 
 def _private_uses(path: Path, module: str):

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from kvlab.quant.rotation import rotate
+from kvlab.cache.mass import AttentionMass
 from kvlab.validate import check_int, is_int
 
 __all__ = ["EvictionPolicy", "SlidingWindow", "SinksWindow", "HeavyHitters", "PromptSelect", "POLICIES",
@@ -316,52 +316,6 @@ def kept_positions(logical: list[int], kept_len: int, block_size: int) -> torch.
     pos = (torch.as_tensor(logical, dtype=torch.long)[:, None] * block_size
            + torch.arange(block_size)[None, :]).flatten()
     return pos[:kept_len]
-
-
-class AttentionMass:
-    """Per watched sequence, the attention its queries at ``>= from_pos`` give each key, summed over
-    heads, queries and layers. Recomputed in PyTorch from the pool whatever backend ran. Per recorded
-    sequence, also every query row's attention (``rows[i]``: (queries, keys), summed over heads and
-    layers): a prompt block's rows, kept with the prefix cache, stand in for the rows a later request
-    that hits that block does not compute."""
-
-    def __init__(self, watch: dict[int, tuple[int, int]], record=()):
-        self.watch, self.record = watch, set(record)
-        self.mass: dict[int, torch.Tensor] = {}
-        self.rows: dict[int, torch.Tensor] = {}
-
-    def observe(self, layer: int, q: torch.Tensor, pool, batch, scale: float) -> None:
-        starts = [0]
-        for n in batch.query_lens:
-            starts.append(starts[-1] + n)
-        for i in sorted(set(self.watch) | self.record):
-            q_len, ctx = batch.query_lens[i], batch.seq_lens[i]
-            first = q_len  # the first query row that counts for the policy
-            if i in self.watch:
-                end, from_pos = self.watch[i]
-                first = max(0, from_pos - (end - q_len))
-            top = 0 if i in self.record else first  # the first row computed here
-            if top >= q_len:
-                continue
-            qi = q[starts[i] + top:starts[i + 1]].float()  # (n_q, H_q, D)
-            k, _ = pool.read(layer, torch.as_tensor(batch.block_tables[i], dtype=torch.long))
-            k = k.flatten(0, 1)[:ctx]  # (ctx, H_kv, D) in the order attention reads the kept keys
-            h_kv = k.shape[1]
-            qg = qi.reshape(qi.shape[0], h_kv, -1, qi.shape[-1])  # (n_q, H_kv, G, D)
-            if getattr(pool, "rotate_k", False):  # stored keys are rotated: q . k == (q H) . (k H)
-                qg = rotate(qg)
-            s = torch.einsum("qhgd,khd->hgqk", qg, k) * scale  # (H_kv, G, n_q, ctx)
-            row = torch.arange(ctx - q_len + top, ctx)[:, None]  # each query's index among the kept keys
-            s = s.masked_fill(torch.arange(ctx)[None, :] > row, float("-inf"))
-            p = torch.softmax(s, dim=-1)
-            if i in self.record:
-                p = p.sum(dim=(0, 1))  # (n_q, ctx)
-                self.rows[i] = p if i not in self.rows else self.rows[i] + p
-                m = p[first - top:].sum(dim=0) if first < q_len else None
-            else:
-                m = p.sum(dim=(0, 1, 2))  # (ctx,)
-            if m is not None:
-                self.mass[i] = m if i not in self.mass else self.mass[i] + m
 
 
 class EvictionState:
