@@ -21,7 +21,7 @@ class AttentionMass:
         self.watch, self.record = watch, set(record)
         self.mass: dict[int, torch.Tensor] = {}
         self.rows: dict[int, torch.Tensor] = {}
-        self._plan = None  # the forward's batch, split into sequences scored together and one by one
+        self._plan = None  # the forward's batch (its id), split into sequences scored together and one by one
 
     def _split(self, batch):
         """Once per forward: the packed row each sequence starts at, the ones scored one by one (sequence,
@@ -41,8 +41,8 @@ class AttentionMass:
         return starts, alone, decodes, ids
 
     def observe(self, layer: int, q: torch.Tensor, pool, batch, scale: float) -> None:
-        if self._plan is None or self._plan[0] is not batch:  # once per forward, not per layer
-            self._plan = (batch, *self._split(batch))
+        if self._plan is None or self._plan[0] != id(batch):  # once per forward, not per layer (the id: holding
+            self._plan = (id(batch), *self._split(batch))  # the batch, which holds this, would make a cycle)
         _, starts, alone, decodes, ids = self._plan
         if decodes:
             self._decodes(layer, q[[starts[i] for i in decodes]], pool, ids, [batch.seq_lens[i] for i in decodes],
