@@ -55,9 +55,9 @@ class AttentionMass:
             qg = qi.reshape(qi.shape[0], h_kv, -1, qi.shape[-1])  # (n_q, H_kv, G, D)
             if getattr(pool, "rotate_k", False):  # stored keys are rotated: q . k == (q H) . (k H)
                 qg = rotate(qg)
-            s = torch.einsum("qhgd,khd->hgqk", qg, k) * scale  # (H_kv, G, n_q, ctx)
+            s = torch.matmul(qg.permute(1, 2, 0, 3), k.permute(1, 2, 0)[:, None]).mul_(scale)  # (H_kv, G, n_q, ctx)
             row = torch.arange(ctx - q_len + top, ctx)[:, None]  # each query's index among the kept keys
-            s = s.masked_fill(torch.arange(ctx)[None, :] > row, float("-inf"))
+            s.masked_fill_(torch.arange(ctx)[None, :] > row, float("-inf"))  # in place: 07's prompts, 1/3 faster
             p = torch.softmax(s, dim=-1)
             if i in self.record:
                 p = p.sum(dim=(0, 1))  # (n_q, ctx)
