@@ -26,14 +26,14 @@ from kvlab.validate import cdiv, is_int
 
 
 class PoolRunner:
-    """Sequences through one pool on the engine's own runner, the path a served request takes, asked
-    for the logits of every position. Several sequences run side by side in one step (:meth:`forward_many`)."""
+    """Sequences through one pool on the engine's own runner and packed weights, the path a served request
+    takes, asked for the logits of every position. Several run side by side in one step (:meth:`forward_many`)."""
 
     def __init__(self, model, config: KVQuantConfig, calibration, sequences: list[list[int]], block_size: int):
         blocks = sum(cdiv(len(x), block_size) for x in sequences)
         self.bm = BlockManager(blocks, block_size, enable_prefix_caching=False)
         self.cache = QuantizedPagedKVCache.from_model(model, blocks, block_size, config, calibration)
-        self.runner = ModelRunner(model, self.cache, "reference")
+        self.runner = ModelRunner(model, self.cache, "reference", prepack=True)
         self.seqs = [Sequence(i, x, SamplingParams(), arrival=0.0) for i, x in enumerate(sequences)]
 
     def forward(self, piece: list[int]) -> torch.Tensor:
