@@ -56,8 +56,8 @@ class AttentionMass:
             if getattr(pool, "rotate_k", False):  # stored keys are rotated: q . k == (q H) . (k H)
                 qg = rotate(qg)
             s = torch.matmul(qg.permute(1, 2, 0, 3), k.permute(1, 2, 0)[:, None]).mul_(scale)  # (H_kv, G, n_q, ctx)
-            row = torch.arange(ctx - q_len + top, ctx)[:, None]  # each query's index among the kept keys
-            s.masked_fill_(torch.arange(ctx)[None, :] > row, float("-inf"))  # in place: 07's prompts, 1/3 faster
+            row = torch.arange(ctx - q_len + top, ctx, device=s.device)[:, None]  # each query's index among the keys
+            s.masked_fill_(torch.arange(ctx, device=s.device)[None, :] > row, float("-inf"))  # in place: 1/3 faster
             p = torch.softmax(s, dim=-1)
             if i in self.record:
                 p = p.sum(dim=(0, 1))  # (n_q, ctx)
