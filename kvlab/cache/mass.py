@@ -50,7 +50,7 @@ class AttentionMass:
         for i, first, top in alone:
             q_len, ctx = batch.query_lens[i], batch.seq_lens[i]
             qi = q[starts[i] + top:starts[i + 1]].float()  # (n_q, H_q, D)
-            k = _keys(pool, layer, batch.block_tables[i]).flatten(0, 1)[:ctx]  # (ctx, H_kv, D) as attention reads them
+            k = pool.read_k(layer, batch.block_tables[i]).flatten(0, 1)[:ctx]  # (ctx, H_kv, D) as attention reads them
             h_kv = k.shape[1]
             qg = qi.reshape(qi.shape[0], h_kv, -1, qi.shape[-1])  # (n_q, H_kv, G, D)
             if getattr(pool, "rotate_k", False):  # stored keys are rotated: q . k == (q H) . (k H)
@@ -72,7 +72,7 @@ class AttentionMass:
                  scale: float) -> None:
         """One token each (q: (B, H_q, D)): their keys read in one padded gather (``ids``), masked past each
         context: the same sums as one sequence at a time (07's H2O runs score ~10 a layer, a step)."""
-        k = _keys(pool, layer, ids)
+        k = pool.read_k(layer, ids)
         k = k.reshape(len(seqs), -1, *k.shape[2:])  # (B, S, H_kv, D)
         qg = q.float().reshape(q.shape[0], k.shape[2], -1, q.shape[-1])  # (B, H_kv, G, D)
         if getattr(pool, "rotate_k", False):
@@ -82,11 +82,3 @@ class AttentionMass:
         m = torch.softmax(s.masked_fill(past[:, None, None], float("-inf")), dim=-1).sum(dim=(1, 2))  # (B, S)
         for b, (i, ctx) in enumerate(zip(seqs, ctxs)):
             self.mass[i] = m[b, :ctx] if i not in self.mass else self.mass[i] + m[b, :ctx]
-
-
-def _keys(pool, layer: int, block_ids) -> torch.Tensor:
-    """The dequantized K of some blocks, (n, bs, H_kv, D), without reading their V."""
-    ids = torch.as_tensor(block_ids, dtype=torch.long).flatten()
-    if hasattr(pool, "k_cache"):  # PagedKVCache
-        return pool.k_cache[layer].index_select(0, ids.to(pool.k_cache[layer].device)).float()
-    return pool.k[layer].read(ids) if hasattr(pool, "k") else pool.read(layer, ids)[0]

@@ -11,6 +11,7 @@ Backends and the engine reach a pool (float or quantized) only through these nam
 | ``formats(layer)``                       | how K and V of a layer are stored (two ``TensorFormat`` s) |
 | ``write(layer, k, v, slot_mapping)``     | new tokens' K/V (T, H_kv, D) to their slots               |
 | ``read(layer, block_ids)``               | K, V of some blocks as float32 (n, block_size, H_kv, D)   |
+| ``read_k(layer, block_ids)``             | K alone, as ``read`` (an eviction policy's scores)        |
 | ``layer_pages(layer)``                   | the stored page tensors themselves (float pools)          |
 | ``copy_blocks(blocks_to_copy)``          | copy-on-write copies ``(src, dst)`` in every layer        |
 | ``kernel_operands(layer)``               | K and V as :class:`kvlab.kernels.pool.Operand` (views)    |
@@ -136,7 +137,12 @@ class PagedKVCache:
     def read(self, layer_idx: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of some blocks as float32, (n, block_size, H_kv, D) each (a copy)."""
         ids = torch.as_tensor(block_ids, dtype=torch.long, device=self.k_cache[layer_idx].device).flatten()
-        return self.k_cache[layer_idx].index_select(0, ids).float(), self.v_cache[layer_idx].index_select(0, ids).float()
+        return self.read_k(layer_idx, ids), self.v_cache[layer_idx].index_select(0, ids).float()
+
+    def read_k(self, layer_idx: int, block_ids: torch.Tensor) -> torch.Tensor:
+        """K alone, as :meth:`read` (what an eviction policy's attention scores read)."""
+        ids = torch.as_tensor(block_ids, dtype=torch.long, device=self.k_cache[layer_idx].device).flatten()
+        return self.k_cache[layer_idx].index_select(0, ids).float()
 
     def gather(self, layer_idx: int, block_table, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's K and V, (num_tokens, H_kv, D), read through its block table (a copy)."""

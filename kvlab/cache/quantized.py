@@ -283,7 +283,11 @@ class QuantizedPagedKVCache:
 
     def read(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K (still rotated if ``rotate_k``) and V of some blocks, (n, bs, H, D) each."""
-        return self.k[layer].read(block_ids), self.v[layer].read(block_ids)
+        return self.read_k(layer, block_ids), self.v[layer].read(block_ids)
+
+    def read_k(self, layer: int, block_ids: torch.Tensor) -> torch.Tensor:
+        """K alone, as :meth:`read` (what an eviction policy's attention scores read)."""
+        return self.k[layer].read(block_ids)
 
     @property
     def bytes_reserved(self) -> int:
