@@ -158,8 +158,9 @@ class YourEngine:
                       else "your engine is kvlab's")
         if self.mine:
             kv = [_label(n) for n, s in self.parts.items() if s != "yours"]
-            print(f"your engine: {len(self.mine)} of {len(self.parts)} parts yours: "
-                  f"{', '.join(_label(n) for n in self.mine)}; kvlab's: {', '.join(kv) or 'none'}")
+            print(f"your engine: {len(self.mine)} of {len(self.parts)} parts yours"
+                  + (" (notebook 05's three kernel parts included)" if kernel else "")
+                  + f": {', '.join(_label(n) for n in self.mine)}; kvlab's: {', '.join(kv) or 'none'}")
         else:
             print(f"your engine is kvlab's: none of its {len(self.parts)} parts is yours yet (a part is kept when it "
                   f"passes its checker; check.mine() lists them)")
@@ -299,18 +300,21 @@ class YourEngine:
         pairs = itertools.zip_longest(yours["decisions"], theirs["decisions"], fillvalue=(None, None, "nothing", ""))
         d = next(((x, y) for x, y in pairs if x != y), None)
         out["decision"] = d
+        held = (f"; held at the limit {yours['held_at_limit']:.1f} (kvlab's {theirs['held_at_limit']:.1f})"
+                if yours["limit_steps"] or theirs["limit_steps"] else "")  # nothing to say where nothing was turned away
+        where = " (yours in Triton's interpreter, kvlab's on PyTorch)" if self.kernel and kernels.triton_mode() == "interpreter" else ""
         print(f"your engine against kvlab's on the same {out['requests']} requests: answers equal {out['equal']}/"
-              f"{out['requests']}; held at the limit {yours['held_at_limit']:.1f} (kvlab's {theirs['held_at_limit']:.1f}); "
-              f"{yours['steps']} steps ({theirs['steps']}); {yours['wall_s']:.0f} s ({theirs['wall_s']:.0f} s)")
+              f"{out['requests']}{held}; {yours['steps']} steps ({theirs['steps']}); "
+              f"{yours['wall_s']:.0f} s ({theirs['wall_s']:.0f} s){where}")
         self._print_disagreements()  # the most telling line first: a part of yours, its input, both answers
         if firsts:
             step, i, j = min(firsts)
             ran = sorted(self.ran.get(step, ()))
             out["first"] = dict(request=i, token=j, step=step, parts=ran)
             since = min((s for s, _ in self.disagreed.values()), default=None)
-            print(f"the answers first differ at request {i}, its token {j}, step {step}"
+            print(f"the answers first differ at request {i}, token {j} of its answer, step {step}"
                   + (f" ({step - since} steps after that)" if since is not None and since < step else "")
-                  + f"; your parts in that step: {', '.join(ran) or 'none'}")
+                  + f"; parts of yours that ran in that step: {', '.join(ran) or 'none'}")
         if d is not None:
             (s, i, act, why), (s2, k, act2, why2) = d
             s = s if s is not None else s2

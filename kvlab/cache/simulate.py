@@ -91,9 +91,11 @@ def simulate(requests: list[Request], policy: str, block_size: int = 16, max_seq
         bm = BlockManager(sum(cdiv(r.stored, block_size) for r in requests), block_size, enable_prefix_caching=False)
         for i, r in enumerate(requests):
             bm.allocate(i, [0] * r.prompt_len)
+    stored = [r.stored for r in requests]
+    reserved = [None if bm is not None else _reserved(policy, r, max_seq_len) for r in requests]
     for step in range(steps):
         # after this step's token, request i holds prompt + min(step + 1, output) - (finished? then freed)
-        live = [(i, r) for i, r in enumerate(requests) if step < r.output_len]
+        live = [i for i, r in enumerate(requests) if step < r.output_len]
         if bm is not None:
             if step > 0:
                 for i, r in enumerate(requests):
@@ -101,23 +103,23 @@ def simulate(requests: list[Request], policy: str, block_size: int = 16, max_seq
                         bm.free(i)
                     elif step < r.output_len:
                         bm.append_slot(i, 0)
-            for i, r in live:
+            reserved_now = 0  # no prefix caching, no forks: the live tables hold every block in use
+            for i in live:
                 held = bm.num_tokens(i)
                 slots = len(bm.seqs[i].block_table) * block_size
                 sums["token_states"] += held
-                sums["reservation"] += min(slots, r.stored) - held
-                sums["internal_fragmentation"] += max(0, slots - r.stored)
-            peak = max(peak, bm.stats()["slots_reserved"])
+                sums["reservation"] += min(slots, stored[i]) - held
+                sums["internal_fragmentation"] += max(0, slots - stored[i])
+                reserved_now += slots
         else:
             reserved_now = 0
-            for _, r in live:
-                held = r.prompt_len + step
-                reserved = _reserved(policy, r, max_seq_len)
+            for i in live:
+                held = requests[i].prompt_len + step
                 sums["token_states"] += held
-                sums["reservation"] += r.stored - held
-                sums["internal_fragmentation"] += reserved - r.stored
-                reserved_now += reserved
-            peak = max(peak, reserved_now)
+                sums["reservation"] += stored[i] - held
+                sums["internal_fragmentation"] += reserved[i] - stored[i]
+                reserved_now += reserved[i]
+        peak = max(peak, reserved_now)
     total = sum(sums.values())
     return {"policy": policy, "block_size": block_size if policy == "paged" else None, "requests": len(requests),
             **{k: v / total for k, v in sums.items()}, "peak_slots": peak}
