@@ -6,6 +6,7 @@ each new cache to the previous one.
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -147,6 +148,9 @@ def _greedy_loop(model, prompts, max_new_tokens, store, kind, ids, mask, eos_tok
     if isinstance(store, StaticCache):
         cap = min(cap, store.max_seq_len - width + 1)  # the last token is sampled, never stored
     clock = _StepClock()
+    # only the last position samples: its logits alone, as HF's generate() asks (logits_to_keep=1), not the LM
+    # head over every position (a fifth of SmolLM2's weights, again per prompt token in a prefill or a recompute)
+    last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     for step in range(cap):
         if step == 0 or store is None:
             model_in = dict(input_ids=seq, attention_mask=mask, position_ids=_positions(mask))
@@ -154,9 +158,9 @@ def _greedy_loop(model, prompts, max_new_tokens, store, kind, ids, mask, eos_tok
             model_in = dict(input_ids=next_ids[:, None], attention_mask=mask,
                             position_ids=_positions(mask)[:, -1:])
         if store is None:
-            out = model(**model_in, use_cache=False)
+            out = model(**model_in, use_cache=False, **last)
         else:
-            out = model(**model_in, use_cache=True, **{CACHE_KWARG: hf_cache})
+            out = model(**model_in, use_cache=True, **{CACHE_KWARG: hf_cache}, **last)
         next_ids = out.logits[:, -1, :].argmax(dim=-1)  # (B,)
         if eos_token_id is not None:
             next_ids = torch.where(finished, torch.full_like(next_ids, pad_token_id), next_ids)
