@@ -21,12 +21,13 @@ from pathlib import Path
 
 import torch
 
-from kvlab import capstone, kernels
+from kvlab import capstone, check, kernels
 from kvlab.bench.engine import make_workload
 from kvlab.calibrate import default_calibration
 from kvlab.attention.backends import SkeletonBackend
 from kvlab.cache.paged import BlockManager
 from kvlab.cache.quantized import QuantizedPagedKVCache
+from kvlab.check import core as check_core, engine as check_engine
 from kvlab.check.kept import ENGINE_TASKS, SIGNATURES, kept_names, part
 from kvlab.check.progress import EXERCISES
 from kvlab.check.solutions import reference
@@ -108,6 +109,24 @@ def _named(name: str, args) -> str:
     return ", ".join(f"{n}={_short(a)}" for n, a in zip(SIGNATURES[name], args))
 
 
+def recheck(name: str, fn) -> str | None:
+    """Your kept ``fn`` against today's checker of its task, quietly (nothing recorded or kept again): None
+    when it passes, else the checker's reason. A checker gains a case when a part that passed it was found
+    changing the engine (issue 56), so a part kept before may fail it now."""
+    saved = check_core.passed, check_engine.passed
+    check_core.passed = check_engine.passed = lambda *a, **k: None
+    said = io.StringIO()
+    try:
+        with redirect_stdout(said):
+            ok = getattr(check, name)(fn)
+    except Exception as e:  # noqa: BLE001 - a checker that cannot run it says nothing against it
+        return f"its checker could not run it ({type(e).__name__})"
+    finally:
+        check_core.passed, check_engine.passed = saved
+    lines = said.getvalue().strip().splitlines()
+    return None if ok else (lines[-1].split(": ", 1)[-1] if lines else "it fails")
+
+
 def _label(name: str) -> str:
     return f"{name} ({EXERCISES[name][0][:2]})"
 
@@ -126,12 +145,13 @@ class YourEngine:
         if kernel and not kernels.available():
             raise ValueError(f"kernel=True runs the skeleton decode kernel: {kernels.WHY_NO_TRITON}")
         names = list(ENGINE_PARTS) + (list(KERNEL_PARTS) if kernel else [])
-        kept, fns = kept_names(), {}
+        kept, fns, raw = kept_names(), {}, {}
         self.parts = {}
         for name in names:
             fn = part(name) if name in kept else None  # a refused one prints its one line here
             self.parts[name] = "yours" if fn else "refused" if name in kept else "kvlab's"
             if fn is not None:
+                raw[name] = fn
                 fns[name] = fn if name in KERNEL_PARTS else self._traced(name, fn)
         self.ran: dict[int, set[str]] = {}  # step -> your parts that ran in it
         self.disagreed: dict[str, tuple[int, str]] = {}  # part -> (first step it returned other than kvlab's, what)
@@ -164,6 +184,11 @@ class YourEngine:
         else:
             print(f"your engine is kvlab's: none of its {len(self.parts)} parts is yours yet (a part is kept when it "
                   f"passes its checker; check.mine() lists them)")
+        for name in (n for n in self.mine if n in ENGINE_PARTS):  # kept before its checker gained a case?
+            why = recheck(name, raw[name])
+            if why is not None:
+                print(f"your {name} fails today's check.{name}: {why}. It runs below as kept; fix it in notebook "
+                      f"{EXERCISES[name][0][:2]} (a pass keeps the new one) or check.forget({name!r})")
 
     def _traced(self, name: str, fn):
         """``fn`` as the engine calls it: which step ran it, the first step it raised, and (but for

@@ -192,7 +192,9 @@ def test_every_part_kept_serves_the_capstone_as_kvlabs_engine(capstone, capsys):
     _pass_all(ENGINE_PARTS)
     capsys.readouterr()
     mine = YourEngine(model, tok, p, cal)
-    assert capsys.readouterr().out.startswith("your engine: 7 of 7 parts yours: slot_mapping (02)")
+    said = capsys.readouterr().out
+    assert said.startswith("your engine: 7 of 7 parts yours: slot_mapping (02)")
+    assert "fails today's check." not in said  # every part passes today's checkers too
     assert mine.parts == dict.fromkeys(ENGINE_PARTS, "yours") and mine.llm.scheduler.chunk_prefills is not \
         scheduler.chunk_prefills
     yours = mine.serve(wl.prompts, wl.output_lens, 256)
@@ -226,6 +228,9 @@ def test_a_planted_part_is_found_by_request_step_and_name(capstone, capsys):
         assert d is None or mine.token_steps[k][d] >= first["step"]
     assert f"the answers first differ at request {i}, token {j} of its answer, step {first['step']} (" in out
     assert "Traceback" not in out
+    # kept before its checker gained the case: named before the run, by today's checker, and still run as kept
+    assert "your slot_mapping fails today's check.slot_mapping: " in out and "check.forget('slot_mapping')" in out
+    assert out.count("fails today's check.") == 1
     # the wrong part named by what it returned: the first call past the eighth block, on kvlab's input
     assert list(got["disagreed"]) == ["slot_mapping"]
     step, what = got["disagreed"]["slot_mapping"]
@@ -378,3 +383,18 @@ def test_your_kernel_parts_decode_as_kvlabs_engine(setup, capsys):
     assert check.online_softmax_update(update_base2)
     mine = YourEngine(model, tok, p, cal, kernel=True)
     assert mine.compare(kvlabs, mine.serve(few, [4] * 3, MAX_LEN))["equal"] == 3
+
+
+def test_a_recheck_records_nothing_and_keeps_nothing(capsys):
+    """Today's checker run over a kept part (YourEngine does it for each) is silent: a pass is not recorded again,
+    a fail drops nothing; it returns the checker's reason, or None."""
+    from kvlab.yours import recheck
+    kept.keep("slot_mapping", slot_mapping_capped)  # kept before the checker had the 9th block
+    before = (json.dumps(kept._load(), sort_keys=True), check.progress_file().read_text() if check.progress_file().exists() else "")
+    capsys.readouterr()
+    why = recheck("slot_mapping", slot_mapping_capped)
+    assert why is not None and "yours [" in why and "expected [" in why
+    assert recheck("chunk_prefills", chunk_prefills) is None
+    assert capsys.readouterr().out == ""
+    after = (json.dumps(kept._load(), sort_keys=True), check.progress_file().read_text() if check.progress_file().exists() else "")
+    assert after == before
