@@ -46,6 +46,12 @@ def describe_call(args: tuple, *fns) -> str:
 
 
 def _first_difference(got, expected) -> str:
+    scalar = lambda xs: isinstance(xs, (list, tuple)) and all(isinstance(x, (int, float)) for x in xs)  # noqa: E731
+    if scalar(got) and scalar(expected) and len(got) > 8:  # a long list of numbers: where it first goes wrong
+        i = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+        if i < len(expected) and i < len(got):
+            return f" (first difference at index {i}: yours {got[i]}, expected {expected[i]})"
+        return f" (yours has {len(got)} items, expected {len(expected)})" if len(got) != len(expected) else ""
     pairs = list(zip(got, expected)) if isinstance(expected, tuple) and isinstance(got, tuple) else [(got, expected)]
     for i, (a, b) in enumerate(pairs):
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape:
