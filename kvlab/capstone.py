@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from kvlab import kernels
-from kvlab.bench.engine import make_workload
+from kvlab.bench import vllm_peer
+from kvlab.bench.engine import make_workload, model_folder
 from kvlab.cache import saturation_summary
 from kvlab.engine import LLM, SamplingParams
 from kvlab.engine.llm import make_cache
@@ -175,6 +176,30 @@ def measure(llm, ids, reads: DecodeReads, p: Plan, max_len: int = 512) -> dict:
     if quantized(llm.cache):
         out.update(saturation_summary(llm.cache.saturation()))
     return out
+
+
+def serve_in_vllm(model, wl, budget_bytes: int, max_num_seqs: int = 64, max_len: int = 256) -> dict:
+    """The same workload (all at once, exact output lengths) in vLLM's CPU build (``make peer``), in the same KV
+    bytes: its cache in the model's fp32 (vLLM 0.32's CPU worker died on ``float16`` and ``int8_per_token_head``
+    caches under SmolLM2, AVX-512, 2026-12). Every request's tokens, output tokens/s, the tokens its cache holds;
+    or ``{"skipped": why}`` without the peer."""
+    if vllm_peer.peer_python() is None:
+        return {"skipped": vllm_peer.HOW_TO_GET}
+    folder = model_folder(model)
+    if folder is None:
+        return {"skipped": "vLLM opens the model from a folder on disk; this one was not loaded from one"}
+    job = vllm_peer.serve_job(folder, wl.prompts, wl.output_lens, [0.0] * len(wl.prompts), max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=256, enable_prefix_caching=True, eager=True, max_model_len=max_len)
+    job["kv_cache_memory_bytes"] = int(budget_bytes)
+    with vllm_peer.PeerSession(job) as session:
+        res = session.serve()
+    reqs = res["requests"]
+    wall = max(r["finish"] for r in reqs) - reqs[0]["t0"]
+    tokens = [r["token_ids"] for r in reqs]
+    per_token = 2 * block_bytes(model, "fp16")[0] // 16  # fp32: twice FP16's bytes per token
+    blocks = budget_bytes // (per_token * vllm_peer.VLLM_BLOCK_SIZE)
+    return {"tokens": tokens, "output_tok_s": sum(map(len, tokens)) / wall, "wall_s": wall, "vllm": res["vllm"],
+            "cache_tokens": blocks * vllm_peer.VLLM_BLOCK_SIZE}
 
 
 def quantized(cache) -> bool:

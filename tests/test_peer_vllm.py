@@ -122,3 +122,21 @@ def test_the_claims_read_vllms_kv_cache_options_from_the_peer():
     rows = claims.run(ids=["int8-in-frameworks", "kv-dtype-per-layer"])
     assert all(f"vLLM {got['vllm']}, read from the installed peer" in r["measured"] for r in rows), rows
 
+
+
+def test_vllm_serves_the_capstone_requests_in_the_capstone_bytes(smollm2):
+    """Issue 56: notebook 06's third engine. vLLM in 4 FP16 slabs' bytes holds 512 fp32 tokens (its own log says
+    "CPU KV cache size: 512 tokens"); on a share of the capstone requests, every answer at its length and, with
+    the model's fp32 in both caches, equal to kvlab's engine on an fp32 pool (a near-tie may part one)."""
+    from kvlab import capstone as C
+    from kvlab.engine import LLM, SamplingParams
+    model, tok = smollm2
+    full = make_workload(tok, **C.WORKLOAD)
+    wl = Workload(full.prompts[:8], full.output_lens[:8], [0.0] * 8, full.meta)
+    budget = 4 * 16 * C.block_bytes(model, "fp16")[0]
+    got = C.serve_in_vllm(model, wl, budget, max_len=256)
+    assert got["cache_tokens"] == 512 and [len(t) for t in got["tokens"]] == wl.output_lens
+    ours = LLM(model, tok, num_blocks=200, block_size=16, max_num_seqs=8).generate(
+        wl.prompts, [SamplingParams(max_tokens=o, ignore_eos=True) for o in wl.output_lens])
+    equal = sum(a == o.token_ids for a, o in zip(got["tokens"], ours))
+    assert equal >= 7, vllm_peer.agreement([o.token_ids for o in ours], got["tokens"])
