@@ -158,6 +158,7 @@ class YourEngine:
         self.failure: tuple[int, str, Exception] | None = None
         self.error: str | None = None
         self.token_steps: list[list[int]] = []  # per request, the step that produced each token
+        self._request: dict[int, int] = {}
         bm = BlockManager(p.num_blocks, p.block_size, enable_prefix_caching=p.prefix_caching,
                           **{_HOOKS[n]: fns[n] for n in _HOOKS if n in fns})
         cache = None
@@ -207,7 +208,7 @@ class YourEngine:
             if isinstance(got, Iterator):  # a generator: read once, here, and handed on as a list
                 got = list(got)
             if shadow and want is not None and not _same(got, want[0]):
-                self._disagree(name, step, copies, got, want[0])
+                self._disagree(name, step, copies, got, want[0], self._whose(args[0]))
             return got
         run.__name__ = getattr(fn, "__name__", name)
         return run
@@ -247,10 +248,15 @@ class YourEngine:
         want = (theirs_table[-1] * block_size + num_tokens % block_size,
                 None if copy is None else (copy[0], real.get(copy[1], copy[1])))
         if not (isinstance(got, (tuple, list)) and _same(got, want) and table == theirs_table):
-            self._disagree("append_slot", step, args, (got, table), (want, theirs_table))
+            self._disagree("append_slot", step, args, (got, table), (want, theirs_table), self._whose(table))
         return got
 
-    def _disagree(self, name, step, args, got, want) -> None:
+    def _whose(self, table) -> str:
+        """ "request i " when ``table`` is the block table of one of this run's requests (compared by identity)."""
+        sid = next((sid for sid, s in self.llm.block_manager.seqs.items() if s.block_table is table), None)
+        return f"request {self._request[sid]} " if sid in self._request else ""
+
+    def _disagree(self, name, step, args, got, want, whose: str = "") -> None:
         if isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor) and got.shape == want.shape:
             diff = (got != want).nonzero()
             at = tuple(diff[0].tolist()) if len(diff) else None
@@ -258,7 +264,7 @@ class YourEngine:
                     f"kvlab's {want[at].item()}" if at is not None else f"yours {got.dtype}, kvlab's {want.dtype}")
         else:
             what = f"yours {_short(got)}, kvlab's {_short(want)}"
-        self.disagreed[name] = (step, f"for ({_named(name, args)}): {what}")
+        self.disagreed[name] = (step, f"for {whose}({_named(name, args)}): {what}")
 
     def _print_disagreements(self) -> None:
         for name, (step, what) in sorted(self.disagreed.items(), key=lambda kv: kv[1][0]):
@@ -271,6 +277,7 @@ class YourEngine:
         reads = capstone.DecodeReads(llm)
         ids = llm.add_requests(prompts, [SamplingParams(max_tokens=o, ignore_eos=True) for o in output_lens])
         self.token_steps = [[] for _ in ids]
+        self._request = {sid: i for i, sid in enumerate(ids)}  # engine id -> request, for the lines that name one
         self.ran, self.disagreed, self.failure, self.error = {}, {}, None, None  # this run's only
         previous = llm.on_step
 
