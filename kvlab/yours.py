@@ -27,8 +27,7 @@ from kvlab.calibrate import default_calibration
 from kvlab.attention.backends import SkeletonBackend
 from kvlab.cache.paged import BlockManager
 from kvlab.cache.quantized import QuantizedPagedKVCache
-from kvlab.check import core as check_core, engine as check_engine
-from kvlab.check.kept import ENGINE_TASKS, SIGNATURES, kept_names, part
+from kvlab.check.kept import ENGINE_TASKS, SIGNATURES, kept_names, part, unrecorded
 from kvlab.check.progress import EXERCISES
 from kvlab.check.solutions import reference
 from kvlab.engine import LLM, SamplingParams
@@ -112,17 +111,13 @@ def _named(name: str, args) -> str:
 def recheck(name: str, fn) -> str | None:
     """Your kept ``fn`` against today's checker of its task, quietly (nothing recorded or kept again): None
     when it passes, else the checker's reason. A checker gains a case when a part that passed it was found
-    changing the engine (issue 56), so a part kept before may fail it now."""
-    saved = check_core.passed, check_engine.passed
-    check_core.passed = check_engine.passed = lambda *a, **k: None
+    changing the engine, so a part kept before may fail it now."""
     said = io.StringIO()
     try:
-        with redirect_stdout(said):
+        with redirect_stdout(said), unrecorded():
             ok = getattr(check, name)(fn)
     except Exception as e:  # noqa: BLE001 - a checker that cannot run it says nothing against it
         return f"its checker could not run it ({type(e).__name__})"
-    finally:
-        check_core.passed, check_engine.passed = saved
     lines = said.getvalue().strip().splitlines()
     return None if ok else (lines[-1].split(": ", 1)[-1] if lines else "it fails")
 

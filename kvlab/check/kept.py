@@ -9,6 +9,7 @@ record is damaged.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import dis
 import inspect
@@ -69,8 +70,23 @@ def _save(data: dict, what: str) -> bool:
     return True
 
 
+_UNRECORDED: list[bool] = []  # inside unrecorded(): a pass changes no file
+
+
+@contextlib.contextmanager
+def unrecorded():
+    """Checkers run inside record no pass and keep nothing (a kept part run again through today's checker)."""
+    _UNRECORDED.append(True)
+    try:
+        yield
+    finally:
+        _UNRECORDED.pop()
+
+
 def passed(exercise: str, fn) -> None:
     """A checker passed ``fn``: the progress record, and the part kept if it is the participant's own."""
+    if _UNRECORDED:
+        return
     record(exercise, fn)
     keep(exercise, fn)
 
