@@ -15,7 +15,7 @@ import torch
 
 from kvlab import kernels
 from kvlab.bench import vllm_peer
-from kvlab.bench.engine import make_workload, model_folder
+from kvlab.bench.engine import make_workload, model_folder, vllm_row
 from kvlab.cache import saturation_summary
 from kvlab.engine import LLM, SamplingParams
 from kvlab.engine.llm import make_cache
@@ -193,12 +193,10 @@ def serve_in_vllm(model, wl, budget_bytes: int, max_num_seqs: int = 64, max_len:
     job["kv_cache_memory_bytes"] = int(budget_bytes)
     with vllm_peer.PeerSession(job) as session:
         res = session.serve()
-    reqs = res["requests"]
-    wall = max(r["finish"] for r in reqs) - reqs[0]["t0"]
-    tokens = [r["token_ids"] for r in reqs]
+    row, tokens = vllm_row(res, eager=True)  # the same row `kvlab bench engine` makes of a peer run
     per_token = 2 * block_bytes(model, "fp16")[0] // 16  # fp32: twice FP16's bytes per token
     blocks = budget_bytes // (per_token * vllm_peer.VLLM_BLOCK_SIZE)
-    return {"tokens": tokens, "output_tok_s": sum(map(len, tokens)) / wall, "wall_s": wall, "vllm": res["vllm"],
+    return {"tokens": tokens, "output_tok_s": row["output_tok_s"], "wall_s": row["wall_s"], "vllm": res["vllm"],
             "cache_tokens": blocks * vllm_peer.VLLM_BLOCK_SIZE}
 
 

@@ -232,7 +232,7 @@ def _peer_job(model, wl: Workload, max_num_seqs: int, max_num_batched_tokens: in
                                enable_prefix_caching=enable_prefix_caching, eager=eager)
 
 
-def _vllm_row(res: dict, eager: bool) -> tuple[dict, list[list[int]]]:
+def vllm_row(res: dict, eager: bool) -> tuple[dict, list[list[int]]]:
     """A peer result -> its row (the same columns as kvlab's) and every request's greedy tokens."""
     reqs = [{"arrival": r["arrival"], "first_token": r["first_token"], "finish": r["finish"],
              "output_tokens": len(r["token_ids"])} for r in res["requests"]]
@@ -302,7 +302,7 @@ def bench_engine(model, tokenizer, wl: Workload, max_num_seqs: int = 32, systems
                     bar.set_postfix_str(name)
                 toks = None
                 if name in PEER_SYSTEMS:
-                    row, toks = _vllm_row(sessions[name].serve(), eager=name == "vllm_eager")
+                    row, toks = vllm_row(sessions[name].serve(), eager=name == "vllm_eager")
                     if bar is not None:
                         bar.update(len(wl.prompts))
                 elif name.startswith("kvlab"):
