@@ -20,7 +20,7 @@ from kvlab.cache import saturation_summary
 from kvlab.engine import LLM, SamplingParams
 from kvlab.engine.llm import make_cache
 from kvlab.kernels.traffic import count_traffic
-from kvlab.validate import cdiv
+from kvlab.validate import cdiv, check_int
 
 CONFIGS = ("static FP16", "paged FP16", "paged INT8", "paged INT8 + Triton")
 #: notebook 06's workload (``make_workload(tokenizer, **WORKLOAD)``): 48 chat requests, ShareGPT-like lengths
@@ -182,7 +182,19 @@ def serve_in_vllm(model, wl, budget_bytes: int, max_num_seqs: int = 64, max_len:
     """The same workload (all at once, exact output lengths) in vLLM's CPU build (``make peer``), in the same KV
     bytes: its cache in the model's fp32 (vLLM 0.32's CPU worker died on ``float16`` and ``int8_per_token_head``
     caches under SmolLM2, AVX-512, 2026-12). Every request's tokens, output tokens/s, the tokens its cache holds;
-    or ``{"skipped": why}`` without the peer."""
+    or ``{"skipped": why}`` without the peer. Arguments are checked first, peer or not."""
+    if not (hasattr(wl, "prompts") and hasattr(wl, "output_lens")):
+        raise TypeError(f"wl must be a workload with prompts and output_lens (make_workload(...)), got {type(wl).__name__}")
+    if not wl.prompts or len(wl.prompts) != len(wl.output_lens):
+        raise ValueError(f"wl must hold one output length per prompt and at least one prompt, got "
+                         f"{len(wl.prompts)} prompts and {len(wl.output_lens)} output lengths")
+    max_num_seqs, max_len = check_int("max_num_seqs", max_num_seqs), check_int("max_len", max_len, what="tokens")
+    longest = max(len(p) + o for p, o in zip(wl.prompts, wl.output_lens))
+    if longest > max_len:
+        raise ValueError(f"max_len must hold the longest request (prompt + answer, {longest} tokens), got {max_len}")
+    per_token = 2 * block_bytes(model, "fp16")[0] // 16  # fp32: twice FP16's bytes per token
+    check_int("budget_bytes", budget_bytes, minimum=per_token * vllm_peer.VLLM_BLOCK_SIZE,
+              what=f"bytes: at least one vLLM block of {vllm_peer.VLLM_BLOCK_SIZE} fp32 tokens")
     if vllm_peer.peer_python() is None:
         return {"skipped": vllm_peer.HOW_TO_GET}
     folder = model_folder(model)
@@ -194,7 +206,6 @@ def serve_in_vllm(model, wl, budget_bytes: int, max_num_seqs: int = 64, max_len:
     with vllm_peer.PeerSession(job) as session:
         res = session.serve()
     row, tokens = vllm_row(res, eager=True)  # the same row `kvlab bench engine` makes of a peer run
-    per_token = 2 * block_bytes(model, "fp16")[0] // 16  # fp32: twice FP16's bytes per token
     blocks = budget_bytes // (per_token * vllm_peer.VLLM_BLOCK_SIZE)
     return {"tokens": tokens, "output_tok_s": row["output_tok_s"], "wall_s": row["wall_s"], "vllm": res["vllm"],
             "cache_tokens": blocks * vllm_peer.VLLM_BLOCK_SIZE}

@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvlab import check, data, formats, grade, sizing
+from kvlab import capstone, check, data, formats, grade, sizing
 from kvlab.attention import get_backend
 from kvlab.bench import caches
 from kvlab.bench import kernels as kbench
@@ -198,6 +198,15 @@ PURE = [
     pytest.param(lambda c: caches.recompute_vs_cache(c.model, c.tok, repeats=0), "repeats",
                  id="recompute_vs_cache-repeats-0"),
     pytest.param(lambda c: caches.memory_floor(c.model, c.tok, "fp32", rounds=0), "rounds", id="memory_floor-rounds-0"),
+    # kvlab.capstone.serve_in_vllm: checked before it looks for the peer, so the same error with or without it
+    pytest.param(lambda c: capstone.serve_in_vllm(c.model, "48 requests", 10**7), "wl must be a workload",
+                 id="serve_in_vllm-wl-str"),
+    pytest.param(lambda c: capstone.serve_in_vllm(c.model, make_workload(c.tok, 2), 0, max_len=4096), "budget_bytes",
+                 id="serve_in_vllm-budget-0"),
+    pytest.param(lambda c: capstone.serve_in_vllm(c.model, make_workload(c.tok, 2), 10**7, max_len=4), "max_len",
+                 id="serve_in_vllm-max-len-too-short"),
+    pytest.param(lambda c: capstone.serve_in_vllm(c.model, make_workload(c.tok, 2), 10**7, max_num_seqs=0, max_len=4096),
+                 "max_num_seqs", id="serve_in_vllm-max-num-seqs-0"),
     # boundaries no other case reached (a coverage run of the suite found them untested)
     pytest.param(lambda c: simulate.simulate([], "max"), "requests", id="simulate-no-requests"),
     pytest.param(lambda c: simulate.over_seeds(seeds=()), "seeds", id="over_seeds-none"),

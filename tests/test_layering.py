@@ -209,8 +209,9 @@ MAX_LIBRARY_LINES, MAX_FILE_LINES = 14_000, 450
 #: workload in vLLM's CPU build in the same KV bytes, notebook 06's third engine where the peer is installed;
 #: 18,104: a part's first disagreement names the request whose table it was (the read asked which one);
 #: 18,115: the recheck's "record nothing" is kept.unrecorded(), honoured by passed() itself, instead of patching
-#: the `passed` each checker module imported
-HOUSE_NOW = 18_115
+#: the `passed` each checker module imported; 18,124: serve_in_vllm checks its workload, budget, seats and
+#: max_len before it looks for the peer (a bad budget failed inside vLLM's worker, a minute in)
+HOUSE_NOW = 18_124
 
 
 def _private_uses(path: Path, module: str):
