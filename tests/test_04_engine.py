@@ -195,6 +195,15 @@ def test_batched_decode_attention_equals_the_reference_on_ragged_contexts(h_q, h
     index = DecodeIndex(tables, ctx, block_size)
     out = batched_decode_attention(q, k_cache, v_cache, index, scale=d ** -0.5)
     assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+    # the next layer through the same step's index: its own answer, in the buffers the first layer's gather
+    # made (one per step, not a fresh tensor per layer), and the first layer's answer is not overwritten
+    buffers = {w: b.data_ptr() for w, b in index.scratch.items()}
+    k2, v2 = 0.5 * k_cache + 1, 0.5 * v_cache - 1
+    out2 = batched_decode_attention(q, k2, v2, index, scale=d ** -0.5)
+    ref2 = paged_attention(q, k2, v2, tables, ctx, [1] * len(ctx), scale=d ** -0.5)
+    assert torch.allclose(out2, ref2, atol=1e-5) and torch.allclose(out, ref, atol=1e-5)
+    assert {w: b.data_ptr() for w, b in index.scratch.items()} == buffers
+    assert set(buffers) == ({"k", "v"} if max_groups == 1 else set())  # groups gather in their own indexes
     groups = index.groups()
     assert (len(groups) > 1) == (max_groups > 1)
     if max_groups > 1:  # every row in exactly one group, each group's rows sorted by context length
