@@ -96,6 +96,24 @@ def test_pool_bytes_match_sizing(name, gran):
     assert pool.bytes_reserved == 2 * expected
 
 
+@pytest.mark.parametrize("name,gran", [("int8", "per-head"), ("int8", "per-token-head"), ("fp8", "per-tensor"),
+                                       ("k8v4", "per-head"), ("fp16", None)])
+def test_a_read_into_buffers_equals_a_fresh_read_to_the_bit(name, gran):
+    """The torch backend reads a step's blocks into buffers it reuses for every layer (``out``): the same
+    values as a read that allocates, to the bit; a format that cannot fill one (int4) returns its own."""
+    cfg = named_config(name, granularity=gran, policy="dynamic")
+    pool = QuantizedPagedKVCache(num_layers=1, num_blocks=6, block_size=4, num_kv_heads=3, head_dim=64, config=cfg)
+    g = torch.Generator().manual_seed(0)
+    pool.write(0, 3 * torch.randn(20, 3, 64, generator=g), torch.randn(20, 3, 64, generator=g), torch.arange(20))
+    ids = torch.tensor([4, 0, 2, 2])
+    fresh = pool.read(0, ids)
+    out = (torch.full((4, 4, 3, 64), float("nan")), torch.full((4, 4, 3, 64), float("nan")))
+    into = pool.read(0, ids, out=out)
+    for a, b, buf, fmt in zip(fresh, into, out, cfg.formats(0)):
+        assert torch.equal(a, b), fmt.label()
+        assert (b.data_ptr() == buf.data_ptr()) == (fmt.dtype != "int4"), fmt.label()
+
+
 def test_nan_and_inf_are_rejected_before_anything_is_written():
     pool = QuantizedPagedKVCache(1, 2, 4, 2, 8, named_config("int8", granularity="per-token-head", policy="dynamic"))
     before = pool.k[0].data.clone()

@@ -212,8 +212,9 @@ MAX_LIBRARY_LINES, MAX_FILE_LINES = 14_000, 450
 #: the `passed` each checker module imported; 18,124: serve_in_vllm checks its workload, budget, seats and
 #: max_len before it looks for the peer (a bad budget failed inside vLLM's worker, a minute in); 18,136 (issue
 #: 54, profiled): the torch backend's gathers copy into one buffer per step that every layer reuses
-#: (attention.batched.gather_pages): a fresh 12 MB tensor per layer paid its page faults, 16 x 1k decode 420 -> 210 ms
-HOUSE_NOW = 18_136
+#: (attention.batched.gather_pages): a fresh 12 MB tensor per layer paid its page faults, 16 x 1k decode 420 -> 210 ms;
+#: 18,146: a quantized pool reads into those buffers too (cast and scaled in place), INT8 16 x 1k 450-560 -> 130-145 ms
+HOUSE_NOW = 18_146
 
 
 def _private_uses(path: Path, module: str):

@@ -80,15 +80,20 @@ class DecodeIndex:
         return self._windowed[window]
 
 
-def gather_pages(index, pages: torch.Tensor, which: str) -> torch.Tensor:
-    """``pages`` (num_blocks, bs, H, D) -> (rows x n_blocks, bs, H, D): the blocks of ``index.table``, copied
-    into one buffer per ``which`` ("k", "v") that every layer of the step reuses. A fresh tensor per layer
-    paid its page faults each time (glibc maps a buffer that large anew and unmaps it when freed): 16
-    requests x 1k tokens, 2 cores, 2.9 -> 0.5 ms a copy, a decode step ~420 -> ~210 ms."""
-    shape = (index.flat.numel(), *pages.shape[1:])
+def step_buffer(index, which: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """One buffer per ``which`` ("k", "v") for the step ``index`` describes, that every layer reuses. A fresh
+    tensor per layer paid its page faults each time (glibc maps one that large anew and unmaps it when
+    freed): 16 requests x 1k tokens, 2 cores, 2.9 -> 0.5 ms a gather, a decode step ~420 -> ~210 ms."""
     buf = index.scratch.get(which)
-    if buf is None or buf.shape != shape or buf.dtype != pages.dtype or buf.device != pages.device:
-        buf = index.scratch[which] = torch.empty(shape, dtype=pages.dtype, device=pages.device)
+    if buf is None or buf.shape != shape or buf.dtype != dtype or buf.device != device:
+        buf = index.scratch[which] = torch.empty(shape, dtype=dtype, device=device)
+    return buf
+
+
+def gather_pages(index, pages: torch.Tensor, which: str) -> torch.Tensor:
+    """``pages`` (num_blocks, bs, H, D) -> (rows x n_blocks, bs, H, D): the blocks of ``index.table``, in
+    the step's buffer (:func:`step_buffer`)."""
+    buf = step_buffer(index, which, (index.flat.numel(), *pages.shape[1:]), pages.dtype, pages.device)
     return torch.index_select(pages, 0, index.flat, out=buf)
 
 
@@ -135,7 +140,9 @@ def quantized_batched_decode_attention(q, k_new, v_new, cache, layer: int, index
                                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Over a quantized pool: cached blocks dequantized in one read, the own new token at full precision."""
     b, n_blocks = index.table.shape
-    k, v = cache.read(layer, index.table.flatten())  # (B * n_blocks, bs, H_kv, D) float32 each
+    shape = (b * n_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim)
+    out = tuple(step_buffer(index, w, shape, torch.float32, q.device) for w in "kv")
+    k, v = cache.read(layer, index.flat, out=out)  # (B * n_blocks, bs, H_kv, D) float32 each
     k, v = k.reshape(b, -1, *k.shape[2:]), v.reshape(b, -1, *v.shape[2:])  # (B, S, H_kv, D)
     own = index.seq_lens - 1
     rows = torch.arange(b, device=k.device)

@@ -132,18 +132,19 @@ class _Store:
         self.counts["corrections"] += per_head.long().cpu()
         self.scale = new
 
-    def read(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """Dequantized values of some blocks: (n_blocks, block_size, H, D) float32."""
+    def read(self, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Dequantized values of some blocks: (n_blocks, block_size, H, D) float32; ``out``, a float32 tensor of
+        that shape, takes them where the format allows (cast and scaled in place: no tensor allocated per read)."""
         block_ids = torch.as_tensor(block_ids, dtype=torch.long, device=self.data.device).flatten()
         data = self.data.index_select(0, block_ids)  # = self.data[block_ids], faster on the CPU
         if self.element.kind == "float":
-            return data.float()
+            return data.float() if out is None else out.copy_(data)
         if self.element.kind == "packed":
             t = core.Int4Tensor(data, self.token_scale[block_ids],
                                 None if self.token_zero is None else self.token_zero[block_ids], self.fmt.group_size)
             return core.dequantize_int4(t)
         scale = self.scale if self.fmt.static_scales else self.token_scale[block_ids]
-        return core.dequantize_scaled(data, scale)
+        return core.dequantize_scaled(data, scale) if out is None else out.copy_(data).mul_(scale)  # = q.float() * scale
 
     def operand(self, what: str) -> Operand:
         """These pages and scales as one kernel :class:`~kvlab.kernels.pool.Operand` (views, no copy)."""
@@ -281,9 +282,11 @@ class QuantizedPagedKVCache:
                     if t is not None:
                         t[dst] = t[src]
 
-    def read(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized K (still rotated if ``rotate_k``) and V of some blocks, (n, bs, H, D) each."""
-        return self.read_k(layer, block_ids), self.v[layer].read(block_ids)
+    def read(self, layer: int, block_ids: torch.Tensor, out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K (still rotated if ``rotate_k``) and V of some blocks, (n, bs, H, D) each; ``out``: two
+        float32 tensors of that shape to write them into where the format allows (the returned ones hold them)."""
+        k_out, v_out = out if out is not None else (None, None)
+        return self.k[layer].read(block_ids, k_out), self.v[layer].read(block_ids, v_out)
 
     def read_k(self, layer: int, block_ids: torch.Tensor) -> torch.Tensor:
         """K alone, as :meth:`read` (what an eviction policy's attention scores read)."""
